@@ -1,0 +1,37 @@
+# Two commands matter: `make demo` and `make test`.  Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.ctxreplay-$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))
+
+.PHONY: setup demo test lint typecheck bench docs clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is installed first and explicitly, so no other requirement can pull a
+# CUDA build; TORCH_SPEC overrides it (e.g. make test TORCH_SPEC='torch==2.9.1').
+$(STAMP): $(PY) pyproject.toml examples/ctxreplay_example_probe/pyproject.toml
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,docs]" "$(TORCH_SPEC)"
+	$(PIP) install -q -e examples/ctxreplay_example_probe "$(TORCH_SPEC)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/ctxreplay demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests benchmarks --benchmark-disable
+	$(PY) -m mypy --strict ctxreplay
+	$(PY) -m ruff check ctxreplay tests benchmarks examples
+
+bench: setup
+	$(PY) -m pytest -q -p no:cacheprovider benchmarks --benchmark-only -s
+
+clean:
+	rm -rf $(VENV) site build *.egg-info

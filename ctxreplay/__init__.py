@@ -1,0 +1,42 @@
+"""ctxreplay: faithful deferred graph capture for PyTorch.
+
+Observe the ambient state of a live forward cheaply, key every variant by it,
+and replay it when the graph is captured later.
+"""
+
+from __future__ import annotations
+
+from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
+from .probe import ContextProbe, NotPortableError
+from .probes import ContextVarProbe, ForwardContextProbe
+from .registry import (
+    ProbeInfo,
+    ProbeRegistrationWarning,
+    UnknownProbeError,
+    available_probes,
+    default_probes,
+    get_probe,
+    register_probe,
+    unregister_probe,
+)
+from .snapshot import ContextSnapshot, ProbeDiff, snapshot
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContextProbe",
+    "ContextSnapshot",
+    "ContextVarProbe",
+    "ForwardContextProbe",
+    "NotPortableError",
+    "ProbeDiff",
+    "ProbeInfo",
+    "ProbeRegistrationWarning",
+    "UnknownProbeError",
+    "available_probes",
+    "default_probes",
+    "get_probe",
+    "register_probe",
+    "snapshot",
+    "unregister_probe",
+]

@@ -1,0 +1,126 @@
+"""Strict readers for JSON documents.
+
+Every reader takes the value and the path it was found at, and raises a
+``ValueError`` naming that path when the value is not what the schema says.
+Nothing here evaluates, imports or unpickles anything: a dtype is looked up in
+a fixed table, a device is parsed by ``torch.device`` from a bounded string.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "JSONValue",
+    "dtype_name",
+    "read_bool",
+    "read_device",
+    "read_dtype",
+    "read_float",
+    "read_int",
+    "read_list",
+    "read_mapping",
+    "read_str",
+]
+
+JSONValue = Any
+
+# A fixed table: decoding never calls getattr(torch, <untrusted string>).
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+}
+
+_MAX_STR = 256
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fail(path: str, expected: str, value: object) -> ValueError:
+    return ValueError(f"{path}: expected {expected}, got {type(value).__name__}")
+
+
+def read_mapping(value: object, path: str, *, keys: set[str] | None = None,
+                 required: set[str] | None = None) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _fail(path, "an object", value)
+    for k in value:
+        if not isinstance(k, str):
+            raise ValueError(f"{path}: keys must be strings, got {type(k).__name__}")
+        if keys is not None and k not in keys:
+            raise ValueError(f"{path}.{k}: unknown field; expected one of {sorted(keys)}")
+    for k in sorted(required or ()):
+        if k not in value:
+            raise ValueError(f"{path}.{k}: missing required field")
+    return value
+
+
+def read_list(value: object, path: str, *, max_len: int = 10_000) -> list[Any]:
+    if not isinstance(value, list):
+        raise _fail(path, "a list", value)
+    if len(value) > max_len:
+        raise ValueError(f"{path}: list longer than {max_len}")
+    return value
+
+
+def read_bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(path, "a boolean", value)
+    return value
+
+
+def read_int(value: object, path: str, *, lo: int = -(2**63), hi: int = 2**63 - 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(path, "an integer", value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{path}: integer out of range [{lo}, {hi}]")
+    return value
+
+
+def read_float(value: object, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(path, "a number", value)
+    f = float(value)
+    if not math.isfinite(f):
+        raise ValueError(f"{path}: number must be finite")
+    return f
+
+
+def read_str(value: object, path: str, *, choices: set[str] | None = None,
+             max_len: int = _MAX_STR) -> str:
+    if not isinstance(value, str):
+        raise _fail(path, "a string", value)
+    if len(value) > max_len:
+        raise ValueError(f"{path}: string longer than {max_len} characters")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{path}: {value!r} is not one of {sorted(choices)}")
+    return value
+
+
+def read_dtype(value: object, path: str) -> torch.dtype:
+    name = read_str(value, path)
+    try:
+        return DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"{path}: unknown dtype {name!r}") from None
+
+
+_DEVICE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz_0123456789:")
+
+
+def read_device(value: object, path: str) -> str:
+    text = read_str(value, path, max_len=64)
+    if not text or not set(text) <= _DEVICE_CHARS:
+        raise ValueError(f"{path}: {text!r} is not a device string")
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{path}: {text!r} is not a device torch knows") from None
+    return text

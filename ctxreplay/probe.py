@@ -1,0 +1,115 @@
+"""The probe contract: one kind of ambient state, observed, replayed, cleared."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, ClassVar, Generic, TypeVar
+
+__all__ = ["ContextProbe", "NotPortableError", "restoring"]
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+
+class NotPortableError(TypeError):
+    """Raised by ``encode`` when a state holds live objects that JSON cannot carry."""
+
+
+class ContextProbe(abc.ABC, Generic[S]):
+    """One kind of ambient execution state.
+
+    A probe observes the state cheaply (``observe`` runs on every hooked call),
+    re-establishes an observed state exactly (``replay``), and drops any live
+    references it keeps (``clear``).  States are immutable and hashable: they
+    become part of a capture's variant key.
+
+    Class attributes describe the probe to the registry and to the engine:
+
+    * ``name`` -- registry key; an instance may override it.
+    * ``description`` -- one line for ``ctxreplay probes``.
+    * ``default`` -- part of the default set used when ``probes=None``.
+    * ``traceable`` -- ``replay()`` may be entered *inside* a traced callable
+      and the tracer records it (e.g. ``torch.autocast``), so an exported
+      artifact carries the state.  See ``split_replay`` for partial cases.
+    * ``portable`` -- ``encode``/``decode`` carry the state through JSON.
+    * ``guarded`` -- every part of the state that ``unchanged`` does not check
+      is covered by torch's global-state guard, so a snapshot may be reused
+      while that guard holds and ``unchanged`` is true.
+    """
+
+    name: str = ""
+    description: str = ""
+    default: ClassVar[bool] = False
+    traceable: ClassVar[bool] = False
+    portable: ClassVar[bool] = True
+    guarded: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def observe(self) -> S:
+        """The current state: immutable, hashable, cheap to compute."""
+
+    @abc.abstractmethod
+    def replay(self, state: S) -> AbstractContextManager[None]:
+        """A context that establishes ``state`` and, on exit, restores exactly
+        what it found -- also when the body raises."""
+
+    def clear(self) -> None:
+        """Drop live objects this probe holds (called after capture)."""
+
+    def unchanged(self, state: S) -> bool:
+        """Whether ``state`` is still current.
+
+        Called only while torch's global-state guard reports no change, so a
+        ``guarded`` probe checks just the parts the guard is blind to.
+        """
+        return bool(self.observe() == state)
+
+    def split_replay(
+        self, state: S
+    ) -> tuple[AbstractContextManager[None] | None, AbstractContextManager[None] | None]:
+        """``(inside, around)``: the part of the replay a tracer records when it is
+        entered inside the captured callable, and the part that must surround the
+        capture call.  Either may be ``None``."""
+        if self.traceable:
+            return self.replay(state), None
+        return None, self.replay(state)
+
+    def neutral(self, state: S) -> bool:
+        """Whether ``state`` is what a fresh process has (it then needs no
+        re-establishing when an artifact is run elsewhere)."""
+        return False
+
+    def encode(self, state: S) -> Any:
+        """A JSON-safe form of ``state``; raise ``NotPortableError`` if it has none."""
+        raise NotPortableError(f"probe {self.name!r} has no portable encoding")
+
+    def decode(self, data: Any, path: str) -> S:
+        """Inverse of ``encode``; raise ``ValueError`` naming ``path`` on bad input."""
+        raise ValueError(f"{path}: probe {self.name!r} has no portable encoding")
+
+    def describe(self, state: S) -> str:
+        """A short human-readable form of ``state`` (metadata only)."""
+        return repr(state)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+@contextmanager
+def restoring(get: Callable[[], T], set_: Callable[[T], object], value: T) -> Iterator[None]:
+    """Set a value through a setter and put back what was there, whatever happens."""
+    before = get()
+    if before == value:
+        yield
+        return
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+def nothing() -> AbstractContextManager[None]:
+    return nullcontext()

@@ -1,0 +1,28 @@
+"""Built-in probes.  Each module registers itself through the public registry,
+exactly as a downstream package's probe would."""
+
+from . import (  # noqa: F401  (imported for registration)
+    autocast,
+    default_device,
+    default_dtype,
+    determinism,
+    grad_mode,
+    matmul_precision,
+    rng,
+)
+from .autocast import AutocastProbe, AutocastState
+from .contextvar import ContextVarProbe
+from .default_device import DefaultDeviceProbe
+from .default_dtype import DefaultDtypeProbe
+from .determinism import DeterminismProbe, DeterminismState
+from .forward_context import ForwardContextProbe, LiveState, LiveValueProbe
+from .grad_mode import GradModeProbe, GradModeState
+from .matmul_precision import MatmulPrecisionProbe, MatmulPrecisionState
+from .rng import RngProbe, RngState
+
+__all__ = [
+    "AutocastProbe", "AutocastState", "ContextVarProbe", "DefaultDeviceProbe",
+    "DefaultDtypeProbe", "DeterminismProbe", "DeterminismState", "ForwardContextProbe",
+    "GradModeProbe", "GradModeState", "LiveState", "LiveValueProbe", "MatmulPrecisionProbe",
+    "MatmulPrecisionState", "RngProbe", "RngState",
+]

@@ -1,0 +1,158 @@
+"""Autocast: enabled flag and dtype per device type, and the autocast cache flag."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import attrs
+import torch
+
+from .._json import dtype_name, read_bool, read_dtype, read_list, read_mapping, read_str
+from ..probe import ContextProbe
+from ..registry import register_probe
+
+__all__ = ["AutocastProbe", "AutocastState"]
+
+_CANDIDATES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia",
+               "privateuseone")
+
+
+def _available_devices() -> tuple[str, ...]:
+    out = []
+    for d in _CANDIDATES:
+        try:
+            if torch.amp.is_autocast_available(d):
+                out.append(d)
+        except Exception:  # an exotic backend whose query fails is simply not observed
+            continue
+    return tuple(out)
+
+
+@attrs.frozen(cache_hash=True)
+class AutocastState:
+    """Devices with autocast enabled, each with its dtype; and the cache flag.
+
+    The dtype of a device whose autocast is disabled has no effect on what
+    runs, so it is not part of the state (and not read on the hot path).
+    """
+
+    enabled: tuple[tuple[str, torch.dtype], ...] = ()
+    cache_enabled: bool = True
+
+    def dtype_for(self, device_type: str) -> torch.dtype | None:
+        for d, dt in self.enabled:
+            if d == device_type:
+                return dt
+        return None
+
+
+_is_any = torch._C._is_any_autocast_enabled
+_is_enabled = torch._C.is_autocast_enabled
+_get_dtype = torch._C.get_autocast_dtype
+_cache_enabled = torch._C.is_autocast_cache_enabled
+
+
+@register_probe
+class AutocastProbe(ContextProbe[AutocastState]):
+    name = "autocast"
+    description = "torch.autocast enabled flag and dtype for every device type, and its cache flag"
+    default = True
+    traceable = True
+    guarded = True  # the guard sees enabled flags and the cache flag, not dtypes
+
+    def __init__(self) -> None:
+        self.devices = _available_devices()
+        self._off = {c: AutocastState((), c) for c in (True, False)}
+
+    def observe(self) -> AutocastState:
+        if not _is_any():
+            return self._off[_cache_enabled()]
+        enabled = tuple((d, _get_dtype(d)) for d in self.devices if _is_enabled(d))
+        return AutocastState(enabled, _cache_enabled())
+
+    def unchanged(self, state: AutocastState) -> bool:
+        for d, dt in state.enabled:
+            if _get_dtype(d) != dt:
+                return False
+        return True
+
+    def replay(self, state: AutocastState) -> AbstractContextManager[None]:
+        return self._replay(state)
+
+    @contextmanager
+    def _replay(self, state: AutocastState) -> Iterator[None]:
+        with ExitStack() as stack:
+            want = dict(state.enabled)
+            for d in self.devices:
+                on = d in want
+                if on == _is_enabled(d) and (not on or _get_dtype(d) == want[d]):
+                    continue
+                stack.enter_context(_device_autocast(d, on, want.get(d), state.cache_enabled))
+            if _cache_enabled() != state.cache_enabled:
+                stack.enter_context(_raw_cache(state.cache_enabled))
+            yield
+
+    def neutral(self, state: AutocastState) -> bool:
+        return not state.enabled
+
+    def encode(self, state: AutocastState) -> dict[str, Any]:
+        return {
+            "enabled": [[d, dtype_name(dt)] for d, dt in state.enabled],
+            "cache_enabled": state.cache_enabled,
+        }
+
+    def decode(self, data: Any, path: str) -> AutocastState:
+        doc = read_mapping(data, path, keys={"enabled", "cache_enabled"},
+                           required={"enabled", "cache_enabled"})
+        pairs = []
+        for i, item in enumerate(read_list(doc["enabled"], f"{path}.enabled", max_len=32)):
+            where = f"{path}.enabled[{i}]"
+            pair = read_list(item, where, max_len=2)
+            if len(pair) != 2:
+                raise ValueError(f"{where}: expected [device_type, dtype]")
+            device = read_str(pair[0], f"{where}[0]", choices=set(_CANDIDATES))
+            pairs.append((device, read_dtype(pair[1], f"{where}[1]")))
+        if len({d for d, _ in pairs}) != len(pairs):
+            raise ValueError(f"{path}.enabled: a device type is listed twice")
+        return AutocastState(tuple(sorted(pairs)),
+                             read_bool(doc["cache_enabled"], f"{path}.cache_enabled"))
+
+    def describe(self, state: AutocastState) -> str:
+        on = ", ".join(f"{d}:{dtype_name(dt)}" for d, dt in state.enabled) or "off"
+        return on if state.cache_enabled else f"{on} (cache off)"
+
+
+@contextmanager
+def _device_autocast(device: str, enabled: bool, dtype: torch.dtype | None,
+                     cache: bool) -> Iterator[None]:
+    """``torch.autocast`` where it accepts the state (a tracer records it);
+    raw setters where it would refuse it (e.g. CUDA autocast on a CPU build)."""
+    before = (_is_enabled(device), _get_dtype(device))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx = torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+    if ctx._enabled == enabled and (not enabled or ctx.fast_dtype == dtype):
+        with ctx:
+            yield
+        return
+    torch.set_autocast_enabled(device, enabled)
+    if dtype is not None:
+        torch.set_autocast_dtype(device, dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, before[0])
+        torch.set_autocast_dtype(device, before[1])
+
+
+@contextmanager
+def _raw_cache(enabled: bool) -> Iterator[None]:
+    before = _cache_enabled()
+    torch.set_autocast_cache_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)

@@ -1,0 +1,49 @@
+"""The default floating-point dtype (``torch.set_default_dtype``)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from .._json import dtype_name, read_dtype
+from ..probe import ContextProbe, restoring
+from ..registry import register_probe
+
+__all__ = ["DefaultDtypeProbe"]
+
+
+@register_probe
+class DefaultDtypeProbe(ContextProbe[torch.dtype]):
+    """Not traceable: export records factory ops without a dtype (DESIGN.md
+    fact 5); the capture engine pins them from the replayed value instead."""
+
+    name = "default_dtype"
+    description = "torch.get_default_dtype()"
+    default = True
+    guarded = True  # fully covered by the guard
+
+    def observe(self) -> torch.dtype:
+        return torch.get_default_dtype()
+
+    def unchanged(self, state: torch.dtype) -> bool:
+        return True
+
+    def replay(self, state: torch.dtype) -> AbstractContextManager[None]:
+        return restoring(torch.get_default_dtype, torch.set_default_dtype, state)
+
+    def neutral(self, state: torch.dtype) -> bool:
+        return state == torch.float32
+
+    def encode(self, state: torch.dtype) -> str:
+        return dtype_name(state)
+
+    def decode(self, data: Any, path: str) -> torch.dtype:
+        dtype = read_dtype(data, path)
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            raise ValueError(f"{path}: {dtype_name(dtype)} cannot be a default dtype")
+        return dtype
+
+    def describe(self, state: torch.dtype) -> str:
+        return dtype_name(state)

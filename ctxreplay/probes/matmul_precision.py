@@ -1,0 +1,114 @@
+"""Float32 matmul precision, TF32 and reduced-precision reduction flags."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import attrs
+import torch
+
+from .._json import read_bool, read_mapping, read_str
+from ..probe import ContextProbe
+from ..registry import register_probe
+
+__all__ = ["MatmulPrecisionProbe", "MatmulPrecisionState"]
+
+# (field, getter name, setter name) -- only the pairs the installed torch has.
+_FLAG_NAMES = (
+    ("cuda_matmul_tf32", "_get_cublas_allow_tf32", "_set_cublas_allow_tf32"),
+    ("cudnn_tf32", "_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
+    ("cuda_fp16_reduced_precision", "_get_cublas_allow_fp16_reduced_precision_reduction",
+     "_set_cublas_allow_fp16_reduced_precision_reduction"),
+    ("cuda_bf16_reduced_precision", "_get_cublas_allow_bf16_reduced_precision_reduction",
+     "_set_cublas_allow_bf16_reduced_precision_reduction"),
+    ("cpu_fp16_reduced_precision", "_get_cpu_allow_fp16_reduced_precision_reduction",
+     "_set_cpu_allow_fp16_reduced_precision_reduction"),
+)
+_FLAGS: tuple[tuple[str, Callable[[], bool], Callable[..., Any]], ...] = tuple(
+    (f, getattr(torch._C, g), getattr(torch._C, s))
+    for f, g, s in _FLAG_NAMES if hasattr(torch._C, g) and hasattr(torch._C, s)
+)
+_FIELD_NAMES = tuple(f for f, _, _ in _FLAGS)
+_PRECISIONS = {"highest", "high", "medium"}
+_cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: True)
+
+
+@attrs.frozen(cache_hash=True)
+class MatmulPrecisionState:
+    float32_matmul_precision: str
+    flags: tuple[tuple[str, bool], ...]  # (field, value) for the flags this torch has
+
+
+@register_probe
+class MatmulPrecisionProbe(ContextProbe[MatmulPrecisionState]):
+    name = "matmul_precision"
+    description = "float32 matmul precision, TF32 and reduced-precision reduction flags"
+    default = True
+    guarded = True  # the guard sees all of these except cuDNN's TF32 flag
+
+    def __init__(self) -> None:
+        self._last: MatmulPrecisionState | None = None
+
+    def observe(self) -> MatmulPrecisionState:
+        prec = torch.get_float32_matmul_precision()
+        flags = tuple((f, bool(get())) for f, get, _ in _FLAGS)
+        last = self._last
+        if last is not None and last.float32_matmul_precision == prec and last.flags == flags:
+            return last
+        self._last = MatmulPrecisionState(prec, flags)
+        return self._last
+
+    def unchanged(self, state: MatmulPrecisionState) -> bool:
+        return dict(state.flags).get("cudnn_tf32", True) == _cudnn_tf32()
+
+    def replay(self, state: MatmulPrecisionState) -> AbstractContextManager[None]:
+        return _replay(state, self.observe)
+
+    def neutral(self, state: MatmulPrecisionState) -> bool:
+        return state.float32_matmul_precision == "highest"
+
+    def encode(self, state: MatmulPrecisionState) -> dict[str, Any]:
+        return {"float32_matmul_precision": state.float32_matmul_precision,
+                "flags": dict(state.flags)}
+
+    def decode(self, data: Any, path: str) -> MatmulPrecisionState:
+        doc = read_mapping(data, path, keys={"float32_matmul_precision", "flags"},
+                           required={"float32_matmul_precision", "flags"})
+        prec = read_str(doc["float32_matmul_precision"], f"{path}.float32_matmul_precision",
+                        choices=_PRECISIONS)
+        flags = read_mapping(doc["flags"], f"{path}.flags", keys=set(_FIELD_NAMES))
+        # Flags this torch lacks were refused above; flags it has but the
+        # document lacks keep their current value on replay.
+        current = dict(self.observe().flags)
+        values = tuple((f, read_bool(flags[f], f"{path}.flags.{f}") if f in flags
+                        else current[f]) for f in _FIELD_NAMES)
+        return MatmulPrecisionState(prec, values)
+
+    def describe(self, state: MatmulPrecisionState) -> str:
+        on = [f for f, v in state.flags if v]
+        return state.float32_matmul_precision + (f" [{', '.join(on)}]" if on else "")
+
+
+def _apply(state: MatmulPrecisionState) -> None:
+    # Precision first: setting it also moves the TF32 flag, which is then
+    # put where the state says.
+    torch.set_float32_matmul_precision(state.float32_matmul_precision)
+    setters = {f: s for f, _, s in _FLAGS}
+    for f, v in state.flags:
+        setters[f](v)
+
+
+@contextmanager
+def _replay(state: MatmulPrecisionState,
+            observe: Callable[[], MatmulPrecisionState]) -> Iterator[None]:
+    before = observe()
+    if before == state:
+        yield
+        return
+    _apply(state)
+    try:
+        yield
+    finally:
+        _apply(before)

@@ -1,0 +1,306 @@
+"""ContextSnapshot: the states of a set of probes at one moment."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, Iterator
+
+import attrs
+
+from . import registry
+from ._json import read_bool, read_mapping, read_str
+from .probe import ContextProbe, NotPortableError
+
+try:  # torch's C-level snapshot of global state; ~0.2 us (DESIGN.md fact 8)
+    from torch._C._dynamo.guards import GlobalStateGuard as _GlobalStateGuard
+except ImportError:  # pragma: no cover - very old or stripped torch
+    _GlobalStateGuard = None
+
+__all__ = ["SCHEMA", "ContextSnapshot", "Observer", "ProbeDiff", "Unresolved", "snapshot"]
+
+SCHEMA = "ctxreplay.snapshot/1"
+
+
+@attrs.frozen
+class Unresolved:
+    """A state that could not be carried (its probe is not portable)."""
+
+    probe: str
+    state_type: str
+
+
+@attrs.frozen
+class ProbeDiff:
+    """One probe whose state differs between two snapshots (``None``: absent)."""
+
+    probe: str
+    left: str | None
+    right: str | None
+
+
+@attrs.frozen(cache_hash=True)
+class ContextSnapshot:
+    """States of the active probes, in replay order (sorted by probe name).
+
+    Hashable and comparable by probe names and states; it is part of every
+    variant key.  ``replay()`` re-establishes all states in one ``ExitStack``.
+    """
+
+    names: tuple[str, ...]
+    states: tuple[Any, ...]
+    probes: tuple[ContextProbe[Any], ...] = attrs.field(eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not (len(self.names) == len(self.states) == len(self.probes)):
+            raise ValueError("names, states and probes must have one entry each")
+
+    # -- access -------------------------------------------------------------
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.states[self.names.index(name)]
+        except ValueError:
+            raise KeyError(f"no probe {name!r} in this snapshot; it has {list(self.names)}") \
+                from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return zip(self.names, self.states)
+
+    @property
+    def unresolved(self) -> tuple[str, ...]:
+        """Probes whose state could not be carried from a document."""
+        return tuple(n for n, s in self.items() if isinstance(s, Unresolved))
+
+    def describe(self) -> dict[str, str]:
+        """Probe name -> short human-readable state."""
+        return {n: _describe(p, s) for n, p, s in zip(self.names, self.probes, self.states)}
+
+    def without(self, *names: str) -> ContextSnapshot:
+        """The same snapshot with some probes left out."""
+        keep = [i for i, n in enumerate(self.names) if n not in names]
+        return ContextSnapshot(
+            tuple(self.names[i] for i in keep),
+            tuple(self.states[i] for i in keep),
+            tuple(self.probes[i] for i in keep),
+        )
+
+    # -- replay -------------------------------------------------------------
+    def _check_resolved(self) -> None:
+        bad = self.unresolved
+        if bad:
+            raise ValueError(
+                f"cannot replay: the state of {', '.join(bad)} was not portable "
+                "and is missing; observe it again or pass the live probe"
+            )
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """Establish every state; restore exactly what was there on exit."""
+        self._check_resolved()
+        with ExitStack() as stack:
+            for probe, state in zip(self.probes, self.states):
+                stack.enter_context(probe.replay(state))
+            yield
+
+    def replay_parts(
+        self, *, embedded: bool = True
+    ) -> tuple[Callable[[], AbstractContextManager[None]], AbstractContextManager[None],
+               tuple[str, ...]]:
+        """Split the replay for a capture.
+
+        Returns ``(inside, around, embedded_names)``: ``inside()`` makes a fresh
+        context to enter inside the traced callable (each call), ``around`` is
+        entered once around the capture, and ``embedded_names`` lists the probes
+        that contributed an inside part.  With ``embedded=False`` everything is
+        around.
+        """
+        self._check_resolved()
+        if not embedded:
+            return _null_stack, self.replay(), ()
+        pairs = [(p, s, p.split_replay(s)) for p, s in zip(self.probes, self.states)]
+        inside_names = tuple(p.name for p, _, (i, _a) in pairs if i is not None)
+        arounds = [a for _, _, (_i, a) in pairs if a is not None]
+        inside_items = [(p, s) for p, s, (i, _a) in pairs if i is not None]
+
+        def inside() -> AbstractContextManager[None]:
+            stack = ExitStack()
+            for p, s in inside_items:
+                cm = p.split_replay(s)[0]
+                if cm is not None:
+                    stack.enter_context(cm)
+            return stack
+
+        @contextmanager
+        def around() -> Iterator[None]:
+            with ExitStack() as stack:
+                for cm in arounds:
+                    stack.enter_context(cm)
+                yield
+
+        # The inside parts built for splitting were never entered; build fresh ones.
+        return inside, around(), inside_names
+
+    # -- comparison ---------------------------------------------------------
+    def diff(self, other: ContextSnapshot) -> tuple[ProbeDiff, ...]:
+        """What differs, probe by probe (probes present in only one side included)."""
+        mine = dict(zip(self.names, zip(self.probes, self.states)))
+        theirs = dict(zip(other.names, zip(other.probes, other.states)))
+        out = []
+        for name in sorted(set(mine) | set(theirs)):
+            a, b = mine.get(name), theirs.get(name)
+            if a is not None and b is not None and a[1] == b[1]:
+                continue
+            out.append(ProbeDiff(
+                name,
+                None if a is None else _describe(*a),
+                None if b is None else _describe(*b),
+            ))
+        return tuple(out)
+
+    # -- JSON ---------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe dict.  A state that is not portable is marked, not dropped."""
+        probes: dict[str, Any] = {}
+        for name, probe, state in zip(self.names, self.probes, self.states):
+            if isinstance(state, Unresolved):
+                probes[name] = {"portable": False, "type": state.state_type}
+                continue
+            try:
+                if not probe.portable:
+                    raise NotPortableError(name)
+                probes[name] = {"portable": True, "state": probe.encode(state)}
+            except NotPortableError:
+                probes[name] = {"portable": False, "type": type(state).__name__}
+        return {"schema": SCHEMA, "probes": probes}
+
+    @classmethod
+    def from_json(
+        cls,
+        data: object,
+        probes: Iterable[ContextProbe[Any]] | Mapping[str, ContextProbe[Any]] | None = None,
+        *,
+        path: str = "$",
+    ) -> ContextSnapshot:
+        """Rebuild a snapshot from ``to_json()`` output, validating every field.
+
+        ``probes`` supplies instances for names the registry does not hold (a
+        user's forward-context probe).  Any malformed input raises
+        ``ValueError`` naming the path; nothing is executed or unpickled.
+        """
+        doc = read_mapping(data, path, keys={"schema", "probes"}, required={"schema", "probes"})
+        schema = read_str(doc["schema"], f"{path}.schema")
+        if schema != SCHEMA:
+            raise ValueError(f"{path}.schema: unsupported schema {schema!r}; expected {SCHEMA!r}")
+        given: dict[str, ContextProbe[Any]] = {}
+        if isinstance(probes, Mapping):
+            given = dict(probes)
+        elif probes is not None:
+            given = {p.name: p for p in probes}
+        entries = read_mapping(doc["probes"], f"{path}.probes")
+        names, states, insts = [], [], []
+        for name in sorted(entries):
+            where = f"{path}.probes.{name}"
+            probe = given.get(name)
+            if probe is None:
+                try:
+                    probe = registry.get_probe(name)
+                except registry.UnknownProbeError as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+            entry = read_mapping(entries[name], where, keys={"portable", "state", "type"},
+                                 required={"portable"})
+            if read_bool(entry["portable"], f"{where}.portable"):
+                if "state" not in entry:
+                    raise ValueError(f"{where}.state: missing required field")
+                try:
+                    state = probe.decode(entry["state"], f"{where}.state")
+                except ValueError:
+                    raise
+                except Exception as exc:  # a probe's decoder must not leak other types
+                    raise ValueError(
+                        f"{where}.state: could not be decoded ({type(exc).__name__})"
+                    ) from None
+            else:
+                state = Unresolved(name, read_str(entry.get("type", "?"), f"{where}.type"))
+            names.append(name)
+            states.append(state)
+            insts.append(probe)
+        return cls(tuple(names), tuple(states), tuple(insts))
+
+
+def _describe(probe: ContextProbe[Any], state: Any) -> str:
+    if isinstance(state, Unresolved):
+        return f"<not portable: {state.state_type}>"
+    try:
+        return probe.describe(state)
+    except Exception as exc:  # describing is for humans; never fatal
+        return f"<undescribable: {type(exc).__name__}>"
+
+
+def _null_stack() -> AbstractContextManager[None]:
+    return ExitStack()
+
+
+class Observer:
+    """Observes a fixed tuple of probes, cheaply.
+
+    The last snapshot is reused while torch's ``GlobalStateGuard`` still holds
+    and every probe's ``unchanged`` check passes; ``guarded`` probes only check
+    what the guard is blind to (DESIGN.md fact 12).  Identical states give the
+    identical snapshot object, so variant keys hash and compare by identity.
+    """
+
+    __slots__ = ("names", "probes", "_cache")
+
+    def __init__(self, probes: tuple[ContextProbe[Any], ...]) -> None:
+        self.probes = probes
+        self.names = tuple(p.name for p in probes)
+        self._cache: tuple[Any, ContextSnapshot, tuple[tuple[Any, Any], ...]] | None = None
+
+    def __call__(self) -> ContextSnapshot:
+        cache = self._cache
+        if cache is not None:
+            guard, snap, checks = cache
+            if guard.check():
+                for unchanged, state in checks:
+                    if not unchanged(state):
+                        break
+                else:
+                    return snap
+        return self._observe(cache)
+
+    def _observe(self, cache: Any) -> ContextSnapshot:
+        guard = _GlobalStateGuard() if _GlobalStateGuard is not None else None
+        states = tuple(p.observe() for p in self.probes)
+        if cache is not None and cache[1].states == states:
+            snap = cache[1]
+        else:
+            snap = ContextSnapshot(self.names, states, self.probes)
+        if guard is not None:
+            checks = tuple(
+                (p.unchanged, s) for p, s in zip(self.probes, states)
+                if not p.guarded or type(p).unchanged is not ContextProbe.unchanged
+            )
+            self._cache = (guard, snap, checks)
+        return snap
+
+    def invalidate(self) -> None:
+        self._cache = None
+
+
+_default_observer: tuple[int, Observer] | None = None
+
+
+def snapshot(probes: object = None) -> ContextSnapshot:
+    """Observe the given probes (the default set when ``None``) now."""
+    global _default_observer
+    if probes is None:
+        gen = registry.generation()
+        cached = _default_observer
+        if cached is None or cached[0] != gen:
+            cached = (gen, Observer(registry.resolve_probes(None)))
+            _default_observer = cached
+        return cached[1]()
+    return Observer(registry.resolve_probes(probes))()
