@@ -7,6 +7,7 @@ and replay it when the graph is captured later.
 from __future__ import annotations
 
 from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
+from .backends import Backend, BackendError
 from .probe import ContextProbe, NotPortableError
 from .probes import ContextVarProbe, ForwardContextProbe
 from .registry import (
@@ -19,11 +20,23 @@ from .registry import (
     register_probe,
     unregister_probe,
 )
+from .report import Capture, CaptureFailure, CaptureReport, Fidelity, FidelityError, Mismatch
+from .session import CaptureSession, capture_with
 from .snapshot import ContextSnapshot, ProbeDiff, snapshot
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backend",
+    "BackendError",
+    "Capture",
+    "CaptureFailure",
+    "CaptureReport",
+    "CaptureSession",
+    "Fidelity",
+    "FidelityError",
+    "Mismatch",
+    "capture_with",
     "ContextProbe",
     "ContextSnapshot",
     "ContextVarProbe",

@@ -34,6 +34,8 @@ class ContextProbe(abc.ABC, Generic[S]):
       and the tracer records it (e.g. ``torch.autocast``), so an exported
       artifact carries the state.  See ``split_replay`` for partial cases.
     * ``portable`` -- ``encode``/``decode`` carry the state through JSON.
+    * ``pinnable`` -- the state only sets defaults of factory ops, which the
+      engine's pinning pass writes into the graph, so an artifact carries it.
     * ``guarded`` -- every part of the state that ``unchanged`` does not check
       is covered by torch's global-state guard, so a snapshot may be reused
       while that guard holds and ``unchanged`` is true.
@@ -45,6 +47,7 @@ class ContextProbe(abc.ABC, Generic[S]):
     traceable: ClassVar[bool] = False
     portable: ClassVar[bool] = True
     guarded: ClassVar[bool] = False
+    pinnable: ClassVar[bool] = False
 
     @abc.abstractmethod
     def observe(self) -> S:

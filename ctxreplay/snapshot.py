@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, ExitStack, contextmanager
-from typing import Any, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
 
 import attrs
 
@@ -12,6 +12,7 @@ from . import registry
 from ._json import read_bool, read_mapping, read_str
 from .probe import ContextProbe, NotPortableError
 
+_GlobalStateGuard: Any
 try:  # torch's C-level snapshot of global state; ~0.2 us (DESIGN.md fact 8)
     from torch._C._dynamo.guards import GlobalStateGuard as _GlobalStateGuard
 except ImportError:  # pragma: no cover - very old or stripped torch
@@ -107,25 +108,26 @@ class ContextSnapshot:
 
     def replay_parts(
         self, *, embedded: bool = True
-    ) -> tuple[Callable[[], AbstractContextManager[None]], AbstractContextManager[None],
-               tuple[str, ...]]:
+    ) -> tuple[Callable[[], AbstractContextManager[Any]], AbstractContextManager[None],
+               tuple[str, ...], tuple[str, ...]]:
         """Split the replay for a capture.
 
-        Returns ``(inside, around, embedded_names)``: ``inside()`` makes a fresh
-        context to enter inside the traced callable (each call), ``around`` is
-        entered once around the capture, and ``embedded_names`` lists the probes
-        that contributed an inside part.  With ``embedded=False`` everything is
-        around.
+        Returns ``(inside, around, inside_names, around_names)``: ``inside()``
+        makes a fresh context to enter inside the traced callable (each call),
+        ``around`` is entered once around the capture, and the names list the
+        probes that contributed to each part.  With ``embedded=False``
+        everything is around.
         """
         self._check_resolved()
         if not embedded:
-            return _null_stack, self.replay(), ()
+            return _null_stack, self.replay(), (), self.names
         pairs = [(p, s, p.split_replay(s)) for p, s in zip(self.probes, self.states)]
         inside_names = tuple(p.name for p, _, (i, _a) in pairs if i is not None)
+        around_names = tuple(p.name for p, _, (_i, a) in pairs if a is not None)
         arounds = [a for _, _, (_i, a) in pairs if a is not None]
         inside_items = [(p, s) for p, s, (i, _a) in pairs if i is not None]
 
-        def inside() -> AbstractContextManager[None]:
+        def inside() -> ExitStack[bool | None]:
             stack = ExitStack()
             for p, s in inside_items:
                 cm = p.split_replay(s)[0]
@@ -141,7 +143,7 @@ class ContextSnapshot:
                 yield
 
         # The inside parts built for splitting were never entered; build fresh ones.
-        return inside, around(), inside_names
+        return inside, around(), inside_names, around_names
 
     # -- comparison ---------------------------------------------------------
     def diff(self, other: ContextSnapshot) -> tuple[ProbeDiff, ...]:
@@ -240,7 +242,7 @@ def _describe(probe: ContextProbe[Any], state: Any) -> str:
 
 
 def _null_stack() -> AbstractContextManager[None]:
-    return ExitStack()
+    return nullcontext()
 
 
 class Observer:
@@ -252,7 +254,7 @@ class Observer:
     identical snapshot object, so variant keys hash and compare by identity.
     """
 
-    __slots__ = ("names", "probes", "_cache")
+    __slots__ = ("_cache", "names", "probes")
 
     def __init__(self, probes: tuple[ContextProbe[Any], ...]) -> None:
         self.probes = probes
@@ -274,6 +276,7 @@ class Observer:
     def _observe(self, cache: Any) -> ContextSnapshot:
         guard = _GlobalStateGuard() if _GlobalStateGuard is not None else None
         states = tuple(p.observe() for p in self.probes)
+        snap: ContextSnapshot
         if cache is not None and cache[1].states == states:
             snap = cache[1]
         else:
@@ -302,5 +305,7 @@ def snapshot(probes: object = None) -> ContextSnapshot:
         if cached is None or cached[0] != gen:
             cached = (gen, Observer(registry.resolve_probes(None)))
             _default_observer = cached
-        return cached[1]()
-    return Observer(registry.resolve_probes(probes))()
+        snap: ContextSnapshot = cached[1]()
+        return snap
+    observed: ContextSnapshot = Observer(registry.resolve_probes(probes))()
+    return observed

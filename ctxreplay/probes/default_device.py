@@ -25,7 +25,7 @@ def _current() -> str:
     # empty mode stack answers at once.
     if not _stack_len():
         return "cpu"
-    for mode in reversed(_get_current_function_mode_stack()):
+    for mode in reversed(_get_current_function_mode_stack()):  # type: ignore[no-untyped-call]
         if isinstance(mode, DeviceContext):
             return str(mode.device)
     return "cpu"
@@ -40,6 +40,7 @@ class DefaultDeviceProbe(ContextProbe[str]):
     name = "default_device"
     description = "the default device for factory functions"
     default = True
+    pinnable = True
 
     def observe(self) -> str:
         return _current()

@@ -22,6 +22,7 @@ class DefaultDtypeProbe(ContextProbe[torch.dtype]):
     name = "default_dtype"
     description = "torch.get_default_dtype()"
     default = True
+    pinnable = True
     guarded = True  # fully covered by the guard
 
     def observe(self) -> torch.dtype:

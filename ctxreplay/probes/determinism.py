@@ -45,15 +45,16 @@ class DeterminismProbe(ContextProbe[DeterminismState]):
     guarded = True  # the guard sees the algorithms flags, not cuDNN or fill
 
     def __init__(self) -> None:
-        self._last = self.observe()
+        self._last: tuple[tuple[bool, ...], DeterminismState] | None = None
 
     def observe(self) -> DeterminismState:
         values = (_algos(), _warn_only(), _cudnn_det(), _cudnn_bench(), _fill())
-        last = getattr(self, "_last", None)
-        if last is not None and values == attrs.astuple(last):
-            return last
-        self._last = DeterminismState(*values)
-        return self._last
+        last = self._last
+        if last is not None and values == last[0]:
+            return last[1]
+        state = DeterminismState(*values)
+        self._last = (values, state)
+        return state
 
     def unchanged(self, state: DeterminismState) -> bool:
         return (_cudnn_det() == state.cudnn_deterministic

@@ -54,7 +54,7 @@ class LiveValueProbe(ContextProbe[LiveState]):
         self._next = 0
         self.dropped = 0
 
-    @property  # type: ignore[misc]
+    @property
     def traceable(self) -> bool:  # type: ignore[override]
         return self._traceable
 

@@ -26,11 +26,32 @@ _FLAG_NAMES = (
     ("cpu_fp16_reduced_precision", "_get_cpu_allow_fp16_reduced_precision_reduction",
      "_set_cpu_allow_fp16_reduced_precision_reduction"),
 )
-_FLAGS: tuple[tuple[str, Callable[[], bool], Callable[..., Any]], ...] = tuple(
-    (f, getattr(torch._C, g), getattr(torch._C, s))
-    for f, g, s in _FLAG_NAMES if hasattr(torch._C, g) and hasattr(torch._C, s)
-)
-_FIELD_NAMES = tuple(f for f, _, _ in _FLAGS)
+
+
+def _flags() -> tuple[tuple[str, Callable[[], bool], Callable[[], Any], Callable[..., Any]], ...]:
+    """``(field, get, raw_get, raw_set)`` per flag.  Since torch 2.9 the cuBLAS
+    reduced-precision getters return ``(allow_reduced_precision, allow_splitk)``
+    and the setters take both: each element is a field of its own (a tuple is
+    always truthy), and ``_apply`` sets the pair in one call."""
+    out: list[tuple[str, Callable[[], bool], Callable[[], Any], Callable[..., Any]]] = []
+    for f, g, s in _FLAG_NAMES:
+        get, set_ = getattr(torch._C, g, None), getattr(torch._C, s, None)
+        if get is None or set_ is None:
+            continue
+        if isinstance(get(), tuple):
+            out.append((f, _item(get, 0), get, set_))
+            out.append((f + "_split_k", _item(get, 1), get, set_))
+        else:
+            out.append((f, get, get, set_))
+    return tuple(out)
+
+
+def _item(get: Callable[[], Any], i: int) -> Callable[[], bool]:
+    return lambda: bool(get()[i])
+
+
+_FLAGS = _flags()
+_FIELD_NAMES = tuple(f for f, _, _, _ in _FLAGS)
 _PRECISIONS = {"highest", "high", "medium"}
 _cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: True)
 
@@ -53,7 +74,7 @@ class MatmulPrecisionProbe(ContextProbe[MatmulPrecisionState]):
 
     def observe(self) -> MatmulPrecisionState:
         prec = torch.get_float32_matmul_precision()
-        flags = tuple((f, bool(get())) for f, get, _ in _FLAGS)
+        flags = tuple((f, bool(get())) for f, get, _, _ in _FLAGS)
         last = self._last
         if last is not None and last.float32_matmul_precision == prec and last.flags == flags:
             return last
@@ -93,11 +114,24 @@ class MatmulPrecisionProbe(ContextProbe[MatmulPrecisionState]):
 
 def _apply(state: MatmulPrecisionState) -> None:
     # Precision first: setting it also moves the TF32 flag, which is then
-    # put where the state says.
+    # put where the state says -- only where it differs: after
+    # set_float32_matmul_precision("medium"), calling a legacy setter (even
+    # with the value it already has) makes get_float32_matmul_precision()
+    # raise ("mix of the legacy and new APIs", torch >= 2.9).
     torch.set_float32_matmul_precision(state.float32_matmul_precision)
-    setters = {f: s for f, _, s in _FLAGS}
-    for f, v in state.flags:
-        setters[f](v)
+    want = dict(state.flags)
+    done: set[Callable[..., Any]] = set()
+    for f, _, raw_get, raw_set in _FLAGS:
+        if raw_set in done:
+            continue
+        done.add(raw_set)
+        current = raw_get()
+        if isinstance(current, tuple):  # (allow_reduced_precision, allow_splitk)
+            pair = (want.get(f, bool(current[0])), want.get(f + "_split_k", bool(current[1])))
+            if pair != tuple(bool(v) for v in current):
+                raw_set(*pair)
+        elif f in want and bool(current) != want[f]:
+            raw_set(want[f])
 
 
 @contextmanager

@@ -1,0 +1,181 @@
+"""The backend protocol and failure classification."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..signature import SeqSpec, Spec, spec_of
+
+__all__ = ["Backend", "BackendError", "classify_exception", "get_backend", "graph_nodes"]
+
+
+class BackendError(RuntimeError):
+    """A backend failed; ``reason`` is a code, ``attempts`` the per-backend codes."""
+
+    def __init__(self, reason: str, exc_type: str,
+                 attempts: tuple[tuple[str, str, str], ...] = ()) -> None:
+        super().__init__(f"{reason} ({exc_type})")
+        self.reason = reason
+        self.exc_type = exc_type
+        self.attempts = attempts
+
+
+class Backend(abc.ABC):
+    """Capture one variant.  Subclass it, or pass any object with the same
+    methods as ``capture_with(..., backend=obj)``."""
+
+    name: str = "custom"
+    #: whether the artifact records contexts entered inside the callable
+    records_embedded: bool = True
+
+    @abc.abstractmethod
+    def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        """Trace ``module`` on example inputs; return the artifact."""
+
+    def graph_module(self, artifact: Any) -> torch.fx.GraphModule | None:
+        """The artifact's top-level graph, if it has one (for ops and fingerprints)."""
+        gm = getattr(artifact, "graph_module", artifact)
+        return gm if isinstance(gm, torch.fx.GraphModule) else None
+
+    def output_spec(self, artifact: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Spec | None:
+        """The graph's user outputs as a ``SeqSpec`` of their flattened leaves,
+        from metadata when the graph carries it.  Called inside the replay."""
+        gm = self.graph_module(artifact)
+        if gm is None:
+            return None
+        vals = _output_vals(gm)
+        if vals is None:
+            return None
+        return SeqSpec(list, tuple(spec_of(v) for v in vals))
+
+    def resolve(self, artifact: Any) -> tuple[Backend, Any]:
+        """The backend that really produced ``artifact`` and the bare artifact
+        (a composite backend returns the one that succeeded)."""
+        return self, artifact
+
+    @property
+    def last_attempts(self) -> tuple[tuple[str, str, str], ...]:
+        """``(backend, reason, exception type)`` of failed attempts in the last capture."""
+        return ()
+
+    def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Execute the artifact (for ``verify="execute"``)."""
+        fn = artifact.module() if hasattr(artifact, "module") and callable(
+            getattr(artifact, "module", None)) and not isinstance(
+            artifact, torch.nn.Module) else artifact
+        return fn(*args, **kwargs)
+
+
+def _output_vals(gm: torch.fx.GraphModule) -> list[Any] | None:
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out is None:
+        return None
+    leaves: list[Any] = []
+
+    def walk(a: Any) -> bool:
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val", a.meta.get("example_value"))
+            if v is None:
+                return False
+            leaves.append(v)
+            return True
+        if isinstance(a, (list, tuple)):
+            return all(walk(x) for x in a)
+        if isinstance(a, dict):
+            return all(walk(x) for x in a.values())
+        leaves.append(a)
+        return True
+
+    return leaves if walk(out.args[0]) else None
+
+
+def graph_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
+    """Every node of a graph and of the graphs nested in it (higher-order ops)."""
+    for mod in gm.modules():
+        if isinstance(mod, torch.fx.GraphModule):
+            yield from mod.graph.nodes
+
+
+_REASONS = (
+    # (substring of the exception's qualified type name, reason code)
+    ("GuardOnDataDependentSymNode", "data_dependent_control_flow"),
+    ("DataDependentOutputException", "data_dependent_control_flow"),
+    ("PendingUnbackedSymbolNotFound", "data_dependent_control_flow"),
+    ("TraceError", "dynamic_python_control_flow"),
+    ("Unsupported", "unsupported_graph"),
+    ("UncapturedHigherOrderOpError", "unsupported_graph"),
+    ("UserError", "unsupported_graph"),
+    ("TorchRuntimeError", "trace_error"),
+)
+
+
+def classify_exception(exc: BaseException) -> str:
+    """A reason code for a backend exception, from its type and its cause's
+    type (never its text)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        for cls in type(cur).__mro__:
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            for needle, code in _REASONS:
+                if needle in name:
+                    return code
+        cur = cur.__cause__ or cur.__context__
+    return "trace_error"
+
+
+def get_backend(backend: object) -> Backend:
+    """Resolve ``"auto"`` / ``"export"`` / ``"dynamo"`` / ``"symbolic"`` or a backend object."""
+    from .builtin import AutoBackend, DynamoBackend, ExportBackend, SymbolicBackend
+
+    names: dict[str, type[Backend]] = {
+        "auto": AutoBackend, "export": ExportBackend, "dynamo": DynamoBackend,
+        "symbolic": SymbolicBackend,
+    }
+    if isinstance(backend, str):
+        try:
+            return names[backend]()
+        except KeyError:
+            raise ValueError(f"unknown backend {backend!r}; choose one of "
+                             f"{sorted(names)} or pass a Backend object") from None
+    if isinstance(backend, Backend):
+        return backend
+    if callable(getattr(backend, "capture", None)):
+        return _Adapter(backend)
+    raise TypeError(f"backend must be a name or an object with a capture() method, "
+                    f"got {backend!r}")
+
+
+class _Adapter(Backend):
+    """Wraps a duck-typed backend object, filling in the optional methods."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.name = str(getattr(obj, "name", type(obj).__name__))
+        self.records_embedded = bool(getattr(obj, "records_embedded", True))
+
+    def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        return self.obj.capture(module, args, kwargs)
+
+    def graph_module(self, artifact: Any) -> torch.fx.GraphModule | None:
+        f = getattr(self.obj, "graph_module", None)
+        return f(artifact) if f is not None else super().graph_module(artifact)
+
+    def output_spec(self, artifact: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Spec | None:
+        f = getattr(self.obj, "output_spec", None)
+        return f(artifact, args, kwargs) if f is not None else super().output_spec(
+            artifact, args, kwargs)
+
+    def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        f = getattr(self.obj, "run", None)
+        return f(artifact, args, kwargs) if f is not None else super().run(
+            artifact, args, kwargs)

@@ -1,0 +1,154 @@
+"""The built-in backends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..signature import SeqSpec, Spec, spec_of
+from .base import Backend, BackendError, classify_exception
+
+__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend"]
+
+_WRAPPER_HOPS = ("wrap_with_autocast", "wrap_with_set_grad_enabled")
+
+
+class ExportBackend(Backend):
+    """``torch.export.export`` (non-strict by default).
+
+    With ``lower=True`` a program that recorded embedded contexts as
+    higher-order ops is lowered with ``run_decompositions({})``: the casts
+    become explicit ``_to_copy`` nodes, no op is decomposed, and
+    ``torch.export.save`` accepts the result (DESIGN.md facts 3-4).
+    """
+
+    name = "export"
+
+    def __init__(self, *, strict: bool = False, lower: bool = True) -> None:
+        self.strict = strict
+        self.lower = lower
+
+    def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        ep = torch.export.export(module, args, kwargs or None, strict=self.strict)
+        if self.lower and _has_wrapper_hops(ep.graph_module):
+            ep = ep.run_decompositions({})
+        return ep
+
+    def output_spec(self, artifact: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Spec | None:
+        gm = artifact.graph_module
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        kinds = artifact.graph_signature.output_specs
+        user = [a for a, k in zip(out.args[0], kinds) if k.kind.name == "USER_OUTPUT"]
+        leaves = []
+        for a in user:
+            v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+            leaves.append(spec_of(v))
+        return SeqSpec(list, tuple(leaves))
+
+    def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return artifact.module()(*args, **kwargs)
+
+
+def _has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _WRAPPER_HOPS
+               for n in gm.graph.nodes)
+
+
+class DynamoBackend(Backend):
+    """``torch._dynamo.export`` with an aten graph: casts from embedded
+    autocast are baked in as ``_to_copy`` nodes."""
+
+    name = "dynamo"
+
+    def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        import torch._dynamo
+
+        result = torch._dynamo.export(module, aten_graph=True)(*args, **kwargs)
+        return result.graph_module
+
+    def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return artifact(*args, **kwargs)
+
+
+class SymbolicBackend(Backend):
+    """``torch.fx.symbolic_trace``.  Its graph has no dtypes and records no
+    context, so its outputs are read by running it inside the replay."""
+
+    name = "symbolic"
+    records_embedded = False
+
+    def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        concrete = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        return torch.fx.symbolic_trace(module, concrete_args=concrete or None)
+
+    def output_spec(self, artifact: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Spec | None:
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        with torch.no_grad():
+            out = artifact(*args, **tensors)
+        return _flat_spec(out)
+
+    def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        return artifact(*args, **tensors)
+
+
+def _flat_spec(value: Any) -> Spec:
+    from ..signature import flatten_spec
+
+    return SeqSpec(list, tuple(s for s in flatten_spec(spec_of(value))
+                               if not (hasattr(s, "value") and s.value is None)))
+
+
+class AutoBackend(Backend):
+    """Tries export, then dynamo, then symbolic; every failed attempt is kept
+    on the capture (``attempts``)."""
+
+    name = "auto"
+
+    def __init__(self, backends: tuple[Backend, ...] | None = None) -> None:
+        self.backends = backends or (ExportBackend(), DynamoBackend(), SymbolicBackend())
+        self.chosen: dict[int, Backend] = {}
+        self._attempts: tuple[tuple[str, str, str], ...] = ()
+
+    def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        attempts: list[tuple[str, str, str]] = []
+        for b in self.backends:
+            try:
+                art = b.capture(module, args, kwargs)
+            except Exception as exc:
+                attempts.append((b.name, classify_exception(exc), type(exc).__name__))
+                continue
+            self._attempts = tuple(attempts)
+            return _Chosen(b, art)
+        self._attempts = tuple(attempts)
+        reason = attempts[-1][1] if attempts else "trace_error"
+        # the most specific reason wins over the generic one
+        for _, code, _ in attempts:
+            if code != "trace_error":
+                reason = code
+                break
+        raise BackendError(reason, attempts[-1][2] if attempts else "?", tuple(attempts))
+
+    def resolve(self, artifact: Any) -> tuple[Backend, Any]:
+        return artifact.backend, artifact.artifact
+
+    @property
+    def last_attempts(self) -> tuple[tuple[str, str, str], ...]:
+        return self._attempts
+
+
+class _Chosen:
+    """What ``AutoBackend`` returns: the backend that succeeded and its artifact."""
+
+    __slots__ = ("artifact", "backend")
+
+    def __init__(self, backend: Backend, artifact: Any) -> None:
+        self.backend = backend
+        self.artifact = artifact

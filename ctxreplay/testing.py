@@ -1,0 +1,357 @@
+"""Test helpers for probe authors and for "replay leaked nothing" oracles.
+
+``check_probe(probe, states)`` runs the probe contract against states the
+test produced (observe inside a context it set up, then pass the observed
+states in).  ``leak_check()`` is a context manager that fails when the global
+torch state on exit differs from the state on entry; ``global_state()`` is the
+comparable tuple it uses for the parts torch's own ``GlobalStateGuard`` does
+not see (DESIGN.md fact 12).
+
+A test suite can make the leak oracle automatic with a fixture::
+
+    @pytest.fixture(autouse=True)
+    def _no_leaks(request):
+        with ctxreplay.testing.leak_check(request.node.nodeid):
+            yield
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from types import TracebackType
+from typing import Any, NamedTuple, NoReturn, TypeVar
+
+import torch
+import torch.utils.deterministic as _deterministic
+from torch._C._dynamo.guards import GlobalStateGuard
+
+from . import registry
+from .probe import ContextProbe, NotPortableError
+from .snapshot import ContextSnapshot, snapshot
+
+__all__ = ["GlobalState", "check_probe", "global_state", "leak_check", "state_changes"]
+
+S = TypeVar("S")
+
+_AUTOCAST_CANDIDATES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia",
+                        "privateuseone")
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    out = []
+    for d in _AUTOCAST_CANDIDATES:
+        try:
+            if torch.amp.is_autocast_available(d):
+                out.append(d)
+        except Exception:  # an exotic backend whose query fails is not observed
+            continue
+    return tuple(out)
+
+
+_DEVICES = _autocast_devices()
+
+
+class GlobalState(NamedTuple):
+    """Global torch state that ``GlobalStateGuard`` does not (fully) see.
+
+    The blind spots of DESIGN.md fact 12 -- default device, autocast dtype
+    per device, ``no_grad`` vs ``inference_mode``, cuDNN flags -- plus a few
+    flags the guard does see, so that a failure message can name them.
+    Compare two values with ``==``; ``state_changes`` lists the fields.
+    """
+
+    default_device: str
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device, enabled, dtype)
+    autocast_cache_enabled: bool
+    grad_enabled: bool
+    inference_mode: bool
+    default_dtype: torch.dtype
+    deterministic_algorithms: bool
+    deterministic_warn_only: bool
+    fill_uninitialized_memory: bool
+    cudnn_enabled: bool
+    cudnn_benchmark: bool
+    cudnn_deterministic: bool
+    cudnn_allow_tf32: bool
+    float32_matmul_precision: str
+    torch_function_modes: int  # a leaked ``with torch.device(...)`` or other mode
+
+
+def global_state() -> GlobalState:
+    """The current ``GlobalState`` (a few microseconds; for tests, not hot paths)."""
+    return GlobalState(
+        default_device=str(torch.get_default_device()),
+        autocast=tuple(
+            (d, bool(torch.is_autocast_enabled(d)), torch.get_autocast_dtype(d))
+            for d in _DEVICES
+        ),
+        autocast_cache_enabled=bool(torch.is_autocast_cache_enabled()),
+        grad_enabled=bool(torch.is_grad_enabled()),
+        inference_mode=bool(torch.is_inference_mode_enabled()),
+        default_dtype=torch.get_default_dtype(),
+        deterministic_algorithms=bool(torch.are_deterministic_algorithms_enabled()),
+        deterministic_warn_only=bool(torch.is_deterministic_algorithms_warn_only_enabled()),
+        fill_uninitialized_memory=bool(_deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]
+        cudnn_enabled=bool(torch.backends.cudnn.enabled),
+        cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+        cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+        cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        torch_function_modes=int(torch._C._len_torch_function_stack()),
+    )
+
+
+def state_changes(
+    guard: GlobalStateGuard,
+    before: GlobalState,
+    before_snapshot: ContextSnapshot | None = None,
+) -> list[str]:
+    """What changed since ``guard``, ``before`` and ``before_snapshot`` were taken,
+    one human-readable line per difference; empty when nothing did."""
+    out: list[str] = []
+    if not guard.check():
+        out.append(f"GlobalStateGuard: {guard.reason().strip() or 'changed'}")
+    now = global_state()
+    for field, a, b in zip(GlobalState._fields, before, now, strict=True):
+        if a != b:
+            out.append(f"{field}: {a!r} -> {b!r}")
+    if before_snapshot is not None:
+        after = snapshot(before_snapshot.probes)
+        for d in before_snapshot.diff(after):
+            out.append(f"probe {d.probe}: {d.left} -> {d.right}")
+    return out
+
+
+class _LeakCheck(AbstractContextManager[None]):
+    def __init__(self, what: str, probes: tuple[ContextProbe[Any], ...]) -> None:
+        self._what = what
+        self._probes = probes
+        self._guard: GlobalStateGuard | None = None
+        self._before: GlobalState | None = None
+        self._snapshot: ContextSnapshot | None = None
+
+    def __enter__(self) -> None:
+        # A fresh observer (explicit probes), so no cached snapshot hides a change.
+        self._snapshot = snapshot(self._probes) if self._probes else None
+        self._before = global_state()
+        self._guard = GlobalStateGuard()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        assert self._guard is not None and self._before is not None
+        problems = state_changes(self._guard, self._before, self._snapshot)
+        if problems:
+            where = f"{self._what}: " if self._what else ""
+            raised = f" (the body raised {type(exc).__name__})" if exc is not None else ""
+            raise AssertionError(
+                f"{where}global torch state leaked{raised}:\n  - " + "\n  - ".join(problems)
+            )
+
+
+def leak_check(
+    what: str = "",
+    *,
+    probes: Iterable[str | ContextProbe[Any]] | None = None,
+) -> AbstractContextManager[None]:
+    """A context that fails with ``AssertionError`` if global torch state on exit
+    differs from the state on entry -- also when the body raises.
+
+    Compared: ``GlobalStateGuard().check()``, ``global_state()`` (the guard's
+    blind spots) and a fresh observation of ``probes`` (the default probe set
+    when ``None``; pass ``()`` to skip probes).  The message starts with
+    ``what`` and names every field that changed.  A body exception propagates
+    unchanged when nothing leaked.
+    """
+    resolved = registry.resolve_probes(None if probes is None else list(probes))
+    return _LeakCheck(what, resolved)
+
+
+# -- check_probe ---------------------------------------------------------------
+
+class _BodyError(Exception):
+    """Raised inside a replay to check that the state is restored on error."""
+
+
+def _describe(probe: ContextProbe[Any], state: Any) -> str:
+    try:
+        return probe.describe(state)
+    except Exception as exc:
+        return f"<describe failed: {type(exc).__name__}>"
+
+
+class _Checker:
+    def __init__(self, probe: ContextProbe[Any], outside: Any) -> None:
+        self.probe = probe
+        self.outside = outside
+        # The default probes plus this one (replacing a same-named default).
+        names = [n for n in registry.default_probes() if n != probe.name]
+        self.oracle_probes: list[str | ContextProbe[Any]] = [*names, probe]
+
+    def fail(self, label: str, check: str, detail: str) -> NoReturn:
+        raise AssertionError(
+            f"check_probe: probe {self.probe.name!r}, {label}: {check} failed: {detail}"
+        )
+
+    def expect(self, label: str, check: str, want: Any) -> None:
+        got = self.probe.observe()
+        if got != want:
+            self.fail(label, check, f"observe() gave {_describe(self.probe, got)!s} "
+                      f"({got!r}), expected {_describe(self.probe, want)!s} ({want!r})")
+
+    def expect_outside(self, label: str, check: str) -> None:
+        self.expect(label, f"{check}: restored after exit", self.outside)
+
+    @contextmanager
+    def no_leak(self, label: str, check: str) -> Iterator[None]:
+        with leak_check(f"check_probe: probe {self.probe.name!r}, {label}: {check}",
+                        probes=self.oracle_probes):
+            try:
+                yield
+            finally:
+                self.expect_outside(label, check)
+
+    def replay(self, label: str, state: Any) -> AbstractContextManager[None]:
+        try:
+            return self.probe.replay(state)
+        except Exception as exc:
+            self.fail(label, "replay()", f"raised {type(exc).__name__}: {exc}")
+
+
+def check_probe(
+    probe: ContextProbe[S],
+    states: Iterable[S],
+    *,
+    neutral: S | None = None,
+    clear: bool = True,
+) -> None:
+    """Check the probe contract for each of ``states``; raise ``AssertionError``
+    naming the probe, the state and the failed check.
+
+    Each state must differ from what the probe observes now (otherwise a
+    replay would prove nothing): produce it by observing inside a context the
+    test set up.  ``neutral``, when given, is what the probe must observe
+    now, outside any replay.  Checked, for every state:
+
+    1. it is hashable, and inside ``probe.replay(state)``,
+       ``probe.observe() == state`` (observe after replay is the identity);
+    2. after exit, the probe observes exactly what it did before, and
+       ``leak_check`` (``GlobalStateGuard`` + ``global_state()`` + the
+       default probes) finds nothing changed;
+    3. the same when the body raises -- and the exception propagates;
+    4. ``split_replay``: entering its ``around`` then its ``inside`` part
+       establishes the state and restores it;
+    5. if ``probe.portable``: ``decode(encode(state))`` through
+       ``json.dumps``/``json.loads`` equals the state; otherwise ``encode``
+       raises ``NotPortableError``;
+
+    then nested replays of every ordered pair of states (also with the inner
+    body raising) and sequential replays of all of them restore correctly;
+    and finally (with ``clear=True``) ``probe.clear()`` runs and leaks
+    nothing -- after which live states may no longer be replayable.
+    """
+    states = tuple(states)
+    if not states:
+        raise ValueError("check_probe needs at least one state")
+    outside = probe.observe()
+    c = _Checker(probe, outside)
+    if neutral is not None and outside != neutral:
+        c.fail("before any replay", "neutral",
+               f"the probe observes {_describe(probe, outside)} ({outside!r}), "
+               f"expected the neutral state {_describe(probe, neutral)} ({neutral!r})")
+    labels = [f"state #{i} ({_describe(probe, s)})" for i, s in enumerate(states)]
+
+    for label, state in zip(labels, states, strict=True):
+        try:
+            hash(state)
+        except TypeError as exc:
+            c.fail(label, "hashable", str(exc))
+        if state == outside:
+            c.fail(label, "differs from the current state",
+                   "the state equals what the probe observes now, so replaying it "
+                   "proves nothing; pass a state observed under a different context")
+        if not isinstance(_describe(probe, state), str):
+            c.fail(label, "describe()", "did not return a string")
+
+        with c.no_leak(label, "replay"), c.replay(label, state):
+            c.expect(label, "observe inside replay", state)
+
+        try:
+            with c.no_leak(label, "replay with a raising body"), c.replay(label, state):
+                c.expect(label, "observe inside replay (raising body)", state)
+                raise _BodyError
+        except _BodyError:
+            pass
+        else:
+            c.fail(label, "replay with a raising body", "the exception was swallowed")
+
+        try:
+            inside, around = probe.split_replay(state)
+        except Exception as exc:
+            c.fail(label, "split_replay()", f"raised {type(exc).__name__}: {exc}")
+        with c.no_leak(label, "split_replay"), ExitStack() as stack:
+            for part in (around, inside):
+                if part is not None:
+                    stack.enter_context(part)
+            c.expect(label, "observe inside split_replay (around, then inside)", state)
+
+        _check_encoding(c, label, state)
+
+    for i, a in enumerate(states):
+        for j, b in enumerate(states):
+            pair = f"{labels[j]} nested in {labels[i]}"
+            with c.no_leak(pair, "nested replay"), c.replay(pair, a):
+                c.expect(pair, "outer replay", a)
+                with c.replay(pair, b):
+                    c.expect(pair, "inner replay", b)
+                c.expect(pair, "outer state after the inner replay exits", a)
+                try:
+                    with c.replay(pair, b):
+                        raise _BodyError
+                except _BodyError:
+                    pass
+                else:
+                    c.fail(pair, "nested replay with a raising body",
+                           "the exception was swallowed")
+                c.expect(pair, "outer state after the inner replay raised", a)
+
+    with c.no_leak("all states", "sequential replays"):
+        for label, state in zip(labels, states, strict=True):
+            with c.replay(label, state):
+                c.expect(label, "sequential replay", state)
+            c.expect_outside(label, "sequential replay")
+
+    if clear:
+        try:
+            with c.no_leak("after all checks", "clear()"):
+                probe.clear()
+        except AssertionError:
+            raise
+        except Exception as exc:
+            c.fail("after all checks", "clear()", f"raised {type(exc).__name__}: {exc}")
+
+
+def _check_encoding(c: _Checker, label: str, state: Any) -> None:
+    probe = c.probe
+    if not probe.portable:
+        try:
+            data = probe.encode(state)
+        except NotPortableError:
+            return
+        except Exception as exc:
+            c.fail(label, "encode() of a non-portable probe",
+                   f"raised {type(exc).__name__}, expected ctxreplay.NotPortableError")
+        c.fail(label, "encode() of a non-portable probe",
+               f"returned {data!r}, expected it to raise ctxreplay.NotPortableError")
+    try:
+        data = probe.encode(state)
+        text = json.dumps(data, allow_nan=False)
+    except Exception as exc:
+        c.fail(label, "encode() gives JSON", f"{type(exc).__name__}: {exc}")
+    try:
+        back = probe.decode(json.loads(text), "$.state")
+    except Exception as exc:
+        c.fail(label, "decode(encode(state))", f"{type(exc).__name__}: {exc} (data: {text})")
+    if back != state:
+        c.fail(label, "decode(encode(state)) == state", f"got {back!r} from {text}")
