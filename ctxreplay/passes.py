@@ -34,8 +34,14 @@ def pin_factory_defaults(gm: torch.fx.GraphModule) -> int:
       (type promotion against the default dtype, e.g. ``arange(3) * 0.5``)
       gets an explicit cast when that dtype is not torch's own default.
 
+    Graphs nested in ``gm`` (bodies of higher-order ops) are pinned too.
     Returns the number of nodes changed.  Mutates ``gm`` in place.
     """
+    return sum(_pin_graph(m) for m in list(gm.modules())
+               if isinstance(m, torch.fx.GraphModule))
+
+
+def _pin_graph(gm: torch.fx.GraphModule) -> int:
     changed = 0
     graph = gm.graph
     for node in list(graph.nodes):

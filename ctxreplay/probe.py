@@ -36,9 +36,9 @@ class ContextProbe(abc.ABC, Generic[S]):
     * ``portable`` -- ``encode``/``decode`` carry the state through JSON.
     * ``pinnable`` -- the state only sets defaults of factory ops, which the
       engine's pinning pass writes into the graph, so an artifact carries it.
-    * ``guarded`` -- every part of the state that ``unchanged`` does not check
-      is covered by torch's global-state guard, so a snapshot may be reused
-      while that guard holds and ``unchanged`` is true.
+    * ``guarded`` -- every part of the state that ``watch`` does not list is
+      covered by torch's global-state guard, so a snapshot may be reused
+      while that guard holds and the watched getters return the same values.
     """
 
     name: str = ""
@@ -61,13 +61,17 @@ class ContextProbe(abc.ABC, Generic[S]):
     def clear(self) -> None:
         """Drop live objects this probe holds (called after capture)."""
 
-    def unchanged(self, state: S) -> bool:
-        """Whether ``state`` is still current.
+    def watch(self, state: S) -> tuple[tuple[Callable[[], object], object], ...]:
+        """``(getter, expected)`` pairs: ``state`` is still current while torch's
+        global-state guard holds and every ``getter()`` returns ``expected``.
 
-        Called only while torch's global-state guard reports no change, so a
-        ``guarded`` probe checks just the parts the guard is blind to.
+        Called once per newly observed state, never per call; the getters run
+        on every call, so make them zero-argument C-level functions where
+        possible.  A ``guarded`` probe lists only what the guard is blind to
+        (DESIGN.md fact 12); the default for an unguarded probe is its whole
+        observation.
         """
-        return bool(self.observe() == state)
+        return () if self.guarded else ((self.observe, state),)
 
     def split_replay(
         self, state: S

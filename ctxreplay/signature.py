@@ -241,6 +241,11 @@ def call_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """
     if kwargs:
         return (tuple([_key(a) for a in args]), tuple([(k, _key(v)) for k, v in kwargs.items()]))
+    if len(args) == 1:
+        x = args[0]
+        if isinstance(x, Tensor):  # the common case, without a call layer
+            return (x.dtype, x.shape, x.device, x.requires_grad)
+        return (_key(x),)
     return tuple([_key(a) for a in args])
 
 

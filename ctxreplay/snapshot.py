@@ -249,8 +249,9 @@ class Observer:
     """Observes a fixed tuple of probes, cheaply.
 
     The last snapshot is reused while torch's ``GlobalStateGuard`` still holds
-    and every probe's ``unchanged`` check passes; ``guarded`` probes only check
-    what the guard is blind to (DESIGN.md fact 12).  Identical states give the
+    and every probe's ``watch`` getter still returns what it returned;
+    ``guarded`` probes only watch what the guard is blind to (DESIGN.md
+    fact 12).  Identical states give the
     identical snapshot object, so variant keys hash and compare by identity.
     """
 
@@ -266,8 +267,8 @@ class Observer:
         if cache is not None:
             guard, snap, checks = cache
             if guard.check():
-                for unchanged, state in checks:
-                    if not unchanged(state):
+                for getter, expected in checks:
+                    if getter() != expected:
                         break
                 else:
                     return snap
@@ -282,10 +283,7 @@ class Observer:
         else:
             snap = ContextSnapshot(self.names, states, self.probes)
         if guard is not None:
-            checks = tuple(
-                (p.unchanged, s) for p, s in zip(self.probes, states)
-                if not p.guarded or type(p).unchanged is not ContextProbe.unchanged
-            )
+            checks = tuple(c for p, s in zip(self.probes, states) for c in p.watch(s))
             self._cache = (guard, snap, checks)
         return snap
 
@@ -300,8 +298,11 @@ def snapshot(probes: object = None) -> ContextSnapshot:
     """Observe the given probes (the default set when ``None``) now."""
     global _default_observer
     if probes is None:
-        gen = registry.generation()
         cached = _default_observer
+        if cached is not None and cached[0] == registry._generation:
+            fast: ContextSnapshot = cached[1]()
+            return fast
+        gen = registry.generation()
         if cached is None or cached[0] != gen:
             cached = (gen, Observer(registry.resolve_probes(None)))
             _default_observer = cached

@@ -9,7 +9,7 @@ import torch
 from ..signature import SeqSpec, Spec, spec_of
 from .base import Backend, BackendError, classify_exception
 
-__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend"]
+__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend", "lower_wrappers"]
 
 _WRAPPER_HOPS = ("wrap_with_autocast", "wrap_with_set_grad_enabled")
 
@@ -17,24 +17,25 @@ _WRAPPER_HOPS = ("wrap_with_autocast", "wrap_with_set_grad_enabled")
 class ExportBackend(Backend):
     """``torch.export.export`` (non-strict by default).
 
-    With ``lower=True`` a program that recorded embedded contexts as
-    higher-order ops is lowered with ``run_decompositions({})``: the casts
-    become explicit ``_to_copy`` nodes, no op is decomposed, and
-    ``torch.export.save`` accepts the result (DESIGN.md facts 3-4).
+    A program that recorded embedded contexts as higher-order ops
+    (``wrap_with_autocast``) already runs like the live call (DESIGN.md
+    fact 3); ``lower_wrappers`` turns them into explicit ``_to_copy`` nodes
+    with ``run_decompositions({})`` -- no op decomposed -- which
+    ``torch.export.save`` needs (fact 4).  Lowering costs several times the
+    export itself, so by default it happens only when an artifact is saved;
+    ``lower=True`` does it at capture.
     """
 
     name = "export"
 
-    def __init__(self, *, strict: bool = False, lower: bool = True) -> None:
+    def __init__(self, *, strict: bool = False, lower: bool = False) -> None:
         self.strict = strict
         self.lower = lower
 
     def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         ep = torch.export.export(module, args, kwargs or None, strict=self.strict)
-        if self.lower and _has_wrapper_hops(ep.graph_module):
-            ep = ep.run_decompositions({})
-        return ep
+        return lower_wrappers(ep) if self.lower else ep
 
     def output_spec(self, artifact: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Spec | None:
@@ -50,6 +51,14 @@ class ExportBackend(Backend):
 
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return artifact.module()(*args, **kwargs)
+
+
+def lower_wrappers(ep: Any) -> Any:
+    """An ExportedProgram with context-wrapper higher-order ops lowered to
+    explicit casts (or the same program when it has none)."""
+    if _has_wrapper_hops(ep.graph_module):
+        return ep.run_decompositions({})
+    return ep
 
 
 def _has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:

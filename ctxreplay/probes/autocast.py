@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
@@ -73,11 +74,9 @@ class AutocastProbe(ContextProbe[AutocastState]):
         enabled = tuple((d, _get_dtype(d)) for d in self.devices if _is_enabled(d))
         return AutocastState(enabled, _cache_enabled())
 
-    def unchanged(self, state: AutocastState) -> bool:
-        for d, dt in state.enabled:
-            if _get_dtype(d) != dt:
-                return False
-        return True
+    def watch(self, state: AutocastState) -> tuple[tuple[Callable[[], object], object], ...]:
+        # the guard sees enabled flags, not dtypes
+        return tuple((functools.partial(_get_dtype, d), dt) for d, dt in state.enabled)
 
     def replay(self, state: AutocastState) -> AbstractContextManager[None]:
         return self._replay(state)

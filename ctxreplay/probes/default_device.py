@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -44,6 +44,12 @@ class DefaultDeviceProbe(ContextProbe[str]):
 
     def observe(self) -> str:
         return _current()
+
+    def watch(self, state: str) -> tuple[tuple[Callable[[], object], object], ...]:
+        # An empty torch-function mode stack means "cpu": one C call per hit.
+        if state == "cpu" and not _stack_len():
+            return ((_stack_len, 0),)
+        return ((_current, state),)
 
     def replay(self, state: str) -> AbstractContextManager[None]:
         if _current() == state:

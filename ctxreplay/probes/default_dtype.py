@@ -28,9 +28,6 @@ class DefaultDtypeProbe(ContextProbe[torch.dtype]):
     def observe(self) -> torch.dtype:
         return torch.get_default_dtype()
 
-    def unchanged(self, state: torch.dtype) -> bool:
-        return True
-
     def replay(self, state: torch.dtype) -> AbstractContextManager[None]:
         return restoring(torch.get_default_dtype, torch.set_default_dtype, state)
 

@@ -3,7 +3,7 @@ uninitialized memory."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -56,10 +56,9 @@ class DeterminismProbe(ContextProbe[DeterminismState]):
         self._last = (values, state)
         return state
 
-    def unchanged(self, state: DeterminismState) -> bool:
-        return (_cudnn_det() == state.cudnn_deterministic
-                and _cudnn_bench() == state.cudnn_benchmark
-                and _fill() == state.fill_uninitialized_memory)
+    def watch(self, state: DeterminismState) -> tuple[tuple[Callable[[], object], object], ...]:
+        return ((_cudnn_det, state.cudnn_deterministic), (_cudnn_bench, state.cudnn_benchmark),
+                (_fill, state.fill_uninitialized_memory))
 
     def replay(self, state: DeterminismState) -> AbstractContextManager[None]:
         return _replay(state)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -43,8 +43,8 @@ class GradModeProbe(ContextProbe[GradModeState]):
     def observe(self) -> GradModeState:
         return _STATES[(_grad(), _inference())]
 
-    def unchanged(self, state: GradModeState) -> bool:
-        return bool(_inference() == state.inference_mode)
+    def watch(self, state: GradModeState) -> tuple[tuple[Callable[[], object], object], ...]:
+        return ((_inference, state.inference_mode),)
 
     def replay(self, state: GradModeState) -> AbstractContextManager[None]:
         return _replay(state, inference=True, grad=True)

@@ -54,6 +54,8 @@ _FLAGS = _flags()
 _FIELD_NAMES = tuple(f for f, _, _, _ in _FLAGS)
 _PRECISIONS = {"highest", "high", "medium"}
 _cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: True)
+# the guard's one blind spot here, by position in the state's flags
+_CUDNN_INDEX = _FIELD_NAMES.index("cudnn_tf32") if "cudnn_tf32" in _FIELD_NAMES else -1
 
 
 @attrs.frozen(cache_hash=True)
@@ -81,8 +83,11 @@ class MatmulPrecisionProbe(ContextProbe[MatmulPrecisionState]):
         self._last = MatmulPrecisionState(prec, flags)
         return self._last
 
-    def unchanged(self, state: MatmulPrecisionState) -> bool:
-        return dict(state.flags).get("cudnn_tf32", True) == _cudnn_tf32()
+    def watch(self, state: MatmulPrecisionState
+              ) -> tuple[tuple[Callable[[], object], object], ...]:
+        if _CUDNN_INDEX < 0:
+            return ()
+        return ((_cudnn_tf32, state.flags[_CUDNN_INDEX][1]),)
 
     def replay(self, state: MatmulPrecisionState) -> AbstractContextManager[None]:
         return _replay(state, self.observe)
