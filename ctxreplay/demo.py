@@ -77,12 +77,12 @@ def run_demo(*, depth: int = 6, dim: int = 64, shapes: tuple[tuple[int, int], ..
     faithful = capture_with(model, targets="repeated", verify="execute")
     baseline = capture_with(model, targets="repeated", replay="off", verify="signature")
     live: list[str] = []
-    with faithful, baseline:
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
-            for batch, tokens in shapes:
-                x = torch.rand(batch, tokens, dim)
-                t = torch.full((batch,), 500.0)
-                live.append(str(model(x, t).dtype).removeprefix("torch."))
+    with faithful, baseline, torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.inference_mode():
+        for batch, tokens in shapes:
+            x = torch.rand(batch, tokens, dim)
+            t = torch.full((batch,), 500.0)
+            live.append(str(model(x, t).dtype).removeprefix("torch."))
     base = baseline.finalize()
     report = faithful.finalize()
     by_key = {(c.scope, c.variant): c for c in base.captures}

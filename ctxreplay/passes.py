@@ -72,7 +72,7 @@ def _pin_graph(gm: torch.fx.GraphModule) -> int:
         with graph.inserting_after(node):
             cast = graph.call_function(_aten._to_copy.default, (node,), {"dtype": val.dtype})
         cast.meta["val"] = val
-        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user, c=cast: user is not c)
         changed += 1
     if changed:
         graph.lint()
