@@ -1,0 +1,65 @@
+"""Shared pieces of the benchmarks: interleaved medians and the fast mode.
+
+Every ratio is measured side by side in one run, interleaved round by
+round, so machine drift hits both sides alike (these machines are noisy).
+Under ``--benchmark-disable`` (what ``make test`` and CI use) the workloads
+shrink so the files run in seconds and cannot rot.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+
+def fast(config: pytest.Config) -> bool:
+    return bool(config.getoption("benchmark_disable", False))
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], *, number: int,
+                        rounds: int) -> dict[str, float]:
+    """Median seconds per call of each function, measured in alternation."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+        f()  # warm
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                f()
+            samples[k].append((time.perf_counter() - t0) / number)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def report(name: str, ratio: float, target: str, detail: str = "") -> None:
+    print(f"\n{name}: {ratio:.2f} (target {target}){'; ' + detail if detail else ''}")
+
+
+class Stack(nn.Module):
+    """``n`` small identical blocks in a ModuleList."""
+
+    def __init__(self, n: int = 16, dim: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(dim, dim) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class one_thread:
+    """torch.set_num_threads(1) for the block, restored after."""
+
+    def __enter__(self) -> None:
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.before)
