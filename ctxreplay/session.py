@@ -19,11 +19,13 @@ import attrs
 import torch
 from torch import nn
 
+from ._baseline import Baseline
+from ._frozen import freeze_constants
 from .backends import Backend, get_backend
 from .capture import Failed as _Failed
 from .capture import capture_variant
 from .registry import resolve_probes
-from .report import CaptureReport, FidelityError
+from .report import CaptureFailure, CaptureReport, FidelityError
 from .signature import CallSpec, Spec, call_key, spec_of
 from .snapshot import ContextSnapshot, Observer
 from .targets import resolve_targets, structure_key
@@ -48,9 +50,10 @@ class Variant:
 
     @property
     def calls(self) -> int:
-        # itertools.count increments atomically under the GIL; its reduce
-        # form gives the next value without consuming it.
-        return int(self.counter.__reduce__()[1][0])
+        # itertools.count increments atomically under the GIL (a plain
+        # ``+= 1`` loses updates between threads); its repr, "count(N)",
+        # gives the next value without consuming it.
+        return int(repr(self.counter)[6:-1])
 
 
 @attrs.define(eq=False)
@@ -107,18 +110,20 @@ class CaptureSession:
         self._report: CaptureReport | None = None
         self._settings = {"replay": replay, "verify": verify, "max_variants": max_variants,
                           "max_scopes": max_scopes, "targets": _describe_targets(targets),
-                          "backend": self.backend.name}
+                          "backend": self.backend.name, "pin_factories": pin_factories}
         self._attach(module, targets)
 
     # -- attaching ---------------------------------------------------------
     def _attach(self, root: nn.Module, targets: object) -> None:
         by_key: dict[tuple[Any, ...], Scope] = {}
+        dropped: set[tuple[Any, ...]] = set()  # structures, not their members
         for name, mod in resolve_targets(root, targets):
             key = structure_key(mod)
             scope = by_key.get(key)
             if scope is None:
                 if len(by_key) >= self.max_scopes:
-                    self._dropped_scopes += 1
+                    dropped.add(key)
+                    self._dropped_scopes = len(dropped)
                     continue
                 scope = Scope(name or type(mod).__name__, key, [])
                 by_key[key] = scope
@@ -137,6 +142,7 @@ class CaptureSession:
         wrapper = _make_wrapper(orig, mod, scope, cell, self._observer,
                                 self.profile_ranges)
         mod.forward = wrapper
+        wrapper.__dict__[_LINK] = (cell, prev if had else _ABSENT)
         self._attached.append((mod, prev if had else _ABSENT, cell))
 
     def close(self) -> None:
@@ -149,6 +155,7 @@ class CaptureSession:
             mine = cell[1] if len(cell) > 1 else None
             cell[0] = None  # any wrapper left in a chain passes straight through
             if mod.__dict__.get("forward") is mine:
+                prev = _skip_closed(prev)
                 if prev is _ABSENT:
                     del mod.forward
                 else:
@@ -174,8 +181,9 @@ class CaptureSession:
     def _new_variant(self, scope: Scope, key: Any, snap: ContextSnapshot,
                      mod: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Variant | None:
-        inputs = CallSpec(tuple(spec_of(a) for a in args),
-                          tuple((k, spec_of(v)) for k, v in kwargs.items()))
+        # mutable constants (a cache the forward fills) are copied as first seen
+        inputs = freeze_constants(CallSpec(tuple(spec_of(a) for a in args),
+                                           tuple((k, spec_of(v)) for k, v in kwargs.items())))
         with self._lock:
             v = scope.variants.get(key)
             if v is not None:
@@ -205,22 +213,44 @@ class CaptureSession:
         mismatch and failure instead of returning a report that has them.
         """
         if self._report is not None:
+            if strict and not self._report.ok:  # strict holds on every call
+                raise FidelityError(self._report)
             return self._report
         self.close()
         t0 = time.perf_counter()
         captures = []
-        failures = []
+        failures: list[CaptureFailure] = []
+        # The safety net: whatever a probe's replay, a backend or a capture
+        # thread abandoned after ``capture_timeout`` did to the ambient state,
+        # each variant starts from -- and the caller gets back -- the state
+        # finalize() began with.  It also runs when a KeyboardInterrupt passes.
+        baseline = Baseline()
         try:
             for scope in self._scopes:
                 for v in list(scope.variants.values()):
+                    failure: CaptureFailure | None = None
                     try:
                         captures.append(capture_variant(self, scope, v))
                     except _Failed as f:
-                        failures.append(f.failure)
+                        failure = f.failure
+                    except Exception as exc:  # an engine bug must not cost the other variants
+                        failure = CaptureFailure(scope.name, v.index, self.backend.name,
+                                                 "internal_error", type(exc).__name__)
                     finally:
                         v.module = None
+                        leaked = baseline.restore()
+                    if failure is not None:
+                        failures.append(failure)
+                    # an abandoned capture thread holds its replay until its
+                    # backend returns: expected after a timeout, not a leak
+                    if leaked and (failure is None or failure.reason != "timeout"):
+                        failures.append(CaptureFailure(scope.name, v.index, self.backend.name,
+                                                       "state_leak", "-", (), leaked))
         finally:
-            self._release()
+            try:
+                self._release()
+            finally:
+                baseline.restore()
         report = CaptureReport(
             tuple(captures), tuple(failures), tuple(p.name for p in self.probes),
             dict(self._settings),
@@ -249,12 +279,28 @@ class CaptureSession:
 
 
 _ABSENT = object()
+_LINK = "_ctxreplay_link"  # on each wrapper: (its cell, what it replaced)
+
+
+def _skip_closed(fn: Any) -> Any:
+    """What ``fn`` stands for once closed sessions' wrappers are dropped: a
+    session closed while another wrapped on top of it left its wrapper as a
+    pass-through, which the top one's close unwinds too."""
+    while fn is not _ABSENT:
+        link = getattr(fn, "__dict__", {}).get(_LINK)
+        # functools.wraps copies __dict__: a link is ours only on its own wrapper
+        if link is None or len(link[0]) < 2 or link[0][1] is not fn or link[0][0] is not None:
+            break
+        fn = link[1]
+    return fn
 
 
 def _make_wrapper(orig: Callable[..., Any], mod: nn.Module, scope: Scope, cell: list[Any],
                   observer: Observer, profile: bool) -> Callable[..., Any]:
     table = scope.variants
-    memo: list[Any] = [None, None, None]  # last (snapshot, key, variant)
+    # The last hit as ONE tuple, read and replaced atomically: threads with
+    # different contexts must never pair one hit's snapshot with another's variant.
+    memo: list[Any] = [(None, None, None)]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         session = cell[0]
@@ -273,12 +319,13 @@ def _make_wrapper(orig: Callable[..., Any], mod: nn.Module, scope: Scope, cell: 
             else:
                 snap = observer()
             sig = call_key(args, kwargs)
-            if snap is memo[0] and sig == memo[1]:
-                variant = memo[2]
+            last = memo[0]
+            if snap is last[0] and sig == last[1]:
+                variant = last[2]
             else:
                 variant = table.get((snap, sig))
                 if variant is not None:
-                    memo[:] = (snap, sig, variant)
+                    memo[0] = (snap, sig, variant)
         except Exception as exc:  # observation must never disturb the forward
             session._observation_error("observe", exc)
             return orig(*args, **kwargs)

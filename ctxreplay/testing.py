@@ -212,6 +212,29 @@ class _Checker:
             finally:
                 self.expect_outside(label, check)
 
+    def expect_switch_seen(self, label: str, current: Any, new: Any) -> None:
+        """While ``current`` holds, ``watch(current)`` must hold; and replaying
+        ``new`` must trip GlobalStateGuard or one of those getters, else a
+        snapshot cached for ``current`` would be reused under ``new``."""
+        try:
+            checks = tuple(self.probe.watch(current))
+        except Exception as exc:
+            self.fail(label, "watch()", f"raised {type(exc).__name__}: {exc}")
+        for getter, expected in checks:
+            got = getter()
+            if got != expected:
+                self.fail(label, "watch() while its state is current",
+                          f"{getter!r}() returned {got!r}, watch() expected {expected!r}")
+        guard = GlobalStateGuard()
+        with self.replay(label, new):
+            if guard.check() and all(g() == e for g, e in checks):
+                self.fail(label, "the switch is visible to a cached snapshot",
+                          f"from {_describe(self.probe, current)} to "
+                          f"{_describe(self.probe, new)} neither GlobalStateGuard nor "
+                          "watch() sees a change, so a snapshot cached before the switch "
+                          "would be reused; watch() must list the getters the guard "
+                          "is blind to")
+
     def replay(self, label: str, state: Any) -> AbstractContextManager[None]:
         try:
             return self.probe.replay(state)
@@ -245,6 +268,12 @@ def check_probe(
     5. if ``probe.portable``: ``decode(encode(state))`` through
        ``json.dumps``/``json.loads`` equals the state; otherwise ``encode``
        raises ``NotPortableError``;
+
+    6. ``watch(state)``'s getters return their expected values while the
+       state is current, and switching from the state before to this one --
+       and between any two different given states -- trips
+       ``GlobalStateGuard`` or one of those getters (so a cached snapshot
+       is never reused for a different state);
 
     then nested replays of every ordered pair of states (also with the inner
     body raising) and sequential replays of all of them restore correctly;
@@ -298,11 +327,16 @@ def check_probe(
 
         _check_encoding(c, label, state)
 
+    for label, state in zip(labels, states, strict=True):
+        c.expect_switch_seen(f"{label} replayed from the state before", outside, state)
+
     for i, a in enumerate(states):
         for j, b in enumerate(states):
             pair = f"{labels[j]} nested in {labels[i]}"
             with c.no_leak(pair, "nested replay"), c.replay(pair, a):
                 c.expect(pair, "outer replay", a)
+                if a != b:
+                    c.expect_switch_seen(pair, a, b)
                 with c.replay(pair, b):
                     c.expect(pair, "inner replay", b)
                 c.expect(pair, "outer state after the inner replay exits", a)

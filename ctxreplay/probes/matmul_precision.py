@@ -54,6 +54,7 @@ _FLAGS = _flags()
 _FIELD_NAMES = tuple(f for f, _, _, _ in _FLAGS)
 _PRECISIONS = {"highest", "high", "medium"}
 _cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: True)
+_precision = torch._C._get_float32_matmul_precision
 # the guard's one blind spot here, by position in the state's flags
 _CUDNN_INDEX = _FIELD_NAMES.index("cudnn_tf32") if "cudnn_tf32" in _FIELD_NAMES else -1
 
@@ -85,9 +86,16 @@ class MatmulPrecisionProbe(ContextProbe[MatmulPrecisionState]):
 
     def watch(self, state: MatmulPrecisionState
               ) -> tuple[tuple[Callable[[], object], object], ...]:
+        # The guard sees the precision only as cuBLAS allow_tf32, which "high"
+        # and "medium" both set: a switch between them is a blind spot.  From
+        # "highest" (allow_tf32 off) any switch trips the guard, so the common
+        # state pays nothing (the getter costs ~0.1 us).
+        prec: tuple[tuple[Callable[[], object], object], ...] = (
+            () if state.float32_matmul_precision == "highest"
+            else ((_precision, state.float32_matmul_precision),))
         if _CUDNN_INDEX < 0:
-            return ()
-        return ((_cudnn_tf32, state.flags[_CUDNN_INDEX][1]),)
+            return prec
+        return (*prec, (_cudnn_tf32, state.flags[_CUDNN_INDEX][1]))
 
     def replay(self, state: MatmulPrecisionState) -> AbstractContextManager[None]:
         return _replay(state, self.observe)

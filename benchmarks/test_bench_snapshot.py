@@ -1,0 +1,75 @@
+"""How much a snapshot of the default probes costs next to torch's own
+``GlobalStateGuard()`` (DESIGN.md facts 8 and 14: target <= 5x).
+
+``make bench`` runs these with pytest-benchmark; under ``--benchmark-disable``
+each benchmark runs once, so the suite stays fast.  Speed is printed, never
+asserted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import timeit
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import pytest
+import torch
+from torch._C._dynamo.guards import GlobalStateGuard
+
+import ctxreplay
+
+AMBIENT: dict[str, Callable[[], AbstractContextManager[Any]]] = {
+    "neutral": nullcontext,
+    "cpu-bf16-autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+}
+
+
+@pytest.fixture(params=sorted(AMBIENT))
+def ambient(request: pytest.FixtureRequest) -> Iterator[str]:
+    with AMBIENT[request.param]():
+        yield request.param
+
+
+def test_bench_snapshot(benchmark: Any, ambient: str) -> None:
+    expected = ctxreplay.snapshot(ctxreplay.default_probes())  # fresh, uncached
+    snap = benchmark(ctxreplay.snapshot)
+    assert snap == expected
+    assert bool(snap["autocast"].enabled) == (ambient != "neutral")
+
+
+def test_bench_snapshot_uncached(benchmark: Any, ambient: str) -> None:
+    names = ctxreplay.default_probes()
+    snap = benchmark(ctxreplay.snapshot, names)  # a new observer each call: no cache
+    assert snap == ctxreplay.snapshot()
+
+
+def test_bench_global_state_guard(benchmark: Any, ambient: str) -> None:
+    guard = benchmark(GlobalStateGuard)
+    assert guard.check()
+
+
+def _median_per_call(timers: dict[str, timeit.Timer], number: int,
+                     rounds: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {k: [] for k in timers}
+    for _ in range(rounds):  # interleaved, so drift affects both alike
+        for k, t in timers.items():
+            samples[k].append(t.timeit(number) / number)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def test_snapshot_to_guard_ratio(benchmark: Any, ambient: str) -> None:
+    """Side by side, interleaved: the ratio is what matters, not either time.
+    Runs through ``benchmark.pedantic`` (once) so ``--benchmark-only`` keeps it."""
+    ctxreplay.snapshot()  # warm the cached observer
+    timers = {"snapshot": timeit.Timer(ctxreplay.snapshot),
+              "guard": timeit.Timer(GlobalStateGuard)}
+    medians = benchmark.pedantic(_median_per_call, args=(timers, 2000, 15),
+                                 rounds=1, iterations=1)
+    ratio = medians["snapshot"] / medians["guard"]
+    benchmark.extra_info["snapshot_to_guard_ratio"] = ratio
+    print(f"\n[{ambient}] snapshot/GlobalStateGuard ratio: {ratio:.2f} (target <= 5); "
+          f"snapshot {medians['snapshot'] * 1e6:.3f} us, "
+          f"GlobalStateGuard {medians['guard'] * 1e6:.3f} us")
+    assert ratio > 0  # measured and printed; speed is not asserted in tests

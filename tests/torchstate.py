@@ -1,0 +1,100 @@
+"""Context managers that put global torch state somewhere and put it back.
+
+Written against torch directly (not through ctxreplay), so tests that build a
+state with these and replay it with ctxreplay check one against the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TypeVar
+
+import torch
+import torch.utils.deterministic as det
+
+T = TypeVar("T")
+
+
+@contextmanager
+def setting(get: Callable[[], T], set_: Callable[[T], object], value: T) -> Iterator[None]:
+    before = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+@contextmanager
+def deterministic(enabled: bool, *, warn_only: bool = False) -> Iterator[None]:
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def fill_uninitialized_memory(value: bool) -> AbstractContextManager[None]:
+    return setting(lambda: det.fill_uninitialized_memory,
+                   lambda v: setattr(det, "fill_uninitialized_memory", v), value)
+
+
+def default_dtype(dtype: torch.dtype) -> AbstractContextManager[None]:
+    return setting(torch.get_default_dtype, torch.set_default_dtype, dtype)
+
+
+def matmul_precision(precision: str) -> AbstractContextManager[None]:
+    return setting(torch.get_float32_matmul_precision, torch.set_float32_matmul_precision,
+                   precision)
+
+
+def cudnn_allow_tf32(value: bool) -> AbstractContextManager[None]:
+    return setting(torch._C._get_cudnn_allow_tf32, torch._C._set_cudnn_allow_tf32, value)
+
+
+def cublas_fp16_reduced_precision(value: bool) -> AbstractContextManager[None]:
+    """Since torch 2.9 the flag is a pair ``(allow_reduced_precision, allow_splitk)``;
+    ``allow_splitk=False`` is only allowed with reduced precision off."""
+    get = torch._C._get_cublas_allow_fp16_reduced_precision_reduction
+    set_ = torch._C._set_cublas_allow_fp16_reduced_precision_reduction
+    if isinstance(get(), tuple):
+        return setting(get, lambda v: set_(*v), (value, value))
+    return setting(get, set_, value)
+
+
+def autocast_cache(enabled: bool) -> AbstractContextManager[None]:
+    return setting(torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled, enabled)
+
+
+@contextmanager
+def raw_autocast(device: str, dtype: torch.dtype) -> Iterator[None]:
+    """Autocast for a device this build cannot run (``torch.autocast`` refuses
+    CUDA on a CPU build), through the raw per-device setters."""
+    before = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, before[0])
+        torch.set_autocast_dtype(device, before[1])
+
+
+@contextmanager
+def inference_with_grad() -> Iterator[None]:
+    with torch.inference_mode(), torch.enable_grad():
+        yield
+
+
+@contextmanager
+def rng_after_draws(seed: int, draws: int = 3) -> Iterator[None]:
+    """A generator state reached by seeding and drawing; the caller's state is
+    restored on exit."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(draws):
+            torch.rand(7)
+        yield
