@@ -16,7 +16,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml examples/ctxreplay_example_probe/pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,docs]" "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,docs,models]" "$(TORCH_SPEC)"
 	$(PIP) install -q -e examples/ctxreplay_example_probe "$(TORCH_SPEC)"
 	touch $(STAMP)
 
@@ -26,9 +26,14 @@ demo: setup
 	$(VENV)/bin/ctxreplay demo
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests benchmarks --benchmark-disable
+	$(PY) -m pytest -q -p no:cacheprovider tests examples/ctxreplay_example_probe/tests benchmarks --benchmark-disable
 	$(PY) -m mypy --strict ctxreplay
 	$(PY) -m ruff check ctxreplay tests benchmarks examples
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
+
+# The documentation site (into site/, git-ignored); every API page comes from docstrings.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: setup
 	$(PY) -m pytest -q -p no:cacheprovider benchmarks --benchmark-only -s

@@ -7,7 +7,9 @@ and replay it when the graph is captured later.
 from __future__ import annotations
 
 from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
+from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sidecar
 from .backends import Backend, BackendError
+from .explain import CaptureExplanation, Explanation, ProbeEffect
 from .probe import ContextProbe, NotPortableError
 from .probes import ContextVarProbe, ForwardContextProbe
 from .registry import (
@@ -27,6 +29,13 @@ from .snapshot import ContextSnapshot, ProbeDiff, snapshot
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArtifactError",
+    "ArtifactSidecar",
+    "CaptureExplanation",
+    "Explanation",
+    "ProbeEffect",
+    "SavedArtifact",
+    "load_sidecar",
     "Backend",
     "BackendError",
     "Capture",

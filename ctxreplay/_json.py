@@ -8,6 +8,7 @@ a fixed table, a device is parsed by ``torch.device`` from a bounded string.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,8 @@ __all__ = [
     "DTYPES",
     "JSONValue",
     "dtype_name",
+    "key_path",
+    "loads",
     "read_bool",
     "read_device",
     "read_dtype",
@@ -47,6 +50,48 @@ def _fail(path: str, expected: str, value: object) -> ValueError:
     return ValueError(f"{path}: expected {expected}, got {type(value).__name__}")
 
 
+MAX_DOCUMENT = 64 << 20  # characters
+
+
+def loads(text: str | bytes, path: str = "$", *, source: str = "") -> Any:
+    """Parse JSON text; anything that is not a JSON document -- bad syntax,
+    bytes that are not UTF-8, an integer literal too long to convert, nesting
+    too deep for the parser (a ``RecursionError``) -- raises ``ValueError``
+    naming ``path`` (and ``source``, e.g. the file, after it)."""
+    where = f" in {source}" if source else ""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a JSON document (not UTF-8 text){where}") from None
+    if not isinstance(text, str):
+        raise _fail(path, "JSON text", text)
+    if len(text) > MAX_DOCUMENT:
+        raise ValueError(f"{path}: document longer than {MAX_DOCUMENT} characters{where}")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path}: not a JSON document (nested too deeply){where}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a JSON document ({exc.msg} at line {exc.lineno} "
+                         f"column {exc.colno}){where}") from None
+    except ValueError as exc:  # e.g. an integer literal past sys.get_int_max_str_digits()
+        raise ValueError(f"{path}: not a JSON document ({type(exc).__name__}){where}") \
+            from None
+
+
+def key_path(path: str, key: object) -> str:
+    """``path.key`` for an identifier of at most 128 characters, else
+    ``path[<bounded repr>]``: an untrusted key never makes an error message
+    long or multi-line."""
+    if isinstance(key, str) and len(key) <= 128 and key.isidentifier():
+        return f"{path}.{key}"
+    if not isinstance(key, str):
+        return f"{path}[<{type(key).__name__}>]"
+    shown = repr(key[:40]) + ("..." if len(key) > 40 else "")
+    return f"{path}[{shown}]"
+
+
 def read_mapping(value: object, path: str, *, keys: set[str] | None = None,
                  required: set[str] | None = None) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
@@ -55,7 +100,8 @@ def read_mapping(value: object, path: str, *, keys: set[str] | None = None,
         if not isinstance(k, str):
             raise ValueError(f"{path}: keys must be strings, got {type(k).__name__}")
         if keys is not None and k not in keys:
-            raise ValueError(f"{path}.{k}: unknown field; expected one of {sorted(keys)}")
+            raise ValueError(f"{key_path(path, k)}: unknown field; expected one of "
+                             f"{sorted(keys)}")
     for k in sorted(required or ()):
         if k not in value:
             raise ValueError(f"{path}.{k}: missing required field")

@@ -9,11 +9,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+from ._frozen import freeze_constants
 from .backends import Backend, BackendError, classify_exception
 from .backends.base import graph_nodes
 from .passes import pin_factory_defaults
@@ -34,9 +35,20 @@ from .signature import (
 from .verify import flat_tensor_spec, verify
 
 if TYPE_CHECKING:
-    from .session import CaptureSession, Scope, Variant
+    from .session import Scope, Variant
+    from .snapshot import ContextSnapshot
 
-__all__ = ["Failed", "capture_variant"]
+__all__ = ["CaptureSettings", "Failed", "capture_variant", "recapture"]
+
+
+class CaptureSettings(Protocol):
+    """What ``capture_variant`` reads from its session."""
+
+    backend: Backend
+    replay: str
+    verify: str
+    pin_factories: bool
+    capture_timeout: float | None
 
 
 class Failed(Exception):
@@ -51,7 +63,15 @@ class _ReplayFault(Exception):
     pass
 
 
-def capture_variant(session: CaptureSession, scope: Scope, v: Variant) -> Capture:
+class _ArtifactFault(Exception):
+    """The backend returned, but no usable artifact: ``reason`` is the code."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def capture_variant(session: CaptureSettings, scope: Scope, v: Variant) -> Capture:
     t0 = time.perf_counter()
     backend = session.backend
 
@@ -66,7 +86,7 @@ def capture_variant(session: CaptureSession, scope: Scope, v: Variant) -> Captur
     if module is None:
         raise fail("module_released", None)
     try:
-        args, kwargs = materialize_call(v.inputs)
+        args, kwargs = materialize_call(freeze_constants(v.inputs))  # fresh copies
     except Exception as exc:
         raise fail("materialize_failed", exc) from None
 
@@ -107,11 +127,28 @@ def capture_variant(session: CaptureSession, scope: Scope, v: Variant) -> Captur
                 raise _ReplayFault() from exc
             with _swapped_forward(target, guarded_inside if binding == "native" else None):
                 raw = backend.capture(target, call_args, call_kwargs)
-                real, artifact = backend.resolve(raw)
-                gm = real.graph_module(artifact)
-                if session.pin_factories and gm is not None:
-                    pin_factory_defaults(gm)
-                spec = real.output_spec(artifact, call_args, call_kwargs)
+                try:  # what the backend returned must hold up, or it is no artifact
+                    real, artifact = backend.resolve(raw)
+                    if artifact is None:
+                        raise _ArtifactFault("no_artifact")
+                    gm = real.graph_module(artifact)
+                    if session.pin_factories and gm is not None:
+                        pin_factory_defaults(gm)
+                    # a fallback backend that records no embedded context
+                    # (symbolic, under auto) reads its outputs inside them
+                    unrecorded = guarded_inside is not None and not real.records_embedded
+                    with guarded_inside() if guarded_inside and unrecorded else nullcontext():
+                        spec = real.output_spec(artifact, call_args, call_kwargs)
+                except _ArtifactFault:
+                    raise
+                except Exception as exc:
+                    code = classify_exception(exc)
+                    raise _ArtifactFault("bad_artifact" if code == "trace_error" else code) \
+                        from exc
+            try:  # a replay that fails while restoring is a replay fault too
+                stack.close()
+            except Exception as exc:
+                raise _ReplayFault() from exc
             return artifact, spec, real
 
     try:
@@ -120,6 +157,8 @@ def capture_variant(session: CaptureSession, scope: Scope, v: Variant) -> Captur
         raise fail("timeout", None, backend.last_attempts) from None
     except _ReplayFault as exc:
         raise fail("replay_failed", exc.__cause__) from None
+    except _ArtifactFault as exc:
+        raise fail(exc.reason, exc.__cause__, backend.last_attempts) from None
     except BackendError as exc:
         if faults:
             raise fail("replay_failed", faults[0], exc.attempts) from None
@@ -129,13 +168,15 @@ def capture_variant(session: CaptureSession, scope: Scope, v: Variant) -> Captur
             raise fail("replay_failed", faults[0], backend.last_attempts) from None
         raise fail(classify_exception(exc), exc, backend.last_attempts) from None
 
+    if embedded and not real.records_embedded:  # the artifact carries none of them
+        embedded, ambient = (), v.snapshot.names
     pinned = tuple(p.name for p in v.snapshot.probes if session.pin_factories and p.pinnable)
     carried = tuple(n for n in embedded if n not in ambient) + pinned
     applied = () if session.replay == "off" else v.snapshot.names
 
     def execute() -> Any:
         # outside any replay, on fresh inputs: proves the artifact is self-contained
-        a, k = materialize_call(v.inputs)
+        a, k = materialize_call(freeze_constants(v.inputs))
         if binding == "flattened":
             a, k = tuple(_tensor_leaf_values(v.inputs, a, k)), {}
         return real.run(artifact, a, k)
@@ -149,8 +190,12 @@ def capture_variant(session: CaptureSession, scope: Scope, v: Variant) -> Captur
     except Exception as exc:
         raise fail("verify_failed", exc) from None
 
-    gm = real.graph_module(artifact)
-    ops = _ops(gm) if gm is not None else ()
+    try:
+        gm = real.graph_module(artifact)
+        ops = _ops(gm) if gm is not None else ()
+        fingerprint = _fingerprint(ops, v.inputs, v.snapshot.to_json(), real.name)
+    except Exception as exc:
+        raise fail("bad_artifact", exc) from None
     ambient_only = tuple(
         n for n, p, s in zip(v.snapshot.names, v.snapshot.probes, v.snapshot.states)
         if (n in ambient or n not in embedded) and n not in pinned and not _neutral(p, s))
@@ -159,11 +204,39 @@ def capture_variant(session: CaptureSession, scope: Scope, v: Variant) -> Captur
         signature=v.inputs, outputs=v.outputs, graph_outputs=captured_spec,
         snapshot=v.snapshot, calls=v.calls,
         backend=real.name, artifact=artifact, fidelity=fidelity,
-        fingerprint=_fingerprint(ops, v.inputs, v.snapshot.to_json(), real.name),
+        fingerprint=fingerprint,
         embedded=embedded, ambient_only=ambient_only, binding=binding,
         constants=constants, attempts=backend.last_attempts,
         seconds=time.perf_counter() - t0, ops=ops,
     )
+
+
+class _Settings:
+    __slots__ = ("backend", "capture_timeout", "pin_factories", "replay", "verify")
+
+    def __init__(self, backend: Backend, replay: str, verify: str, pin_factories: bool,
+                 capture_timeout: float | None) -> None:
+        self.backend = backend
+        self.replay = replay
+        self.verify = verify
+        self.pin_factories = pin_factories
+        self.capture_timeout = capture_timeout
+
+
+def recapture(capture: Capture, module: nn.Module, snapshot: ContextSnapshot, *,
+              backend: Backend, replay: str = "embedded", verify: str = "off",
+              pin_factories: bool = True, capture_timeout: float | None = None) -> Capture:
+    """Capture ``capture``'s variant again from its recorded specs, on
+    ``module``, under ``snapshot`` (e.g. ``capture.snapshot.without(name)``).
+
+    Raises :class:`Failed` carrying the ``CaptureFailure``.
+    """
+    from .session import Scope, Variant  # the engine imports this module
+
+    scope = Scope(capture.scope, (), list(capture.members))
+    variant = Variant(capture.variant, snapshot, capture.signature, module, capture.outputs)
+    settings = _Settings(backend, replay, verify, pin_factories, capture_timeout)
+    return capture_variant(settings, scope, variant)
 
 
 # -- helpers ---------------------------------------------------------------------
@@ -266,8 +339,9 @@ class _Flattened(nn.Module):
         def take(_spec: TensorSpec) -> torch.Tensor:
             return next(it)
 
-        args = tuple(materialize(s, tensor_factory=take) for s in self._inputs.args)
-        kwargs = {k: materialize(s, tensor_factory=take) for k, s in self._inputs.kwargs}
+        inputs = freeze_constants(self._inputs)  # each trace mutates its own copies
+        args = tuple(materialize(s, tensor_factory=take) for s in inputs.args)
+        kwargs = {k: materialize(s, tensor_factory=take) for k, s in inputs.kwargs}
         with self._inside() if self._inside is not None else ExitStack():
             out = self.inner(*args, **kwargs)
         if self._flatten_out:
@@ -363,7 +437,16 @@ def _run(job: Callable[[], Any], timeout: float | None) -> Any:
     The replay is entered inside ``job``, so thread-local state (grad mode,
     autocast) is established in the thread that traces.  A timed-out worker
     cannot be killed; it is abandoned as a daemon and its replay context
-    unwinds when the backend eventually returns."""
+    unwinds when the backend eventually returns.  Until then its
+    process-global replays (default dtype, determinism, matmul precision) are
+    in force, so ``finalize()``'s safety net (``_baseline.Baseline``) puts
+    back the state finalize began with before the next variant and before it
+    returns.  The worker's late restore writes back what it found on entry --
+    that same state -- so it changes nothing, unless the caller has changed
+    those globals meanwhile (or a later variant of the same finalize is being
+    captured under other process-global states at that moment: that capture
+    may then see them undone).  A ``KeyboardInterrupt`` raised in the worker
+    is re-raised here."""
     if timeout is None:
         return job()
     box: dict[str, Any] = {}

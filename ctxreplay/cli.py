@@ -45,6 +45,28 @@ def _demo(ns: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _explain(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .explain import Explanation
+
+    try:
+        doc = json.loads(Path(ns.report).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ns.report}: not a JSON document ({exc.msg})") from None
+    try:
+        explanation = Explanation.from_report_json(doc)
+    except ValueError as exc:
+        raise ValueError(f"{ns.report}: {exc}") from None
+    if not explanation.captures:
+        print(f"ctxreplay: {ns.report} holds no explain results; compute them with "
+              "report.explain(model) before report.save() (ctxreplay demo --json does)",
+              file=sys.stderr)
+        return 1
+    print(explanation.table())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ctxreplay", description="Faithful deferred graph capture for PyTorch.")
@@ -60,6 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the metadata-only report")
     p.add_argument("--depth", type=int, default=6, help="number of blocks")
     p.set_defaults(func=_demo)
+    p = sub.add_parser("explain", help="print which probes changed each captured graph, "
+                                       "from a report written with explain results")
+    p.add_argument("report", metavar="REPORT.json", help="a report written by report.save() "
+                   "(e.g. ctxreplay demo --json PATH)")
+    p.set_defaults(func=_explain)
     ns = parser.parse_args(argv)
     try:
         return int(ns.func(ns))

@@ -68,8 +68,14 @@ def _dtype(spec: Any) -> str:
 
 
 def run_demo(*, depth: int = 6, dim: int = 64, shapes: tuple[tuple[int, int], ...] = (
-        (1, 16), (2, 32)), verbose: bool = True) -> tuple[CaptureReport, CaptureReport, bool]:
-    """Run the demo; returns (ctxreplay report, no-replay baseline report, ok)."""
+        (1, 16), (2, 32)), verbose: bool = True,
+        explain: bool = True) -> tuple[CaptureReport, CaptureReport, bool]:
+    """Run the demo; returns (ctxreplay report, no-replay baseline report, ok).
+
+    ``ok`` is false when any capture failed or disagrees with its live call
+    (``ctxreplay demo`` then exits non-zero).  ``explain`` also works out
+    which probes changed each graph (``report.explain(model)``); the result
+    is kept in the report."""
     # torch's own export internals warn about a deprecated pytree spelling
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     torch.manual_seed(0)
@@ -85,9 +91,10 @@ def run_demo(*, depth: int = 6, dim: int = 64, shapes: tuple[tuple[int, int], ..
             live.append(str(model(x, t).dtype).removeprefix("torch."))
     base = baseline.finalize()
     report = faithful.finalize()
+    explanation = report.explain(model) if explain else None
     by_key = {(c.scope, c.variant): c for c in base.captures}
     rows = []
-    ok = report.ok
+    ok = report.ok and bool(report.captures)
     for c in report.captures:
         b = by_key.get((c.scope, c.variant))
         shape = "x".join(str(d) for d in c.signature.args[0].shape)  # type: ignore[union-attr]
@@ -114,4 +121,7 @@ def run_demo(*, depth: int = 6, dim: int = 64, shapes: tuple[tuple[int, int], ..
               f"finalize {report.seconds:.2f} s; "
               + ("every capture matches its live call" if ok else
                  "SOME CAPTURES DISAGREE WITH THE LIVE CALL"))
+        if explanation is not None:
+            print("\nwhich probes changed the captured graphs (each left out in turn):")
+            print(explanation.table())
     return report, base, ok

@@ -57,6 +57,7 @@ class ProbeInfo:
 
     @property
     def loaded(self) -> bool:
+        """Whether the probe is usable (its entry point, if any, loaded)."""
         return self.error is None
 
 

@@ -266,16 +266,21 @@ class CaptureSession:
         return report
 
     def _release(self) -> None:
+        interrupt: BaseException | None = None
         for p in self.probes:
             try:
                 p.clear()
             except Exception as exc:
                 self._observation_error("clear", exc)
+            except BaseException as exc:  # a Ctrl-C: the rest still let go, then it goes on
+                interrupt = interrupt or exc
         for scope in self._scopes:
             for v in scope.variants.values():
                 v.module = None
         self._observer.invalidate()
         self._state = "finalized"
+        if interrupt is not None:
+            raise interrupt
 
 
 _ABSENT = object()

@@ -251,21 +251,47 @@ def call_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 # -- materialising --------------------------------------------------------------
 
+_generators: dict[str, torch.Generator] = {}
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """A private generator per device: materialising example inputs must not
+    move the user's global random state."""
+    key = str(device)
+    gen = _generators.get(key)
+    if gen is None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(0)
+        _generators[key] = gen
+    return gen
+
+
 def _tensor(spec: TensorSpec, fill: str) -> Tensor:
-    if spec.stride:
-        t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
+    device = torch.device(spec.device)
+    # Fill a dense base, then view it with the live strides: an expanded
+    # input (stride 0) cannot be written element by element.
+    if spec.stride and spec.shape:
+        numel = 1 + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride) if n > 0)
+        if any(n == 0 for n in spec.shape):
+            numel = 0
     else:
-        t = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
+        numel = 1
+        for n in spec.shape:
+            numel *= n
+    base = torch.empty(max(numel, 0), dtype=spec.dtype, device=device)
     with torch.no_grad():
-        if spec.dtype.is_floating_point or spec.dtype.is_complex:
-            if fill == "zeros":
-                t.zero_()
-            else:
-                t.uniform_(0.0, 1.0)  # safe for ops with a [0, 1] domain (fact 11)
-        else:
-            t.zero_()  # safe indices, false masks
+        if (spec.dtype.is_floating_point or spec.dtype.is_complex) and fill != "zeros":
+            if device.type == "meta":
+                pass
+            elif spec.dtype.is_complex:
+                base.zero_()
+            else:  # [0, 1) is safe for ops with a [0, 1] domain (fact 11)
+                base.uniform_(0.0, 1.0, generator=_generator(device))
+        elif device.type != "meta":
+            base.zero_()  # safe indices, false masks
+    t = base.as_strided(spec.shape, spec.stride) if spec.stride else base.reshape(spec.shape)
     if spec.requires_grad and (spec.dtype.is_floating_point or spec.dtype.is_complex):
-        t.requires_grad_(True)
+        t = t.detach().requires_grad_(True)
     return t
 
 
@@ -398,11 +424,16 @@ def flatten_spec(spec: Spec) -> list[Spec]:
 
 # -- JSON (metadata only) ------------------------------------------------------
 
+def _dims(dims: tuple[Any, ...]) -> list[int | str]:
+    # a symbolic dimension (a SymInt from a dynamic graph) is named, not evaluated
+    return [d if type(d) is int else str(d) for d in dims]
+
+
 def spec_to_json(spec: Spec) -> Any:
     """Metadata only: shapes, dtypes, devices and type names; never values of
     tensors, and never string contents (they may be prompts)."""
     if isinstance(spec, TensorSpec):
-        return {"tensor": {"shape": list(spec.shape), "stride": list(spec.stride),
+        return {"tensor": {"shape": _dims(spec.shape), "stride": _dims(spec.stride),
                            "dtype": dtype_name(spec.dtype), "device": spec.device,
                            "requires_grad": spec.requires_grad}}
     if isinstance(spec, ConstSpec):

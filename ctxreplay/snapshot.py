@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import attrs
 
 from . import registry
-from ._json import read_bool, read_mapping, read_str
+from ._json import key_path, read_bool, read_mapping, read_str
 from .probe import ContextProbe, NotPortableError
 
 _GlobalStateGuard: Any
@@ -68,6 +69,7 @@ class ContextSnapshot:
         return name in self.names
 
     def items(self) -> Iterator[tuple[str, Any]]:
+        """``(probe name, state)`` pairs, in replay order."""
         return zip(self.names, self.states)
 
     @property
@@ -128,12 +130,15 @@ class ContextSnapshot:
         inside_items = [(p, s) for p, s, (i, _a) in pairs if i is not None]
 
         def inside() -> ExitStack[bool | None]:
-            stack = ExitStack()
-            for p, s in inside_items:
-                cm = p.split_replay(s)[0]
-                if cm is not None:
-                    stack.enter_context(cm)
-            return stack
+            # If one probe's part fails, unwind the parts already entered now:
+            # an abandoned generator context would restore its "before" state
+            # whenever it is garbage-collected -- long after the capture.
+            with ExitStack() as stack:
+                for p, s in inside_items:
+                    cm = p.split_replay(s)[0]
+                    if cm is not None:
+                        stack.enter_context(cm)
+                return stack.pop_all()
 
         @contextmanager
         def around() -> Iterator[None]:
@@ -173,9 +178,15 @@ class ContextSnapshot:
             try:
                 if not probe.portable:
                     raise NotPortableError(name)
-                probes[name] = {"portable": True, "state": probe.encode(state)}
-            except NotPortableError:
+                data = probe.encode(state)
+                json.dumps(data, allow_nan=False)  # what is not plain JSON is not carried
+            except Exception:
+                # NotPortableError -- or an encoder that fails or returns
+                # something JSON cannot hold: that state is marked, the
+                # document (and the capture or report building it) still made.
                 probes[name] = {"portable": False, "type": type(state).__name__}
+            else:
+                probes[name] = {"portable": True, "state": data}
         return {"schema": SCHEMA, "probes": probes}
 
     @classmethod
@@ -204,9 +215,13 @@ class ContextSnapshot:
         entries = read_mapping(doc["probes"], f"{path}.probes")
         names, states, insts = [], [], []
         for name in sorted(entries):
-            where = f"{path}.probes.{name}"
+            where = key_path(f"{path}.probes", name)
             probe = given.get(name)
             if probe is None:
+                if where != f"{path}.probes.{name}":
+                    # not a name the registry can hold: refused without echoing it
+                    raise ValueError(f"{where}: unknown probe; known probes: "
+                                     f"{', '.join(sorted(registry.available_probes()))}")
                 try:
                     probe = registry.get_probe(name)
                 except registry.UnknownProbeError as exc:
@@ -218,8 +233,13 @@ class ContextSnapshot:
                     raise ValueError(f"{where}.state: missing required field")
                 try:
                     state = probe.decode(entry["state"], f"{where}.state")
-                except ValueError:
-                    raise
+                except ValueError as exc:
+                    if str(exc).startswith(path):
+                        raise
+                    # a decoder that names no path: this one, and not its text
+                    raise ValueError(
+                        f"{where}.state: could not be decoded ({type(exc).__name__})"
+                    ) from None
                 except Exception as exc:  # a probe's decoder must not leak other types
                     raise ValueError(
                         f"{where}.state: could not be decoded ({type(exc).__name__})"

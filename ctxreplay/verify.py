@@ -66,8 +66,10 @@ def verify(
         try:
             produced = spec_of(execute())
         except Exception as exc:
+            # e.g. a bfloat16 input meeting float32 weights once autocast is
+            # gone: the probes the artifact did not carry are the likely cause
             mismatches.append(Mismatch("out", "execution", "ran", type(exc).__name__,
-                                       "execute"))
+                                       "execute", hint_for(snapshot, embedded)))
         else:
             found = compare_specs(live_flat, flat_tensor_spec(produced))
             mismatches += _with_hints(found, "execute", snapshot, embedded)

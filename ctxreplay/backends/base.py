@@ -106,6 +106,8 @@ _REASONS = (
     # (substring of the exception's qualified type name, reason code)
     ("GuardOnDataDependentSymNode", "data_dependent_control_flow"),
     ("DataDependentOutputException", "data_dependent_control_flow"),
+    # an op whose output shape depends on input values (ctc_loss, lstsq)
+    ("DynamicOutputShapeException", "data_dependent_output_shape"),
     ("PendingUnbackedSymbolNotFound", "data_dependent_control_flow"),
     ("TraceError", "dynamic_python_control_flow"),
     ("Unsupported", "unsupported_graph"),

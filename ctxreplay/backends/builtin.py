@@ -76,7 +76,10 @@ class DynamoBackend(Backend):
                 kwargs: dict[str, Any]) -> Any:
         import torch._dynamo
 
-        result = torch._dynamo.export(module, aten_graph=True)(*args, **kwargs)
+        # static like torch.export: the live call ran with these exact shapes
+        # (dynamo's own default makes every dimension symbolic)
+        result = torch._dynamo.export(module, aten_graph=True,
+                                      assume_static_by_default=True)(*args, **kwargs)
         return result.graph_module
 
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -97,14 +100,30 @@ class SymbolicBackend(Backend):
 
     def output_spec(self, artifact: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Spec | None:
-        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         with torch.no_grad():
-            out = artifact(*args, **tensors)
+            out = _call_traced(artifact, args, kwargs)
         return _flat_spec(out)
 
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        return artifact(*args, **tensors)
+        return _call_traced(artifact, args, kwargs)
+
+
+def _call_traced(gm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call a symbolically traced module with every keyword argument passed by
+    position: fx renames the parameters of concrete arguments (``scale`` ->
+    ``scale_1``) and asserts their traced value, so they must be passed."""
+    import inspect
+
+    params = list(inspect.signature(gm.forward).parameters)[len(args):]
+    values = []
+    for p in params:
+        name = p if p in kwargs else p.rpartition("_")[0]
+        if name not in kwargs:
+            break
+        values.append(kwargs[name])
+    if len(values) < len(kwargs):  # not bindable by position: fall back to names
+        return gm(*args, **{k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+    return gm(*args, *values)
 
 
 def _flat_spec(value: Any) -> Spec:

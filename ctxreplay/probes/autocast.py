@@ -129,6 +129,11 @@ def _device_autocast(device: str, enabled: bool, dtype: torch.dtype | None,
                      cache: bool) -> Iterator[None]:
     """``torch.autocast`` where it accepts the state (a tracer records it);
     raw setters where it would refuse it (e.g. CUDA autocast on a CPU build)."""
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace warning filters; it records torch.autocast itself.
+        with torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache):
+            yield
+        return
     before = (_is_enabled(device), _get_dtype(device))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -30,6 +30,7 @@ class LiveState:
 
 
 UNSET = LiveState(("unset",), "unset", -1)
+NOT_RETAINED = LiveState(("not_retained",), "not retained", -1)
 
 
 class LiveValueProbe(ContextProbe[LiveState]):
@@ -77,13 +78,16 @@ class LiveValueProbe(ContextProbe[LiveState]):
         with self._lock:
             state = self._by_key.get(key)
             if state is None:
-                slot = -1
-                if len(self._held) < self._max_held:
-                    slot = self._next
-                    self._next += 1
-                    self._held[slot] = value
-                else:
+                if len(self._held) >= self._max_held:
+                    # Past max_held nothing is stored: a framework that makes a
+                    # new context every step must not grow this table without
+                    # bound.  Every value not retained is one state, which
+                    # replay refuses (one variant, not one per step).
                     self.dropped += 1
+                    return NOT_RETAINED
+                slot = self._next
+                self._next += 1
+                self._held[slot] = value
                 state = LiveState(key, type(value).__name__, slot)
                 self._by_key[key] = state
             return state

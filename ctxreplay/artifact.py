@@ -1,0 +1,474 @@
+"""Self-contained artifacts on disk: a ``.pt2`` plus a metadata-only sidecar.
+
+``Capture.save(path)`` writes ``path`` (``torch.export.save``) and
+``path + ".json"``: the snapshot the capture was replayed under and the
+input / output signatures.  ``load_sidecar`` reads the sidecar back with
+strict validation, so another process can replay the snapshot around the
+loaded program, materialise inputs for it, and check its outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from ._frozen import freeze_constants
+from ._json import (
+    loads,
+    read_bool,
+    read_device,
+    read_dtype,
+    read_int,
+    read_list,
+    read_mapping,
+    read_str,
+)
+from .backends.base import graph_nodes
+from .report import Fidelity, Mismatch
+from .signature import (
+    ConstSpec,
+    DictSpec,
+    SeqSpec,
+    Spec,
+    TensorSpec,
+    compare_specs,
+    materialize,
+    materialize_call,
+    spec_of,
+    spec_to_json,
+)
+from .snapshot import ContextSnapshot
+from .verify import flat_tensor_spec
+
+if TYPE_CHECKING:
+    from .probe import ContextProbe
+    from .report import Capture
+
+__all__ = ["SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar", "SavedArtifact",
+           "load_sidecar", "save_capture", "sidecar_path"]
+
+SIDECAR_SCHEMA = "ctxreplay.artifact/1"
+
+#: higher-order ops recorded for contexts entered inside the traced callable;
+#: ``torch.export.save`` rejects them (DESIGN.md fact 4), so they are lowered
+_WRAPPER_HOPS = frozenset({"wrap_with_autocast", "wrap_with_set_grad_enabled"})
+_SAVABLE_BACKENDS = ("export",)
+_MAX_NESTING = 64
+
+
+class ArtifactError(RuntimeError):
+    """A capture could not be saved (or a saved one could not be used).
+
+    ``reason`` is a code: ``backend_not_savable``, ``no_artifact``,
+    ``serialize_failed`` or ``not_rebuildable``.
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@attrs.frozen
+class SavedArtifact:
+    """What ``Capture.save`` wrote.
+
+    ``fidelity`` is the check of the file itself: it is loaded back,
+    executed on fresh inputs outside any replay and compared with the live
+    call (level ``"saved"``; ``checked`` is empty when the check was skipped).
+    """
+
+    path: Path
+    sidecar: Path
+    lowered: bool
+    fidelity: Fidelity
+
+
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """The sidecar written beside an artifact: ``<path>.json``."""
+    return Path(os.fspath(path) + ".json")
+
+
+# -- saving ----------------------------------------------------------------------
+
+def _has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _WRAPPER_HOPS
+               for n in graph_nodes(gm))
+
+
+def _lower(ep: Any) -> Any:
+    # run_decompositions with an empty table decomposes no op: it only
+    # re-traces, which turns the context wrappers into explicit casts.
+    return ep.run_decompositions({})
+
+
+def save_capture(capture: Capture, path: str | os.PathLike[str], *,
+                 verify: bool = True) -> SavedArtifact:
+    """Write ``capture``'s artifact to ``path`` and its sidecar beside it.
+
+    Only ``torch.export`` artifacts can be written; others raise
+    :class:`ArtifactError` naming the backend.
+
+    A program that recorded embedded contexts as wrapper higher-order ops
+    (``wrap_with_autocast``) is lowered first: ``run_decompositions({})``
+    turns them into explicit casts, which every consumer of a ``.pt2``
+    understands and older torch needs to serialise it at all (DESIGN.md
+    fact 4).  Lowering can lose a cast, though: autocast registered on a
+    composite op (``nll_loss`` under ``nll_loss_nd``, ``mkldnn_rnn_layer``
+    under ``lstm``) acts inside a decomposition the retrace never records.
+    So with ``verify`` the written file is loaded back and run on fresh
+    inputs; if the lowered program disagrees with the live call, the program
+    is written with its wrappers kept (they re-enter autocast when it runs),
+    and the result that agrees is kept.  A program without wrappers is
+    written as captured, and lowered only if the serialiser refuses it (or,
+    with ``verify``, if the file disagrees with the live call).
+    """
+    from torch.export import ExportedProgram
+
+    if capture.backend not in _SAVABLE_BACKENDS or not isinstance(capture.artifact,
+                                                                   ExportedProgram):
+        raise ArtifactError(
+            f"Capture.save: {capture.scope}#{capture.variant} was captured by the "
+            f"{capture.backend!r} backend, whose artifact cannot be written as a .pt2; "
+            f"capture with backend='export' (or 'auto' where export succeeds) to save it",
+            "backend_not_savable")
+    target = Path(os.fspath(path))
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"Capture.save: no directory {str(target.parent)!r}")
+    ep = capture.artifact
+    # (lowered?, program) in order of preference
+    if _has_wrapper_hops(ep.graph_module):
+        order = ((True, lambda: _lower(ep)), (False, lambda: ep))
+    else:
+        order = ((False, lambda: ep), (True, lambda: _lower(ep)))
+    result: tuple[bool, Any, Fidelity] | None = None
+    written: Any = None  # the program the file holds now
+    errors: list[BaseException] = []
+    for lowered, build in order:
+        try:
+            program = build()
+            torch.export.save(program, target)
+        except Exception as exc:  # the serialiser refused this form; try the next
+            errors.append(exc)
+            continue
+        written = program
+        fidelity = _check_saved(capture, target) if verify else Fidelity("saved", True, (), ())
+        if result is None or fidelity.ok:
+            result = (lowered, program, fidelity)
+        if fidelity.ok:
+            break
+    if result is None:
+        raise ArtifactError(
+            f"Capture.save: torch.export.save refused {capture.scope}#{capture.variant}, "
+            f"lowered or not ({', '.join(type(e).__name__ for e in errors)})",
+            "serialize_failed") from errors[-1]
+    lowered, program, fidelity = result
+    if program is not written:  # neither form agreed: keep the preferred one
+        torch.export.save(program, target)
+    doc = sidecar_json(capture, target, lowered=lowered, fidelity=fidelity)
+    side = sidecar_path(target)
+    side.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    return SavedArtifact(target, side, lowered, fidelity)
+
+
+def artifact_inputs(capture: Capture) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Fresh inputs in the form the capture's artifact takes them."""
+    from .capture import _tensor_leaf_values
+
+    args, kwargs = materialize_call(freeze_constants(capture.signature))
+    if capture.binding == "flattened":
+        return tuple(_tensor_leaf_values(capture.signature, args, kwargs)), {}
+    return args, kwargs
+
+
+def _check_saved(capture: Capture, target: Path) -> Fidelity:
+    if capture.outputs is None:
+        return Fidelity("saved", True, (), ())
+    try:
+        program = torch.export.load(target)
+        args, kwargs = artifact_inputs(capture)
+        produced = spec_of(program.module()(*args, **kwargs))
+    except Exception as exc:
+        return Fidelity("saved", False, (Mismatch("out", "execution", "ran",
+                                                  type(exc).__name__, "saved"),), ("saved",))
+    found = compare_specs(flat_tensor_spec(capture.outputs), flat_tensor_spec(produced))
+    hint = None
+    if found and capture.ambient_only:
+        hint = "not carried by the artifact: " + ", ".join(capture.ambient_only)
+    return Fidelity("saved", not found, tuple(Mismatch.of(m, "saved", hint) for m in found),
+                    ("saved",))
+
+
+def sidecar_json(capture: Capture, artifact: Path, *, lowered: bool,
+                 fidelity: Fidelity) -> dict[str, Any]:
+    """The sidecar document: metadata only (no tensor values, no source)."""
+    leaves = [[p, spec_to_json(s)] for p, s in capture.signature.leaves()]
+    return {
+        "schema": SIDECAR_SCHEMA,
+        "artifact": artifact.name,
+        "torch": str(torch.__version__),
+        "scope": capture.scope,
+        "variant": capture.variant,
+        "backend": capture.backend,
+        "binding": capture.binding,
+        "fingerprint": capture.fingerprint,
+        "lowered": lowered,
+        "embedded": list(capture.embedded),
+        "ambient_only": list(capture.ambient_only),
+        "snapshot": capture.snapshot.to_json(),
+        "context": capture.snapshot.describe(),
+        "inputs": {"args": [spec_to_json(s) for s in capture.signature.args],
+                   "kwargs": [[k, spec_to_json(s)] for k, s in capture.signature.kwargs],
+                   "leaves": leaves},
+        "outputs": None if capture.outputs is None else spec_to_json(capture.outputs),
+        "output_leaves": None if capture.outputs is None else [
+            spec_to_json(s) for s in flat_tensor_spec(capture.outputs).items],
+        "fidelity": capture.fidelity.to_json(),
+        "saved_fidelity": fidelity.to_json(),
+    }
+
+
+# -- loading ---------------------------------------------------------------------
+
+class _Opaque:
+    """A signature node JSON cannot rebuild (a namedtuple, a dataclass, an
+    object, a constant whose value was not recorded)."""
+
+    __slots__ = ("kind", "where")
+
+    def __init__(self, kind: str, where: str) -> None:
+        self.kind = kind
+        self.where = where
+
+
+_Node = Any  # Spec | _Opaque, nested
+
+
+@attrs.frozen(eq=False)
+class ArtifactSidecar:
+    """A sidecar read back by :func:`load_sidecar`.
+
+    ``snapshot`` is the context the capture was replayed under (replay it
+    around the loaded program with ``snapshot.replay()``; the program
+    already carries ``embedded`` itself).  ``inputs`` are the tensor leaves
+    of the captured call as ``(path, TensorSpec)``, ``outputs`` the live
+    call's output leaves: the signatures, never values.
+    """
+
+    path: Path
+    artifact: Path
+    scope: str
+    variant: int
+    backend: str
+    binding: str
+    fingerprint: str
+    torch_version: str
+    lowered: bool
+    embedded: tuple[str, ...]
+    ambient_only: tuple[str, ...]
+    snapshot: ContextSnapshot
+    inputs: tuple[tuple[str, TensorSpec], ...]
+    outputs: tuple[TensorSpec, ...] | None
+    document: Mapping[str, Any] = attrs.field(repr=False)
+    _args: tuple[_Node, ...] = attrs.field(repr=False, alias="args")
+    _kwargs: tuple[tuple[str, _Node], ...] = attrs.field(repr=False, alias="kwargs")
+
+    def load_program(self) -> Any:
+        """``torch.export.load`` of the artifact beside this sidecar."""
+        return torch.export.load(self.artifact)
+
+    def example_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Fresh ``(args, kwargs)`` for ``program.module()``: floats uniform in
+        [0, 1), integers zero (DESIGN.md fact 11).  A flattened capture takes
+        its tensor leaves positionally.  Raises :class:`ArtifactError` when the
+        signature holds a value JSON cannot rebuild."""
+        if self.binding == "flattened":
+            return tuple(materialize(s) for _, s in self.inputs), {}
+        args = tuple(materialize(_buildable(a)) for a in self._args)
+        kwargs = {k: materialize(_buildable(v)) for k, v in self._kwargs}
+        return args, kwargs
+
+    def check(self, outputs: Any) -> tuple[Mismatch, ...]:
+        """Differences between ``outputs`` (of the loaded program) and the live
+        call's outputs, leaf by leaf; empty when they agree."""
+        if self.outputs is None:
+            return ()
+        live = SeqSpec(list, tuple(self.outputs))
+        found = compare_specs(live, flat_tensor_spec(spec_of(outputs)))
+        return tuple(Mismatch.of(m, "saved", None) for m in found)
+
+
+def _buildable(node: _Node) -> Spec:
+    if isinstance(node, _Opaque):
+        raise ArtifactError(f"{node.where}: a {node.kind} cannot be rebuilt from the sidecar; "
+                            "build this argument yourself", "not_rebuildable")
+    if isinstance(node, SeqSpec):
+        return SeqSpec(node.kind, tuple(_buildable(s) for s in node.items))
+    if isinstance(node, DictSpec):
+        return DictSpec(node.kind, node.keys, tuple(_buildable(s) for s in node.values))
+    result: Spec = node
+    return result
+
+
+_SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "binding",
+                 "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
+                 "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity"}
+_REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered"}
+
+
+def load_sidecar(path: str | os.PathLike[str],
+                 probes: Mapping[str, ContextProbe[Any]] | None = None) -> ArtifactSidecar:
+    """Read the sidecar of an artifact written by ``Capture.save``.
+
+    ``path`` is the ``.pt2`` or its ``.json`` sidecar.  Every field is
+    validated; malformed input raises ``ValueError`` naming the path inside
+    the document.  ``probes`` supplies instances for probe names the registry
+    does not hold (as in :meth:`ContextSnapshot.from_json`).
+    """
+    given = Path(os.fspath(path))
+    side = given if given.suffix == ".json" and not given.name.endswith(".pt2") \
+        else sidecar_path(given)
+    data = loads(side.read_bytes(), "$", source=str(side))
+    doc = read_mapping(data, "$", keys=_SIDECAR_KEYS, required=_REQUIRED)
+    schema = read_str(doc["schema"], "$.schema")
+    if schema != SIDECAR_SCHEMA:
+        raise ValueError(f"$.schema: unsupported schema {schema!r}; expected {SIDECAR_SCHEMA!r}")
+    name = read_str(doc["artifact"], "$.artifact", max_len=1024)
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise ValueError(f"$.artifact: {name!r} must be a bare file name")
+    snap = ContextSnapshot.from_json(doc["snapshot"], probes, path="$.snapshot")
+    inputs = read_mapping(doc["inputs"], "$.inputs", keys={"args", "kwargs", "leaves"},
+                          required={"args", "kwargs", "leaves"})
+    args = tuple(_read_spec(a, f"$.inputs.args[{i}]", 0)
+                 for i, a in enumerate(read_list(inputs["args"], "$.inputs.args")))
+    kwargs = []
+    for i, item in enumerate(read_list(inputs["kwargs"], "$.inputs.kwargs")):
+        where = f"$.inputs.kwargs[{i}]"
+        pair = read_list(item, where, max_len=2)
+        if len(pair) != 2:
+            raise ValueError(f"{where}: expected [name, spec]")
+        kwargs.append((read_str(pair[0], f"{where}[0]"), _read_spec(pair[1], f"{where}[1]", 0)))
+    leaves = []
+    for i, item in enumerate(read_list(inputs["leaves"], "$.inputs.leaves")):
+        where = f"$.inputs.leaves[{i}]"
+        pair = read_list(item, where, max_len=2)
+        if len(pair) != 2:
+            raise ValueError(f"{where}: expected [path, tensor spec]")
+        leaves.append((read_str(pair[0], f"{where}[0]", max_len=4096),
+                       _read_tensor(pair[1], f"{where}[1]")))
+    outputs = None
+    if doc["output_leaves"] is not None:
+        outputs = tuple(_read_tensor(s, f"$.output_leaves[{i}]") for i, s in
+                        enumerate(read_list(doc["output_leaves"], "$.output_leaves")))
+    if doc["outputs"] is not None:
+        _read_spec(doc["outputs"], "$.outputs", 0)
+    return ArtifactSidecar(
+        path=side,
+        artifact=side.parent / name,
+        scope=read_str(doc["scope"], "$.scope", max_len=4096),
+        variant=read_int(doc["variant"], "$.variant", lo=0),
+        backend=read_str(doc["backend"], "$.backend"),
+        binding=read_str(doc["binding"], "$.binding", choices={"native", "flattened"}),
+        fingerprint=read_str(doc["fingerprint"], "$.fingerprint"),
+        torch_version=read_str(doc.get("torch", "?"), "$.torch"),
+        lowered=read_bool(doc.get("lowered", False), "$.lowered"),
+        embedded=_read_names(doc["embedded"], "$.embedded"),
+        ambient_only=_read_names(doc["ambient_only"], "$.ambient_only"),
+        snapshot=snap,
+        inputs=tuple(leaves),
+        outputs=outputs,
+        document=doc,
+        args=args,
+        kwargs=tuple(kwargs),
+    )
+
+
+def _read_names(value: object, path: str) -> tuple[str, ...]:
+    return tuple(read_str(v, f"{path}[{i}]") for i, v in enumerate(read_list(value, path)))
+
+
+def _read_tensor(value: object, path: str) -> TensorSpec:
+    outer = read_mapping(value, path, keys={"tensor"}, required={"tensor"})
+    where = f"{path}.tensor"
+    t = read_mapping(outer["tensor"], where,
+                     keys={"shape", "stride", "dtype", "device", "requires_grad"},
+                     required={"shape", "stride", "dtype", "device", "requires_grad"})
+    shape = tuple(read_int(d, f"{where}.shape[{i}]", lo=0, hi=2**40)
+                  for i, d in enumerate(read_list(t["shape"], f"{where}.shape", max_len=64)))
+    stride = tuple(read_int(d, f"{where}.stride[{i}]", lo=0, hi=2**48)
+                   for i, d in enumerate(read_list(t["stride"], f"{where}.stride", max_len=64)))
+    if stride and len(stride) != len(shape):
+        raise ValueError(f"{where}.stride: {len(stride)} strides for {len(shape)} dimensions")
+    return TensorSpec(shape, stride, read_dtype(t["dtype"], f"{where}.dtype"),
+                      read_device(t["device"], f"{where}.device"),
+                      read_bool(t["requires_grad"], f"{where}.requires_grad"))
+
+
+_CONST_TYPES: dict[str, tuple[type, ...]] = {
+    "NoneType": (type(None),), "bool": (bool,), "int": (int,), "float": (int, float)}
+
+
+def _read_spec(value: object, path: str, depth: int) -> _Node:
+    """A signature node: rebuilt where JSON carries it fully (tensors, plain
+    constants, lists, tuples, dicts), validated and marked opaque otherwise."""
+    if depth > _MAX_NESTING:
+        raise ValueError(f"{path}: nesting deeper than {_MAX_NESTING} levels")
+    node = read_mapping(value, path)
+    if "tensor" in node:
+        return _read_tensor(node, path)
+    if "const" in node:
+        node = read_mapping(value, path, keys={"const", "value"}, required={"const"})
+        type_name = read_str(node["const"], f"{path}.const")
+        if "value" in node and type_name in _CONST_TYPES:
+            v = node["value"]
+            if type(v) not in _CONST_TYPES[type_name] or (type_name == "int" and
+                                                           isinstance(v, bool)):
+                raise ValueError(f"{path}.value: expected a {type_name}, got {type(v).__name__}")
+            if type_name == "float":
+                v = float(v)
+            return ConstSpec(v, type_name, (type(v), v))
+        if "value" in node and not isinstance(node["value"], str):
+            raise ValueError(f"{path}.value: expected a string, got "
+                             f"{type(node['value']).__name__}")
+        return _Opaque(f"constant of type {type_name}", path)
+    if "seq" in node:
+        node = read_mapping(value, path, keys={"seq", "items"}, required={"seq", "items"})
+        kind = read_str(node["seq"], f"{path}.seq")
+        items = tuple(_read_spec(s, f"{path}.items[{i}]", depth + 1)
+                      for i, s in enumerate(read_list(node["items"], f"{path}.items")))
+        if kind == "list":
+            return SeqSpec(list, items)
+        if kind == "tuple":
+            return SeqSpec(tuple, items)
+        return _Opaque(f"sequence of type {kind}", path)
+    if "dict" in node:
+        node = read_mapping(value, path, keys={"dict", "items"}, required={"dict", "items"})
+        kind = read_str(node["dict"], f"{path}.dict")
+        keys, values = [], []
+        for i, item in enumerate(read_list(node["items"], f"{path}.items")):
+            where = f"{path}.items[{i}]"
+            pair = read_list(item, where, max_len=2)
+            if len(pair) != 2:
+                raise ValueError(f"{where}: expected [key, spec]")
+            keys.append(read_str(pair[0], f"{where}[0]", max_len=4096))
+            values.append(_read_spec(pair[1], f"{where}[1]", depth + 1))
+        if kind == "dict":
+            return DictSpec(dict, tuple(keys), tuple(values))
+        return _Opaque(f"mapping of type {kind}", path)
+    if "object" in node:
+        node = read_mapping(value, path, keys={"object", "fields"}, required={"object", "fields"})
+        kind = read_str(node["object"], f"{path}.object")
+        for i, item in enumerate(read_list(node["fields"], f"{path}.fields")):
+            where = f"{path}.fields[{i}]"
+            pair = read_list(item, where, max_len=2)
+            if len(pair) != 2:
+                raise ValueError(f"{where}: expected [field, spec]")
+            read_str(pair[0], f"{where}[0]", max_len=4096)
+            _read_spec(pair[1], f"{where}[1]", depth + 1)
+        return _Opaque(f"object of type {kind}", path)
+    raise ValueError(f"{path}: expected one of 'tensor', 'const', 'seq', 'dict', 'object'")

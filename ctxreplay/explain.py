@@ -1,0 +1,290 @@
+"""Which probes changed a captured graph: recapture with each one left out.
+
+``report.explain(model)`` recaptures every capture of a report once per
+probe whose observed state is not neutral, with that probe's replay left
+out (``capture.snapshot.without(name)``), and compares the graphs node by
+node: ops and their dtypes.  The module must be passed again because a
+finalized session keeps no reference to it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from torch import nn
+
+from ._json import read_int, read_list, read_mapping, read_str
+from .backends import Backend, get_backend
+from .signature import Spec, TensorSpec, flatten_spec
+
+if TYPE_CHECKING:
+    from .report import Capture, CaptureReport
+
+__all__ = ["STATUSES", "CaptureExplanation", "Explanation", "ProbeEffect", "compare_ops",
+           "explain", "explain_capture"]
+
+#: ``changed``: leaving the probe out changes the graph; ``no effect``: it does
+#: not; ``neutral``: its state is what a fresh process has, so leaving it out
+#: cannot change anything and no recapture is made; ``failed``: the capture
+#: without it failed (``reason`` says why -- itself a sign the probe matters).
+STATUSES = ("changed", "no effect", "neutral", "failed")
+_BUILTIN_BACKENDS = ("export", "dynamo", "symbolic")
+
+
+@attrs.frozen
+class ProbeEffect:
+    """What leaving one probe's replay out did to one capture's graph.
+
+    ``retyped``: nodes with the same op but another dtype; ``added`` /
+    ``removed``: nodes only in the graph without the probe / only in the
+    faithful one; ``changed`` is their sum.  ``outputs``: the graph output
+    dtypes without the probe when they differ from the faithful ones.
+    """
+
+    probe: str
+    state: str
+    status: str
+    changed: int = 0
+    retyped: int = 0
+    added: int = 0
+    removed: int = 0
+    outputs: tuple[str, ...] = ()
+    live_outputs: tuple[str, ...] = ()
+    reason: str | None = None
+
+    def describe(self) -> str:
+        """One line for the table."""
+        if self.status == "neutral":
+            return "no effect (neutral state: nothing to replay)"
+        if self.status == "failed":
+            return f"capture fails without it: {self.reason}"
+        if self.status == "no effect":
+            return "no effect"
+        text = (f"{self.changed} node{'s' if self.changed != 1 else ''} changed "
+                f"({self.retyped} retyped, +{self.added}, -{self.removed})")
+        if self.outputs:
+            text += f"; outputs {','.join(self.live_outputs)} -> {','.join(self.outputs)}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {"probe": self.probe, "state": self.state, "status": self.status,
+                "changed": self.changed, "retyped": self.retyped, "added": self.added,
+                "removed": self.removed, "outputs": list(self.outputs),
+                "live_outputs": list(self.live_outputs), "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, data: object, path: str = "$") -> ProbeEffect:
+        """Strict inverse of ``to_json``; ``ValueError`` naming the path."""
+        keys = {"probe", "state", "status", "changed", "retyped", "added", "removed",
+                "outputs", "live_outputs", "reason"}
+        doc = read_mapping(data, path, keys=keys, required={"probe", "state", "status"})
+        counts = {k: read_int(doc.get(k, 0), f"{path}.{k}", lo=0)
+                  for k in ("changed", "retyped", "added", "removed")}
+        reason = doc.get("reason")
+        return cls(
+            read_str(doc["probe"], f"{path}.probe"),
+            read_str(doc["state"], f"{path}.state", max_len=4096),
+            read_str(doc["status"], f"{path}.status", choices=set(STATUSES)),
+            outputs=_read_names(doc.get("outputs", []), f"{path}.outputs"),
+            live_outputs=_read_names(doc.get("live_outputs", []), f"{path}.live_outputs"),
+            reason=None if reason is None else read_str(reason, f"{path}.reason"),
+            **counts,
+        )
+
+
+@attrs.frozen
+class CaptureExplanation:
+    """The probe effects of one capture."""
+
+    scope: str
+    variant: int
+    effects: tuple[ProbeEffect, ...]
+
+    @property
+    def changing(self) -> tuple[str, ...]:
+        """Probes whose absence changed (or broke) the graph."""
+        return tuple(e.probe for e in self.effects if e.status in ("changed", "failed"))
+
+    def __getitem__(self, probe: str) -> ProbeEffect:
+        for e in self.effects:
+            if e.probe == probe:
+                return e
+        raise KeyError(f"no probe {probe!r} in this explanation; it has "
+                       f"{[e.probe for e in self.effects]}")
+
+
+@attrs.frozen
+class Explanation:
+    """Probe effects for every capture of a report; ``table()`` renders them."""
+
+    captures: tuple[CaptureExplanation, ...]
+
+    def __getitem__(self, key: tuple[str, int]) -> CaptureExplanation:
+        for c in self.captures:
+            if (c.scope, c.variant) == key:
+                return c
+        raise KeyError(f"no capture {key!r}; explained: "
+                       f"{[(c.scope, c.variant) for c in self.captures]}")
+
+    def table(self, *, state_width: int = 32) -> str:
+        """A compact table: capture, probe, its state, effect."""
+        rows = [(f"{c.scope}#{c.variant}", e.probe, _clip(e.state, state_width), e.describe())
+                for c in self.captures for e in c.effects]
+        head = ("capture", "probe", "state", "effect")
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths)) + "  " + head[3]]
+        lines.append("-" * len(lines[0]))
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r[:3], widths)) + "  " + r[3]
+                  for r in rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{"scope": c.scope, "variant": c.variant,
+                 "effects": [e.to_json() for e in c.effects]} for c in self.captures]
+
+    @classmethod
+    def from_report_json(cls, data: object, path: str = "$") -> Explanation:
+        """The explanations stored in a report document (``report.to_json()``
+        after ``report.explain(model)``): each capture's ``explain`` key.
+        Captures without one are left out."""
+        doc = read_mapping(data, path)
+        out = []
+        for i, cap in enumerate(read_list(doc.get("captures", []), f"{path}.captures")):
+            where = f"{path}.captures[{i}]"
+            cap = read_mapping(cap, where)
+            if cap.get("explain") is None:
+                continue
+            effects = tuple(ProbeEffect.from_json(e, f"{where}.explain[{j}]") for j, e in
+                            enumerate(read_list(cap["explain"], f"{where}.explain")))
+            out.append(CaptureExplanation(read_str(cap.get("scope"), f"{where}.scope",
+                                                   max_len=4096),
+                                          read_int(cap.get("variant"), f"{where}.variant", lo=0),
+                                          effects))
+        return cls(tuple(out))
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _read_names(value: object, path: str) -> tuple[str, ...]:
+    return tuple(read_str(v, f"{path}[{i}]") for i, v in enumerate(read_list(value, path)))
+
+
+def _dtypes(spec: Spec | None) -> tuple[str, ...]:
+    if spec is None:
+        return ()
+    return tuple(str(s.dtype).removeprefix("torch.") for s in flatten_spec(spec)
+                 if isinstance(s, TensorSpec))
+
+
+def compare_ops(faithful: Sequence[tuple[str, str | None]],
+                other: Sequence[tuple[str, str | None]]) -> tuple[int, int, int]:
+    """``(retyped, added, removed)`` between two graphs' ``(op, dtype)`` lists,
+    aligned by op name."""
+    a = [op for op, _ in faithful]
+    b = [op for op, _ in other]
+    retyped = added = removed = 0
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            retyped += sum(faithful[i][1] != other[j][1]
+                           for i, j in zip(range(i1, i2), range(j1, j2)))
+        else:
+            removed += i2 - i1
+            added += j2 - j1
+    return retyped, added, removed
+
+
+def _module_for(model: nn.Module, capture: Capture) -> nn.Module | None:
+    for name in capture.members or ("",):
+        try:
+            return model.get_submodule(name) if name else model
+        except AttributeError:
+            continue
+    return None
+
+
+def _backend_for(capture: Capture, backend: object) -> Backend | None:
+    if backend is not None:
+        return get_backend(backend)
+    if capture.backend in _BUILTIN_BACKENDS:
+        return get_backend(capture.backend)
+    return None
+
+
+def explain_capture(capture: Capture, module: nn.Module, *, backend: object = None,
+                    replay: str = "embedded", pin_factories: bool = True,
+                    include_neutral: bool = False) -> CaptureExplanation:
+    """Probe effects for one capture; ``module`` is the module it captured.
+
+    ``backend``: ``None`` reuses the backend that made the capture (a custom
+    backend must be passed again).  ``include_neutral`` recaptures probes in
+    their neutral state too (useful when the ambient state at explain time
+    is not neutral).
+    """
+    from .capture import Failed, recapture
+
+    real = _backend_for(capture, backend)
+    effects = []
+    live = _dtypes(capture.graph_outputs)
+    for name, probe, state in zip(capture.snapshot.names, capture.snapshot.probes,
+                                  capture.snapshot.states):
+        described = capture.snapshot.describe()[name]
+        if not include_neutral and _neutral(probe, state):
+            effects.append(ProbeEffect(name, described, "neutral"))
+            continue
+        if real is None:
+            effects.append(ProbeEffect(name, described, "failed",
+                                       reason="backend_unavailable"))
+            continue
+        try:
+            other = recapture(capture, module, capture.snapshot.without(name), backend=real,
+                              replay=replay, pin_factories=pin_factories)
+        except Failed as f:
+            effects.append(ProbeEffect(name, described, "failed", reason=f.failure.reason))
+            continue
+        retyped, added, removed = compare_ops(capture.ops, other.ops)
+        outs = _dtypes(other.graph_outputs)
+        changed = retyped + added + removed
+        status = "changed" if changed or outs != live else "no effect"
+        effects.append(ProbeEffect(name, described, status, changed, retyped, added, removed,
+                                   outs if outs != live else (),
+                                   live if outs != live else ()))
+    return CaptureExplanation(capture.scope, capture.variant, tuple(effects))
+
+
+def explain(report: CaptureReport, model: nn.Module, *, backend: object = None,
+            include_neutral: bool = False) -> Explanation:
+    """Probe effects for every capture of ``report``; ``model`` is the module
+    that was passed to ``capture_with``.  Results are stored on the report,
+    so ``report.to_json()`` carries them under each capture's ``explain``."""
+    settings: Mapping[str, Any] = report.settings
+    replay = str(settings.get("replay", "embedded"))
+    pin = bool(settings.get("pin_factories", True))
+    out = []
+    for c in report.captures:
+        module = _module_for(model, c)
+        if module is None:
+            effects = tuple(ProbeEffect(n, d, "failed", reason="module_not_found")
+                            for n, d in c.snapshot.describe().items())
+            ce = CaptureExplanation(c.scope, c.variant, effects)
+        else:
+            ce = explain_capture(c, module, backend=backend, replay=replay,
+                                 pin_factories=pin, include_neutral=include_neutral)
+        report.explanations[(c.scope, c.variant)] = ce
+        out.append(ce)
+    return Explanation(tuple(out))
+
+
+def _neutral(probe: Any, state: Any) -> bool:
+    try:
+        return bool(probe.neutral(state))
+    except Exception:
+        return False

@@ -1,0 +1,265 @@
+"""Concurrency: many threads observing at once, sessions that cross threads,
+and overlapping sessions on one model.
+
+Autocast and grad mode are thread-local; the variant table, the observer's
+cache and the wrapper's memo are shared by every thread calling the module.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import pytest
+import torch
+from metadata_check import assert_metadata_only
+from torch import nn
+
+import ctxreplay
+
+THREADS = 4
+CALLS = 500  # per thread
+
+
+@contextmanager
+def _fast_switching() -> Iterator[None]:
+    """Switch threads as often as the interpreter allows, so races show."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+def _context(i: int) -> AbstractContextManager[Any]:
+    """A different (thread-local) context per thread."""
+    stack = ExitStack()
+    if i == 1:
+        stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    elif i == 2:
+        stack.enter_context(torch.no_grad())
+    elif i == 3:
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.autocast("cpu", dtype=torch.float16))
+    return stack
+
+
+def _expected_state(i: int) -> tuple[tuple[tuple[str, torch.dtype], ...], bool, bool]:
+    autocast = {1: (("cpu", torch.bfloat16),), 3: (("cpu", torch.float16),)}.get(i, ())
+    return autocast, i not in (2, 3), i == 3
+
+
+def _shapes(i: int) -> tuple[int, int]:
+    return 2 + 2 * i, 3 + 2 * i  # two variants per thread, distinct across threads
+
+
+def test_many_threads_observe_at_once_and_every_call_is_counted() -> None:
+    model = Net()
+    errors: list[BaseException] = []
+    start = threading.Barrier(THREADS)
+    inputs = {i: [torch.rand(b, 8) for b in _shapes(i)] for i in range(THREADS)}
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            with _context(i):
+                for n in range(CALLS):
+                    model(inputs[i][n % 2])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with ctxreplay.capture_with(model, max_variants=2 * THREADS,
+                                backend="symbolic") as session, _fast_switching():
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    [scope] = session.scopes
+    variants = list(scope.variants.values())
+    assert len(variants) == 2 * THREADS, "a variant was lost or duplicated"
+    assert sum(v.calls for v in variants) == THREADS * CALLS
+    seen = set()
+    for v in variants:
+        batch = v.inputs.args[0].shape[0]  # type: ignore[union-attr]
+        i = next(i for i in range(THREADS) if batch in _shapes(i))
+        autocast, grad, inference = _expected_state(i)
+        assert v.snapshot["autocast"].enabled == autocast, (i, v.snapshot.describe())
+        assert v.snapshot["grad_mode"].grad_enabled == grad, (i, v.snapshot.describe())
+        assert v.snapshot["grad_mode"].inference_mode == inference
+        assert v.calls == CALLS // 2, (i, batch, v.calls)
+        seen.add((i, batch))
+    assert len(seen) == 2 * THREADS
+    assert session._observation_errors == {}
+
+    report = session.finalize()
+    assert sum(c.calls for c in report.captures) == THREADS * CALLS
+    assert report.failures == ()
+    print(f"\nthreads x calls: {THREADS} x {CALLS} = {THREADS * CALLS}, "
+          f"variants: {len(report.captures)}")
+    assert_metadata_only(report.to_json())
+
+
+def test_threads_share_one_variant_and_count_exactly() -> None:
+    """Same context, same shape from every thread: one variant, no lost count."""
+    model = Net()
+    x = torch.rand(2, 8)
+    start = threading.Barrier(THREADS)
+
+    def work() -> None:
+        start.wait()
+        for _ in range(CALLS):
+            model(x)
+
+    with ctxreplay.capture_with(model, backend="symbolic") as session, _fast_switching():
+        threads = [threading.Thread(target=work) for _ in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    [(_, v)] = session.variants
+    assert v.calls == THREADS * CALLS
+    session.finalize()
+
+
+def _in_thread(fn: Callable[[], Any]) -> Any:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_session_created_in_one_thread_used_and_finalized_in_others() -> None:
+    model = Net()
+    session = _in_thread(lambda: ctxreplay.capture_with(model, backend="symbolic"))
+
+    def use() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.rand(2, 8))
+        model(torch.rand(2, 8))
+
+    _in_thread(use)
+    model(torch.rand(2, 8))  # and from the main thread
+    report = _in_thread(session.finalize)
+    assert "forward" not in model.__dict__
+    assert sorted((bool(c.snapshot["autocast"].enabled), c.calls) for c in report.captures) \
+        == [(False, 2), (True, 1)]
+    assert report.ok
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return x
+
+
+@pytest.mark.parametrize("close_first", ["whole", "blocks"])
+def test_overlapping_sessions_do_not_interfere(close_first: str) -> None:
+    model = Stack()
+    originals = {name: m.forward for name, m in model.named_modules()}
+    x = torch.rand(2, 8)
+    expected = model(x)
+    whole = ctxreplay.capture_with(model, backend="symbolic")
+    blocks = ctxreplay.capture_with(model, targets="repeated", backend="symbolic")
+    n = 7
+    for i in range(n):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if i % 2 else nullcontext():
+            out = model(x)
+            if not i % 2:
+                assert torch.equal(out, expected)
+    first, second = (whole, blocks) if close_first == "whole" else (blocks, whole)
+    first.close()
+    model(x)  # counted by the still-open session only
+    second.close()
+    model(x)  # counted by neither
+
+    for name, m in model.named_modules():
+        assert "forward" not in m.__dict__, f"{name or 'root'}: forward not restored"
+        assert m.forward == originals[name]
+    extra = {"whole": 0, "blocks": 1} if close_first == "whole" else {"whole": 1, "blocks": 0}
+    plain = (n + 1) // 2
+    w = {bool(v.snapshot["autocast"].enabled): v.calls for _, v in whole.variants}
+    assert w == {False: plain + extra["whole"], True: n // 2}
+    [scope] = blocks.scopes
+    assert scope.members == ["blocks.0", "blocks.1", "blocks.2"]
+    # the first block sees x, the others a float32 (or under autocast bf16)
+    # output that requires grad: two variants per context
+    assert len(blocks.variants) == 4
+    assert sum(v.calls for _, v in blocks.variants) == 3 * (n + extra["blocks"])
+    rw, rb = whole.finalize(), blocks.finalize()
+    assert rw.failures == () and rb.failures == ()
+
+
+@pytest.mark.parametrize("close_first", ["a", "b"])
+def test_two_sessions_on_the_same_module_unwind_completely(close_first: str) -> None:
+    model = Net()
+    x = torch.rand(2, 8)
+    a = ctxreplay.capture_with(model, backend="symbolic")
+    b = ctxreplay.capture_with(model, backend="symbolic")
+    model(x)
+    model(x)
+    (a if close_first == "a" else b).close()
+    model(x)
+    (b if close_first == "a" else a).close()
+    model(x)
+    assert "forward" not in model.__dict__, "a dead wrapper was left on the module"
+    counts = {"a": a.variants[0][1].calls, "b": b.variants[0][1].calls}
+    assert counts == ({"a": 2, "b": 3} if close_first == "a" else {"a": 3, "b": 2})
+    a.finalize()
+    b.finalize()
+
+
+def test_a_third_party_wrapper_between_two_sessions_is_kept() -> None:
+    """Unwinding a closed session's pass-through wrapper never removes another
+    tool's wrapper, even one that copied our wrapper's attributes (functools.wraps)."""
+    import functools
+
+    model = Net()
+    a = ctxreplay.capture_with(model, backend="symbolic")
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def tool(*args: Any, **kwargs: Any) -> Any:
+        return inner(*args, **kwargs)
+
+    model.forward = tool  # type: ignore[method-assign]
+    b = ctxreplay.capture_with(model, backend="symbolic")
+    model(torch.rand(2, 8))
+    a.close()
+    b.close()
+    assert model.__dict__["forward"] is tool
+    model(torch.rand(2, 8))  # a's wrapper passes straight through
+    assert [v.calls for _, v in a.variants] == [1]
+    assert [v.calls for _, v in b.variants] == [1]
+    del model.forward
+    a.finalize()
+    b.finalize()

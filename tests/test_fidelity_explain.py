@@ -1,0 +1,177 @@
+"""report.explain(model): which probes changed each captured graph, kept in
+the report JSON, and printed by ``ctxreplay explain REPORT.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from metadata_check import assert_metadata_only
+from torch import nn
+from torchstate import default_dtype
+
+import ctxreplay
+from ctxreplay.cli import main
+from ctxreplay.demo import TinyDiT
+from ctxreplay.explain import Explanation, ProbeEffect, compare_ops
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def explained() -> tuple[ctxreplay.CaptureReport, ctxreplay.Explanation]:
+    torch.manual_seed(0)
+    model = TinyDiT(dim=32, depth=2, heads=4).eval()
+    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session, \
+            torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        model(torch.rand(1, 8, 32), torch.full((1,), 500.0))
+    report = session.finalize()
+    return report, report.explain(model)
+
+
+def test_autocast_changes_the_graph_and_determinism_does_not(
+        explained: tuple[ctxreplay.CaptureReport, ctxreplay.Explanation]) -> None:
+    report, explanation = explained
+    (ce,) = explanation.captures
+    assert (ce.scope, ce.variant) == ("blocks.0", 0)
+    auto = ce["autocast"]
+    assert auto.status == "changed" and auto.changed > 0 and auto.retyped > 0
+    assert auto.changed == auto.retyped + auto.added + auto.removed
+    assert auto.live_outputs == ("bfloat16",) and auto.outputs == ("float32",)
+    assert ce["determinism"].status == "neutral" and ce["determinism"].changed == 0
+    assert ce["grad_mode"].status == "no effect"  # inference mode: same ops either way
+    assert ce.changing == ("autocast",)
+    assert {e.probe for e in ce.effects} == set(report.captures[0].snapshot.names)
+    table = explanation.table()
+    auto_line = next(line for line in table.splitlines() if " autocast " in line)
+    assert "nodes changed" in auto_line and "bfloat16 -> float32" in auto_line
+    det_line = next(line for line in table.splitlines() if " determinism " in line)
+    assert "no effect" in det_line
+    assert str(explanation) == table
+
+
+def test_explain_results_are_stored_in_the_report_json(
+        explained: tuple[ctxreplay.CaptureReport, ctxreplay.Explanation]) -> None:
+    report, explanation = explained
+    doc = json.loads(json.dumps(report.to_json()))
+    assert_metadata_only(doc)
+    stored = doc["captures"][0]["explain"]
+    assert stored == [e.to_json() for e in explanation.captures[0].effects]
+    assert Explanation.from_report_json(doc) == explanation
+
+
+def test_probe_effect_json_is_validated() -> None:
+    good = ProbeEffect("autocast", "cpu:bfloat16", "changed", 3, 2, 1, 0).to_json()
+    assert ProbeEffect.from_json(good) == ProbeEffect("autocast", "cpu:bfloat16", "changed",
+                                                      3, 2, 1, 0)
+    with pytest.raises(ValueError, match=r"^\$\.status"):
+        ProbeEffect.from_json({**good, "status": "maybe"})
+    with pytest.raises(ValueError, match=r"^\$\.changed"):
+        ProbeEffect.from_json({**good, "changed": -1})
+    with pytest.raises(ValueError, match=r"^\$\.extra"):
+        ProbeEffect.from_json({**good, "extra": 1})
+
+
+def test_compare_ops_aligns_by_op_and_counts_retyped_nodes() -> None:
+    a = [("aten.linear.default", "bfloat16"), ("aten.relu.default", "bfloat16")]
+    b = [("aten.linear.default", "float32"), ("aten.relu.default", "float32"),
+         ("aten.add.Tensor", "float32")]
+    assert compare_ops(a, b) == (2, 1, 0)
+    assert compare_ops(a, a) == (0, 0, 0)
+
+
+class OnesPlus(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones(3) + x
+
+
+def test_explain_finds_the_default_dtype() -> None:
+    model = OnesPlus()
+    with ctxreplay.capture_with(model, backend="export") as session, \
+            default_dtype(torch.float64):
+        model(torch.rand(3, dtype=torch.float32))
+    report = session.finalize()
+    (ce,) = report.explain(model).captures
+    assert ce["default_dtype"].status == "changed"
+    assert ce["default_dtype"].outputs == ("float32",)
+    assert ce["autocast"].status == "neutral"
+
+
+class Lin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x)
+        return out
+
+
+class Custom:
+    name = "mine"
+
+    def capture(self, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        return torch.export.export(module, args, kwargs or None, strict=False)
+
+
+def test_explain_needs_a_custom_backend_passed_again() -> None:
+    model = Lin()
+    with ctxreplay.capture_with(model, backend=Custom()) as session, \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.rand(2, 4))
+    report = session.finalize()
+    (ce,) = report.explain(model).captures
+    assert ce["autocast"].status == "failed" and ce["autocast"].reason == "backend_unavailable"
+    (ce,) = report.explain(model, backend=Custom()).captures
+    assert ce["autocast"].status == "changed"
+
+
+def test_explain_with_the_wrong_model_says_module_not_found() -> None:
+    model = nn.Sequential(nn.ModuleList([Lin(), Lin()]))
+    with ctxreplay.capture_with(model, targets="repeated") as session, \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        for block in model[0]:
+            block(torch.rand(2, 4))
+    report = session.finalize()
+    (ce,) = report.explain(Lin()).captures
+    assert {e.status for e in ce.effects} == {"failed"}
+    assert {e.reason for e in ce.effects} == {"module_not_found"}
+
+
+def test_cli_explain_on_the_demo_report(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "report.json"
+    assert main(["demo", "--depth", "2", "--json", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["capture", "probe", "state", "effect"]
+    autocast = [line for line in lines if line.split()[1:2] == ["autocast"]]
+    determinism = [line for line in lines if line.split()[1:2] == ["determinism"]]
+    assert len(autocast) == 2 and all("nodes changed" in line for line in autocast)
+    assert len(determinism) == 2 and all("no effect" in line for line in determinism)
+
+
+def test_cli_explain_without_results_or_on_bad_input(
+        explained: tuple[ctxreplay.CaptureReport, ctxreplay.Explanation], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    report, _ = explained
+    doc = report.to_json()
+    for c in doc["captures"]:
+        c.pop("explain", None)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(doc))
+    assert main(["explain", str(bare)]) == 1
+    assert "no explain results" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    doc["captures"][0]["explain"] = [{"probe": "autocast", "state": "x", "status": "odd"}]
+    bad.write_text(json.dumps(doc))
+    assert main(["explain", str(bad)]) == 2
+    assert "$.captures[0].explain[0].status" in capsys.readouterr().err
+    (tmp_path / "junk.json").write_text("{")
+    assert main(["explain", str(tmp_path / "junk.json")]) == 2
