@@ -29,7 +29,7 @@ from ._json import (
     read_mapping,
     read_str,
 )
-from .backends.base import graph_nodes
+from .backends.builtin import has_wrapper_hops, lower_wrappers
 from .report import Fidelity, Mismatch
 from .signature import (
     ConstSpec,
@@ -55,9 +55,6 @@ __all__ = ["SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar", "SavedArtifact"
 
 SIDECAR_SCHEMA = "ctxreplay.artifact/1"
 
-#: higher-order ops recorded for contexts entered inside the traced callable;
-#: ``torch.export.save`` rejects them (DESIGN.md fact 4), so they are lowered
-_WRAPPER_HOPS = frozenset({"wrap_with_autocast", "wrap_with_set_grad_enabled"})
 _SAVABLE_BACKENDS = ("export",)
 _MAX_NESTING = 64
 
@@ -96,17 +93,6 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
 
 # -- saving ----------------------------------------------------------------------
 
-def _has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _WRAPPER_HOPS
-               for n in graph_nodes(gm))
-
-
-def _lower(ep: Any) -> Any:
-    # run_decompositions with an empty table decomposes no op: it only
-    # re-traces, which turns the context wrappers into explicit casts.
-    return ep.run_decompositions({})
-
-
 def save_capture(capture: Capture, path: str | os.PathLike[str], *,
                  verify: bool = True) -> SavedArtifact:
     """Write ``capture``'s artifact to ``path`` and its sidecar beside it.
@@ -142,10 +128,10 @@ def save_capture(capture: Capture, path: str | os.PathLike[str], *,
         raise FileNotFoundError(f"Capture.save: no directory {str(target.parent)!r}")
     ep = capture.artifact
     # (lowered?, program) in order of preference
-    if _has_wrapper_hops(ep.graph_module):
-        order = ((True, lambda: _lower(ep)), (False, lambda: ep))
+    if has_wrapper_hops(ep.graph_module):
+        order = ((True, lambda: lower_wrappers(ep)), (False, lambda: ep))
     else:
-        order = ((False, lambda: ep), (True, lambda: _lower(ep)))
+        order = ((False, lambda: ep), (True, lambda: lower_wrappers(ep)))
     result: tuple[bool, Any, Fidelity] | None = None
     written: Any = None  # the program the file holds now
     errors: list[BaseException] = []

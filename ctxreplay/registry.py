@@ -254,10 +254,10 @@ def _load_entry_points() -> None:
                     ProbeRegistrationWarning,
                     stacklevel=3,
                 )
-                if ep.name not in _probes:
-                    _broken[ep.name] = ProbeInfo(
-                        ep.name, "", False, "entry_point", dist, error
-                    )
+                # A name already taken (a duplicate) is listed under
+                # "name@distribution", so the working probe keeps its name.
+                key = ep.name if ep.name not in _probes else f"{ep.name}@{dist or '?'}"
+                _broken[key] = ProbeInfo(ep.name, "", False, "entry_point", dist, error)
 
 
 def _reset_entry_points_for_tests() -> None:

@@ -266,10 +266,41 @@ def _generator(device: torch.device) -> torch.Generator:
     return gen
 
 
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether every element has its own storage slot and none is skipped."""
+    expected = 1
+    for n, s in sorted(zip(shape, stride), key=lambda p: p[1]):
+        if n == 1:
+            continue
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _fill(t: Tensor, dtype: torch.dtype, device: torch.device, fill: str) -> None:
+    if device.type == "meta":
+        return
+    with torch.no_grad():
+        if dtype.is_floating_point and fill != "zeros":
+            # [0, 1) is safe for ops with a [0, 1] domain (fact 11)
+            t.uniform_(0.0, 1.0, generator=_generator(device))
+        else:
+            t.zero_()  # safe indices, false masks; complex zeros
+
+
 def _tensor(spec: TensorSpec, fill: str) -> Tensor:
     device = torch.device(spec.device)
-    # Fill a dense base, then view it with the live strides: an expanded
-    # input (stride 0) cannot be written element by element.
+    if len(spec.stride) == len(spec.shape) and _dense(spec.shape, spec.stride):
+        # A plain tensor with the live strides: an input that is a view of a
+        # larger base makes export fakify the base too, a third slower.
+        t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=device)
+        _fill(t, spec.dtype, device, fill)
+        if spec.requires_grad and (spec.dtype.is_floating_point or spec.dtype.is_complex):
+            t.requires_grad_(True)
+        return t
+    # Overlapping strides (an expanded input, stride 0) cannot be written
+    # element by element: fill a dense base and view it with those strides.
     if spec.stride and spec.shape:
         numel = 1 + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride) if n > 0)
         if any(n == 0 for n in spec.shape):
@@ -279,16 +310,7 @@ def _tensor(spec: TensorSpec, fill: str) -> Tensor:
         for n in spec.shape:
             numel *= n
     base = torch.empty(max(numel, 0), dtype=spec.dtype, device=device)
-    with torch.no_grad():
-        if (spec.dtype.is_floating_point or spec.dtype.is_complex) and fill != "zeros":
-            if device.type == "meta":
-                pass
-            elif spec.dtype.is_complex:
-                base.zero_()
-            else:  # [0, 1) is safe for ops with a [0, 1] domain (fact 11)
-                base.uniform_(0.0, 1.0, generator=_generator(device))
-        elif device.type != "meta":
-            base.zero_()  # safe indices, false masks
+    _fill(base, spec.dtype, device, fill)
     t = base.as_strided(spec.shape, spec.stride) if spec.stride else base.reshape(spec.shape)
     if spec.requires_grad and (spec.dtype.is_floating_point or spec.dtype.is_complex):
         t = t.detach().requires_grad_(True)

@@ -315,7 +315,8 @@ def test_broken_entry_points_warn_and_everything_else_works(fake_dist: MakeDist)
     # The broken ones are listed with their error and cannot be used.
     errors = {n: info[n].error or "" for n in info if not info[n].loaded}
     assert set(errors) == {"fake_import_error", "fake_raising_import", "fake_not_a_probe",
-                           "fake_missing_attr", "fake_mismatch"}
+                           "fake_missing_attr", "fake_mismatch", "autocast@fake-pkg"}
+    assert "already registered" in errors["autocast@fake-pkg"]
     assert errors["fake_import_error"].startswith("ModuleNotFoundError")
     assert errors["fake_raising_import"] == "RuntimeError: boom at import"
     assert errors["fake_not_a_probe"].startswith("TypeError") and \
@@ -326,10 +327,12 @@ def test_broken_entry_points_warn_and_everything_else_works(fake_dist: MakeDist)
         assert info[name].origin == "entry_point"
         assert info[name].distribution == "fake-pkg"
         assert not info[name].default
-        with pytest.raises(ctxreplay.UnknownProbeError):
-            ctxreplay.get_probe(name)
+        if "@" not in name:
+            with pytest.raises(ctxreplay.UnknownProbeError):
+                ctxreplay.get_probe(name)
 
-    # A duplicate of a built-in name leaves the built-in in place.
+    # A duplicate of a built-in name leaves the built-in in place, and is
+    # listed under name@distribution with its error.
     assert info["autocast"].origin == "builtin" and info["autocast"].loaded
     assert type(ctxreplay.get_probe("autocast")) is AutocastProbe
 
@@ -352,6 +355,8 @@ def test_the_same_name_from_two_distributions_registers_once(fake_dist: MakeDist
     with pytest.warns(ctxreplay.ProbeRegistrationWarning, match="already registered"):
         info = ctxreplay.available_probes()
     assert info["fake_good"].loaded
+    dupes = [n for n in info if n.startswith("fake_good@")]
+    assert len(dupes) == 1 and "already registered" in (info[dupes[0]].error or "")
     assert info["fake_good"].distribution in {"fake-one", "fake-two"}
 
 

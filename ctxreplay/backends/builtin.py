@@ -7,11 +7,14 @@ from typing import Any
 import torch
 
 from ..signature import SeqSpec, Spec, spec_of
-from .base import Backend, BackendError, classify_exception
+from .base import Backend, BackendError, classify_exception, graph_nodes
 
-__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend", "lower_wrappers"]
+__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend", "WRAPPER_HOPS",
+           "has_wrapper_hops", "lower_wrappers"]
 
-_WRAPPER_HOPS = ("wrap_with_autocast", "wrap_with_set_grad_enabled")
+#: higher-order ops export records for contexts entered inside the traced
+#: callable; torch.export.save rejected them on older torch (DESIGN.md fact 4)
+WRAPPER_HOPS = frozenset({"wrap_with_autocast", "wrap_with_set_grad_enabled"})
 
 
 class ExportBackend(Backend):
@@ -56,14 +59,17 @@ class ExportBackend(Backend):
 def lower_wrappers(ep: Any) -> Any:
     """An ExportedProgram with context-wrapper higher-order ops lowered to
     explicit casts (or the same program when it has none)."""
-    if _has_wrapper_hops(ep.graph_module):
+    if has_wrapper_hops(ep.graph_module):
+        # an empty table decomposes no op: it only re-traces, which turns
+        # the context wrappers into explicit casts
         return ep.run_decompositions({})
     return ep
 
 
-def _has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _WRAPPER_HOPS
-               for n in gm.graph.nodes)
+def has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` (or a graph nested in it) holds a context-wrapper HOP."""
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in WRAPPER_HOPS
+               for n in graph_nodes(gm))
 
 
 class DynamoBackend(Backend):
