@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -140,12 +142,41 @@ def _holds_tensor(obj: object) -> bool:
                and isinstance(v[0], Tensor)) for v in d.values())
 
 
-def _const_key(value: object) -> Any:
+# callables, classes, modules: the same only when they are the same object
+_BY_IDENTITY = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type,
+                types.ModuleType, torch.nn.Module, functools.partial)
+
+
+def _attr_key(value: object) -> Any:
     t = type(value)
     if t in _PRIMITIVES:
         return (t, value)
     if isinstance(value, enum.Enum):
         return (t, value.name)
+    if t in (tuple, list, dict):
+        return (t, len(value))  # type: ignore[arg-type]
+    return (t,)
+
+
+def _const_key(value: object) -> Any:
+    """Equality key of a constant argument.
+
+    A plain object that compares by identity (the default ``__eq__``) is
+    keyed by its class and its own scalar attributes instead (nested objects
+    and containers count by type and length only), so a framework that builds
+    a fresh metadata object every step does not make every call a new
+    variant, and a cache that fills layer by layer stays one variant.
+    """
+    t = type(value)
+    if t in _PRIMITIVES:
+        return (t, value)
+    if isinstance(value, enum.Enum):
+        return (t, value.name)
+    if getattr(t, "__eq__", None) is object.__eq__ \
+            and not isinstance(value, _BY_IDENTITY):
+        state = getattr(value, "__dict__", None)
+        if isinstance(state, dict) and len(state) <= 64:
+            return (t, tuple((k, _attr_key(v)) for k, v in state.items()))
     try:
         hash(value)
         return (t, value)
@@ -379,16 +410,18 @@ class SpecMismatch:
 
 
 def compare_specs(live: Spec, captured: Spec, path: str = "out", *,
-                  requires_grad: bool = True) -> list[SpecMismatch]:
+                  requires_grad: bool = True,
+                  free_dims: dict[str, frozenset[int]] | None = None) -> list[SpecMismatch]:
     """Structured differences (dtype, shape, device, requires_grad, nesting).
 
     ``requires_grad``: report a live output that required grad where the
     captured one does not (autograd was lost).  The reverse is not a
     mismatch: an artifact run with grad enabled may track what a live
     no-grad call did not.  ``False`` skips the field: traced graph metadata
-    is functional and says nothing about autograd."""
+    is functional and says nothing about autograd.  ``free_dims``: per path,
+    dimensions not compared (those the captured graph left symbolic)."""
     out: list[SpecMismatch] = []
-    _compare(live, captured, path, out, requires_grad)
+    _compare(live, captured, path, out, requires_grad, free_dims or {})
     return out
 
 
@@ -403,11 +436,34 @@ def _kind(spec: Spec) -> str:
     return f"{spec.cls.__name__}"
 
 
-def _compare(a: Spec, b: Spec, path: str, out: list[SpecMismatch], rg: bool) -> None:
+def _shapes_differ(a: tuple[Any, ...], b: tuple[Any, ...], free: frozenset[int]) -> bool:
+    if len(a) != len(b):
+        return True
+    # A symbolic dimension (data-dependent or dynamic) matches any size, and
+    # so does a dimension the captured graph declared symbolic.
+    return any(i not in free and type(x) is int and type(y) is int and x != y
+               for i, (x, y) in enumerate(zip(a, b)))
+
+
+def symbolic_dims(spec: Spec, path: str = "out") -> dict[str, frozenset[int]]:
+    """Per tensor path, the dimensions a captured spec leaves symbolic."""
+    out: dict[str, frozenset[int]] = {}
+    if isinstance(spec, TensorSpec):
+        free = frozenset(i for i, d in enumerate(spec.shape) if type(d) is not int)
+        if free:
+            out[path] = free
+        return out
+    for sub, child in _children(spec) or []:
+        out.update(symbolic_dims(child, path + sub))
+    return out
+
+
+def _compare(a: Spec, b: Spec, path: str, out: list[SpecMismatch], rg: bool,
+             free: dict[str, frozenset[int]]) -> None:
     if isinstance(a, TensorSpec) and isinstance(b, TensorSpec):
         if a.dtype != b.dtype:
             out.append(SpecMismatch(path, "dtype", dtype_name(a.dtype), dtype_name(b.dtype)))
-        if a.shape != b.shape:
+        if _shapes_differ(a.shape, b.shape, free.get(path, frozenset())):
             out.append(SpecMismatch(path, "shape", str(list(a.shape)), str(list(b.shape))))
         if torch.device(a.device).type != torch.device(b.device).type:
             out.append(SpecMismatch(path, "device", a.device, b.device))
@@ -421,7 +477,7 @@ def _compare(a: Spec, b: Spec, path: str, out: list[SpecMismatch], rg: bool) -> 
             out.append(SpecMismatch(path, "structure", _kind(a), _kind(b)))
         return
     for (sub, ca), (_, cb) in zip(la, lb):
-        _compare(ca, cb, f"{path}{sub}", out, rg)
+        _compare(ca, cb, f"{path}{sub}", out, rg, free)
 
 
 def _children(spec: Spec) -> list[tuple[str, Spec]] | None:
