@@ -59,6 +59,16 @@ _precision = torch._C._get_float32_matmul_precision
 _CUDNN_INDEX = _FIELD_NAMES.index("cudnn_tf32") if "cudnn_tf32" in _FIELD_NAMES else -1
 
 
+# torch's documented defaults (TF32 off for cuBLAS, on for cuDNN; reduced-
+# precision reductions allowed on CUDA, not on CPU) -- used only to describe
+_DEFAULT_FLAGS = {
+    "cuda_matmul_tf32": False, "cudnn_tf32": True,
+    "cuda_fp16_reduced_precision": True, "cuda_fp16_reduced_precision_split_k": True,
+    "cuda_bf16_reduced_precision": True, "cuda_bf16_reduced_precision_split_k": True,
+    "cpu_fp16_reduced_precision": False,
+}
+
+
 @attrs.frozen(cache_hash=True)
 class MatmulPrecisionState:
     float32_matmul_precision: str
@@ -121,8 +131,9 @@ class MatmulPrecisionProbe(ContextProbe[MatmulPrecisionState]):
         return MatmulPrecisionState(prec, values)
 
     def describe(self, state: MatmulPrecisionState) -> str:
-        on = [f for f, v in state.flags if v]
-        return state.float32_matmul_precision + (f" [{', '.join(on)}]" if on else "")
+        # only what differs from torch's defaults, so a neutral state reads short
+        changed = [f"{f}={v}" for f, v in state.flags if _DEFAULT_FLAGS.get(f, v) != v]
+        return state.float32_matmul_precision + (f" [{', '.join(changed)}]" if changed else "")
 
 
 def _apply(state: MatmulPrecisionState) -> None:
