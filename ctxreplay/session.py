@@ -389,7 +389,8 @@ def capture_with(module: nn.Module, *, probes: object = None, targets: object = 
 
     ``probes``: names or probe instances (``None``: the default set; an
     unknown name fails here).  ``targets``: ``None`` (the module itself),
-    ``"repeated"`` (every homogeneous ``nn.ModuleList``, grouped by
+    ``"repeated"`` (the members of every homogeneous ``nn.ModuleList``, and
+    of every ``nn.Sequential`` of two or more blocks of one class, grouped by
     structure), qualified names, or a predicate ``(name, module) -> bool``.
     ``backend``: ``"auto"``, ``"export"``, ``"dynamo"``, ``"symbolic"`` or a
     backend object.  ``replay``: ``"embedded"`` (traceable probe contexts

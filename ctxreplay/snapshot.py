@@ -256,9 +256,15 @@ def _describe(probe: ContextProbe[Any], state: Any) -> str:
     if isinstance(state, Unresolved):
         return f"<not portable: {state.state_type}>"
     try:
-        return probe.describe(state)
+        text = str(probe.describe(state))
     except Exception as exc:  # describing is for humans; never fatal
         return f"<undescribable: {type(exc).__name__}>"
+    # It lands in reports: one short line, whatever a third-party probe returns.
+    text = "".join(c if c.isprintable() else " " for c in text)
+    return text if len(text) <= _MAX_DESCRIBE else text[:_MAX_DESCRIBE - 3] + "..."
+
+
+_MAX_DESCRIBE = 80
 
 
 def _null_stack() -> AbstractContextManager[None]:

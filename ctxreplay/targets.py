@@ -22,21 +22,48 @@ def structure_key(module: nn.Module) -> tuple[Any, ...]:
     return (type(module), params, bufs)
 
 
+def _is_stack(mod: nn.Module) -> bool:
+    """A stack of repeated blocks: an ``nn.ModuleList`` whose children share
+    one class, or an ``nn.Sequential`` of two or more blocks of one class
+    (torchvision's ResNet stages, ViT's encoder layers)."""
+    if isinstance(mod, nn.ModuleList):
+        return len(mod) > 0 and len({type(m) for m in mod}) == 1
+    if type(mod) is nn.Sequential and len(mod) >= 2:
+        kinds = {type(m) for m in mod}
+        # a Sequential of plain layers (Linear, ReLU) is a block, not a stack
+        return len(kinds) == 1 and next(iter(kinds)).__module__.split(".")[:3] != [
+            "torch", "nn", "modules"]
+    return False
+
+
+def _repeated(named: dict[str, nn.Module]) -> list[tuple[str, nn.Module]]:
+    out: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []  # members already observed
+    for name, mod in named.items():
+        # Every homogeneous ModuleList counts, nested ones too (an MoE layer's
+        # experts); a Sequential stack only outside an observed member.
+        if not isinstance(mod, nn.ModuleList) and any(
+                name == t or name.startswith(t + ".") for t in taken):
+            continue
+        if _is_stack(mod):
+            members = [(f"{name}.{child}" if name else child, m)
+                       for child, m in mod.named_children()]
+            out += members
+            taken += [n for n, _ in members]
+    if not out:
+        raise ValueError("targets='repeated': the module has no stack of repeated blocks "
+                         "(an nn.ModuleList, or an nn.Sequential of two or more, whose "
+                         "children share one class)")
+    return out
+
+
 def resolve_targets(root: nn.Module, targets: object) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` pairs to observe, in module order."""
     if targets is None:
         return [("", root)]
     named = dict(root.named_modules())
     if targets == "repeated":
-        out = []
-        for name, mod in named.items():
-            if isinstance(mod, nn.ModuleList) and len(mod) > 0 and \
-                    len({type(m) for m in mod}) == 1:
-                out += [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(mod)]
-        if not out:
-            raise ValueError("targets='repeated': the module has no nn.ModuleList whose "
-                             "children share one class")
-        return out
+        return _repeated(named)
     if isinstance(targets, str):
         raise ValueError(f"targets: unknown mode {targets!r}; use None, 'repeated', a list of "
                          "qualified names or a predicate (name, module) -> bool")

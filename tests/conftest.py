@@ -1,5 +1,14 @@
-"""The leak oracle: every test must leave global torch state (and the probe
-registry) exactly as it found it."""
+"""Two oracles for every test.
+
+The leak oracle: every test must leave global torch state (and the probe
+registry) exactly as it found it.
+
+The metadata oracle: every report any test's ``finalize()`` returns (or
+attaches to the ``FidelityError`` that ``finalize(strict=True)`` raises),
+every report ``explain()`` adds to, and every sidecar ``Capture.save``
+writes is metadata only (tests/metadata_check.py); a violation fails the
+test that produced it.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +17,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.utils.deterministic as det
+from metadata_check import MetadataViolation, ReportAudit
 from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
+import ctxreplay.artifact
 from ctxreplay.testing import GlobalState, global_state, state_changes
+
+pytest_plugins = ["pytester"]  # tests/test_metadata_check.py runs the oracle on a suite
 
 
 @pytest.fixture(autouse=True)
@@ -54,3 +67,53 @@ def _restore(s: GlobalState) -> None:
         torch.set_autocast_dtype(device, dtype)
     torch.set_autocast_cache_enabled(s.autocast_cache_enabled)
     torch.set_grad_enabled(s.grad_enabled)
+
+
+# -- the metadata oracle ------------------------------------------------------------------
+
+_AUDIT = ReportAudit()
+_RAISED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _metadata_only_everywhere() -> Iterator[ReportAudit]:
+    """Session-wide, so module-scoped fixtures' reports are checked too."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ctxreplay.CaptureSession, "finalize",
+                   _AUDIT.wrap_finalize(ctxreplay.CaptureSession.finalize))
+        mp.setattr(ctxreplay.CaptureReport, "explain",
+                   _AUDIT.wrap_explain(ctxreplay.CaptureReport.explain))
+        mp.setattr(ctxreplay.artifact, "save_capture",
+                   _AUDIT.wrap_save(ctxreplay.artifact.save_capture))
+        yield _AUDIT
+
+
+@pytest.fixture(autouse=True)
+def _metadata_oracle(request: pytest.FixtureRequest,
+                     _metadata_only_everywhere: ReportAudit) -> Iterator[None]:
+    yield
+    found = _metadata_only_everywhere.reset()
+    # a violation the test raised has failed it already; one it swallowed
+    # (a broad except, a worker thread) fails it here
+    if found and not request.node.stash.get(_RAISED, False):
+        pytest.fail(f"{request.node.nodeid} produced a report that is not metadata-only:"
+                    "\n  - " + "\n  - ".join(found), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if call.excinfo is not None and call.excinfo.errisinstance(MetadataViolation):
+        item.stash[_RAISED] = True
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    counts = ", ".join(f"{n} {kind}" for kind, n in _AUDIT.counts.items())
+    terminalreporter.write_line(f"metadata oracle: {_AUDIT.reports} distinct reports checked "
+                                f"({counts}; a report is checked again after explain())")
+    leftover = _AUDIT.reset()
+    if leftover:
+        terminalreporter.write_line("metadata oracle: unattributed violations:\n  - "
+                                    + "\n  - ".join(leftover), red=True)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_metadata import check_metadata_only
+from metadata_check import assert_metadata_only
 
 import ctxreplay
 from ctxreplay.cli import main
@@ -37,7 +37,7 @@ def test_demo_writes_a_faithful_metadata_only_report(tmp_path: Path,
     assert main(["demo", "--depth", "2", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     doc = json.loads(path.read_text())
-    check_metadata_only(doc)
+    assert_metadata_only(doc)
     assert doc["schema"] == "ctxreplay.report/1"
     assert doc["ok"] is True and doc["failures"] == []
     assert len(doc["captures"]) == 2

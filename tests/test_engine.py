@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from engine_models import BF16, F32, MatmulBlock, bf16, matmul_dtypes, out_dtypes
-from helpers_metadata import finalize_checked
+from metadata_check import finalize_checked
 from torch import nn
 from torch._C._dynamo.guards import GlobalStateGuard
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from engine_models import BF16, MatmulBlock, bf16, matmul_dtypes
-from helpers_metadata import MetadataViolation, check_metadata_only, finalize_checked
+from metadata_check import MetadataViolation, assert_metadata_only, finalize_checked
 from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
@@ -268,17 +268,17 @@ def _good_doc() -> dict[str, Any]:
 ])
 def test_the_metadata_checker_rejects_non_metadata(where: str, bad: dict[str, Any]) -> None:
     doc = _good_doc()
-    check_metadata_only(doc, sentinels=[SENTINEL])
+    assert_metadata_only(doc, sentinels=[SENTINEL])
     doc[where] = {**doc[where], **bad}
     with pytest.raises(MetadataViolation):
-        check_metadata_only(doc, sentinels=[SENTINEL])
+        assert_metadata_only(doc, sentinels=[SENTINEL])
 
 
 def test_the_metadata_checker_accepts_the_library_hint_only_under_its_key() -> None:
     doc = _good_doc()
     (m,) = doc["captures"][0]["fidelity"]["mismatches"]
     assert m["hint"].startswith("not carried by the artifact:")
-    check_metadata_only(doc)
+    assert_metadata_only(doc)
     doc["settings"] = {**doc["settings"], "note": m["hint"]}
     with pytest.raises(MetadataViolation, match="prose"):
-        check_metadata_only(doc)
+        assert_metadata_only(doc)

@@ -7,11 +7,12 @@ from typing import Any
 import pytest
 import torch
 from engine_models import BF16, F32, Block, CountingExport, MatmulBlock, Stack, bf16, out_dtypes
-from helpers_metadata import finalize_checked
+from metadata_check import finalize_checked
 from torch import nn
 
 import ctxreplay
 from ctxreplay.signature import TensorSpec, flatten_spec
+from ctxreplay.targets import resolve_targets
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -270,3 +271,31 @@ def test_a_user_supplied_backend_object() -> None:
 def test_an_unknown_backend_is_refused(bad: Any) -> None:
     with pytest.raises((ValueError, TypeError), match="backend"):
         ctxreplay.capture_with(MatmulBlock(), backend=bad)
+
+
+class _Res(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x).relu()
+
+
+def test_repeated_finds_sequential_stacks_but_not_plain_layer_chains() -> None:
+    from collections import OrderedDict
+
+    model = nn.Sequential(OrderedDict([
+        ("stem", nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))),  # plain layers: a block
+        ("stage", nn.Sequential(OrderedDict([("first", _Res(8)), ("second", _Res(8))]))),
+        ("head", nn.Linear(8, 2)),
+    ]))
+    names = [n for n, _ in resolve_targets(model, "repeated")]
+    assert names == ["stage.first", "stage.second"]  # the children's real names
+    with ctxreplay.capture_with(model, targets="repeated", backend="export") as session:
+        model(torch.rand(3, 8))
+    report = session.finalize()
+    assert [(c.scope, c.members, c.calls) for c in report.captures] == [
+        ("stage.first", ("stage.first", "stage.second"), 2)]
+    with pytest.raises(ValueError, match="no stack of repeated blocks"):
+        resolve_targets(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), "repeated")
