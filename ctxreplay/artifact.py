@@ -40,6 +40,7 @@ from .signature import (
     compare_specs,
     materialize,
     materialize_call,
+    materialize_leaves,
     spec_of,
     spec_to_json,
 )
@@ -164,12 +165,9 @@ def save_capture(capture: Capture, path: str | os.PathLike[str], *,
 
 def artifact_inputs(capture: Capture) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Fresh inputs in the form the capture's artifact takes them."""
-    from .capture import _tensor_leaf_values
-
-    args, kwargs = materialize_call(freeze_constants(capture.signature))
     if capture.binding == "flattened":
-        return tuple(_tensor_leaf_values(capture.signature, args, kwargs)), {}
-    return args, kwargs
+        return materialize_leaves(capture.signature), {}
+    return materialize_call(freeze_constants(capture.signature))
 
 
 def _check_saved(capture: Capture, target: Path) -> Fidelity:

@@ -25,12 +25,11 @@ from .signature import (
     Spec,
     TensorSpec,
     _native,
-    flatten_spec,
     materialize,
     materialize_call,
-    spec_of,
+    materialize_leaves,
     spec_to_json,
-    tensor_leaves,
+    tensor_values,
 )
 from .verify import flat_tensor_spec, verify
 
@@ -113,11 +112,9 @@ def capture_variant(session: CaptureSettings, scope: Scope, v: Variant) -> Captu
         constants: tuple[str, ...] = ()
     else:
         target = _Flattened(module, v.inputs, guarded_inside, not outputs_native)
-        leaves = [(p, t) for p, t in _leaves_of(v.inputs)]
-        call_args = tuple(_tensor_leaf_values(v.inputs, args, kwargs))
+        call_args = materialize_leaves(v.inputs)
         call_kwargs = {}
         constants = tuple(p for p, s in _const_paths(v.inputs))
-        del leaves
 
     def job() -> tuple[Any, Spec | None, Backend]:
         with ExitStack() as stack:
@@ -176,9 +173,9 @@ def capture_variant(session: CaptureSettings, scope: Scope, v: Variant) -> Captu
 
     def execute() -> Any:
         # outside any replay, on fresh inputs: proves the artifact is self-contained
-        a, k = materialize_call(freeze_constants(v.inputs))
         if binding == "flattened":
-            a, k = tuple(_tensor_leaf_values(v.inputs, a, k)), {}
+            return real.run(artifact, materialize_leaves(v.inputs), {})
+        a, k = materialize_call(freeze_constants(v.inputs))
         return real.run(artifact, a, k)
 
     live = v.outputs
@@ -345,37 +342,8 @@ class _Flattened(nn.Module):
         with self._inside() if self._inside is not None else ExitStack():
             out = self.inner(*args, **kwargs)
         if self._flatten_out:
-            return tuple(_tensor_values(out))
+            return tuple(tensor_values(out))
         return out
-
-
-def _tensor_values(value: Any) -> Iterator[torch.Tensor]:
-    spec = spec_of(value)
-    del spec
-    if isinstance(value, torch.Tensor):
-        yield value
-        return
-    if isinstance(value, (list, tuple)):
-        for x in value:
-            yield from _tensor_values(x)
-    elif isinstance(value, dict):
-        for x in value.values():
-            yield from _tensor_values(x)
-    elif hasattr(value, "__dataclass_fields__"):
-        for name in value.__dataclass_fields__:
-            yield from _tensor_values(getattr(value, name))
-    elif hasattr(value, "__dict__"):
-        for x in vars(value).values():
-            yield from _tensor_values(x)
-
-
-def _leaves_of(inputs: CallSpec) -> Iterator[tuple[str, TensorSpec]]:
-    return inputs.leaves()
-
-
-def _tensor_leaf_values(inputs: CallSpec, args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    yield from _tensor_values(list(args) + [kwargs[k] for k, _ in inputs.kwargs])
 
 
 def _const_paths(inputs: CallSpec) -> Iterator[tuple[str, Spec]]:
@@ -466,6 +434,3 @@ def _run(job: Callable[[], Any], timeout: float | None) -> Any:
         raise box["error"]
     return box["value"]
 
-
-# keep names used by type checkers only
-_ = (flatten_spec, tensor_leaves)

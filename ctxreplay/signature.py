@@ -10,6 +10,7 @@ attributes is described attribute by attribute and rebuilt at finalize.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -195,7 +196,7 @@ def spec_of(value: object, _depth: int = 0) -> Spec:
         return ConstSpec(value, t.__qualname__, _const_key(value))
     if t in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
         return SeqSpec(t, tuple(spec_of(v, _depth + 1) for v in value))  # type: ignore[attr-defined]
-    if isinstance(value, dict) and t in (dict, __import__("collections").OrderedDict):
+    if isinstance(value, dict) and t in (dict, collections.OrderedDict):
         return DictSpec(t, tuple(value), tuple(spec_of(v, _depth + 1) for v in value.values()))
     if t in _pytree.SUPPORTED_NODES:
         children, context = _pytree.SUPPORTED_NODES[t].flatten_fn(value)
@@ -208,6 +209,39 @@ def spec_of(value: object, _depth: int = 0) -> Spec:
         d = vars(value)
         return ObjectSpec(t, tuple(d), tuple(spec_of(v, _depth + 1) for v in d.values()))
     return ConstSpec(value, t.__qualname__, _const_key(value))
+
+
+def tensor_values(value: object, _depth: int = 0) -> Iterator[Tensor]:
+    """The tensors inside ``value``, in the order ``spec_of`` describes them
+    (and ``tensor_leaves`` lists them)."""
+    if _depth > 64:
+        raise ValueError("value nesting deeper than 64 levels")
+    if isinstance(value, Tensor):
+        yield value
+        return
+    t = type(value)
+    if t in _PRIMITIVES or isinstance(value, enum.Enum):
+        return
+    if t in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        children: Any = value
+    elif isinstance(value, dict) and t in (dict, collections.OrderedDict):
+        children = value.values()
+    elif t in _pytree.SUPPORTED_NODES:
+        children = _pytree.SUPPORTED_NODES[t].flatten_fn(value)[0]
+    elif dataclasses.is_dataclass(value):
+        children = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif _holds_tensor(value):
+        children = vars(value).values()
+    else:
+        return
+    for child in children:
+        yield from tensor_values(child, _depth + 1)
+
+
+def materialize_leaves(call: CallSpec, *, fill: str = "uniform") -> tuple[Tensor, ...]:
+    """Fresh tensors for a call's tensor leaves, in ``CallSpec.leaves()`` order
+    (the positional inputs of a capture with ``binding="flattened"``)."""
+    return tuple(_tensor(s, fill) for _, s in call.leaves())
 
 
 def tensor_leaves(spec: Spec, path: str = "") -> Iterator[tuple[str, TensorSpec]]:

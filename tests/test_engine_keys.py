@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -75,3 +77,45 @@ def test_data_dependent_output_size_is_not_a_mismatch_but_dtype_still_is() -> No
     found = compare_specs(live, other, free_dims={"out": frozenset({0})})
     assert [m.field for m in found] == ["dtype"]
     assert [m.field for m in compare_specs(live, other)] == ["dtype", "shape"]
+
+
+class Pair:
+    """Registered with torch's pytree, flattening in the reverse of its
+    attribute order: leaves must follow the pytree, not ``__dict__``."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a = a
+        self.b = b
+
+
+@dataclasses.dataclass
+class Holder:
+    pair: Pair
+    bias: torch.Tensor
+
+
+class UsesHolder(nn.Module):
+    def forward(self, h: Holder) -> torch.Tensor:
+        return h.pair.a.sum(-1) * 2 + h.pair.b.float() + h.bias
+
+
+def test_flattened_leaves_follow_the_pytree_order_of_registered_types() -> None:
+    import torch.utils._pytree as pytree
+
+    pytree.register_pytree_node(
+        Pair, lambda p: ([p.b, p.a], None), lambda xs, _ctx: Pair(xs[1], xs[0]))
+    try:
+        model = UsesHolder()
+        h = Holder(Pair(torch.rand(3, 5), torch.arange(3)), torch.rand(3))
+        with ctxreplay.capture_with(model, backend="export", verify="execute") as session:
+            live = model(h)
+        capture = session.finalize().captures[0]
+        assert capture.binding == "flattened"
+        assert capture.fidelity.ok, capture.fidelity.mismatches
+        assert [p for p, _ in capture.signature.leaves()] == [
+            "args[0].pair.<0>", "args[0].pair.<1>", "args[0].bias"]
+        # the artifact takes the leaves in that order: b (int64), a (3x5), bias
+        out = capture.artifact.module()(torch.arange(3), torch.ones(3, 5), torch.zeros(3))
+        assert out.shape == live.shape and torch.equal(out, torch.arange(3) + 10.0)
+    finally:
+        pytree._deregister_pytree_node(Pair)
