@@ -284,6 +284,11 @@ class CaptureSession:
 
 
 _ABSENT = object()
+# True while torch.compile or torch.export traces; dynamo folds the call to a
+# constant (reading the flag it returns would make dynamo guard on it, and
+# recompile on every call).
+_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
 _LINK = "_ctxreplay_link"  # on each wrapper: (its cell, what it replaced)
 
 
@@ -309,7 +314,9 @@ def _make_wrapper(orig: Callable[..., Any], mod: nn.Module, scope: Scope, cell: 
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         session = cell[0]
-        if session is None:
+        if session is None or _compiling():
+            # Under torch.compile the check is a constant and orig is inlined:
+            # compiled regions are not observed, and get no graph break.
             return orig(*args, **kwargs)
         try:
             # Observer.__call__ inlined: this runs on every call of every
@@ -323,7 +330,11 @@ def _make_wrapper(orig: Callable[..., Any], mod: nn.Module, scope: Scope, cell: 
                         break
             else:
                 snap = observer()
-            sig = call_key(args, kwargs)
+            if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
+                x = args[0]  # call_key's own single-tensor key, without the call
+                sig = (x.dtype, x.shape, x.device, x.requires_grad)
+            else:
+                sig = call_key(args, kwargs)
             last = memo[0]
             if snap is last[0] and sig == last[1]:
                 variant = last[2]
