@@ -18,14 +18,20 @@ SIZES = (10, 100, 1000)
 
 
 def test_attach_time_linear_in_blocks(benchmark: Any, request: pytest.FixtureRequest) -> None:
+    repeats = 1 if fast(request.config) else 5
+
     def measure() -> dict[int, float]:
+        ctxreplay.capture_with(Stack(2, 4), targets="repeated").close()  # first-use costs
         per_block = {}
         for n in SIZES:
             model = Stack(n, 4)
-            t0 = time.perf_counter()
-            session = ctxreplay.capture_with(model, targets="repeated")
-            per_block[n] = (time.perf_counter() - t0) / n
-            session.close()
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                session = ctxreplay.capture_with(model, targets="repeated")
+                best = min(best, time.perf_counter() - t0)
+                session.close()
+            per_block[n] = best / n
         return per_block
 
     per_block = benchmark.pedantic(measure, rounds=1, iterations=1)

@@ -36,20 +36,25 @@ def _is_stack(mod: nn.Module) -> bool:
     return False
 
 
+def _inside(name: str, taken: set[str]) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in taken for i in range(1, len(parts) + 1))
+
+
 def _repeated(named: dict[str, nn.Module]) -> list[tuple[str, nn.Module]]:
     out: list[tuple[str, nn.Module]] = []
-    taken: list[str] = []  # members already observed
+    taken: set[str] = set()  # members already observed
     for name, mod in named.items():
         # Every homogeneous ModuleList counts, nested ones too (an MoE layer's
-        # experts); a Sequential stack only outside an observed member.
-        if not isinstance(mod, nn.ModuleList) and any(
-                name == t or name.startswith(t + ".") for t in taken):
+        # experts); a Sequential stack only outside an observed member.  The
+        # ancestors of a name are its dotted prefixes: O(depth), not O(members).
+        if not isinstance(mod, nn.ModuleList) and _inside(name, taken):
             continue
         if _is_stack(mod):
             members = [(f"{name}.{child}" if name else child, m)
                        for child, m in mod.named_children()]
             out += members
-            taken += [n for n, _ in members]
+            taken.update(n for n, _ in members)
     if not out:
         raise ValueError("targets='repeated': the module has no stack of repeated blocks "
                          "(an nn.ModuleList, or an nn.Sequential of two or more, whose "
