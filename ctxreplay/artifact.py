@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -305,6 +305,20 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered"}
 
 
+def _read_pairs(value: object, path: str, shape: str,
+                first: Callable[[object, str], Any],
+                second: Callable[[object, str], Any]) -> list[tuple[Any, Any]]:
+    """A list of two-element lists, each element read by its own reader."""
+    out = []
+    for i, item in enumerate(read_list(value, path)):
+        where = f"{path}[{i}]"
+        pair = read_list(item, where, max_len=2)
+        if len(pair) != 2:
+            raise ValueError(f"{where}: expected {shape}")
+        out.append((first(pair[0], f"{where}[0]"), second(pair[1], f"{where}[1]")))
+    return out
+
+
 def load_sidecar(path: str | os.PathLike[str],
                  probes: Mapping[str, ContextProbe[Any]] | None = None) -> ArtifactSidecar:
     """Read the sidecar of an artifact written by ``Capture.save``.
@@ -330,21 +344,11 @@ def load_sidecar(path: str | os.PathLike[str],
                           required={"args", "kwargs", "leaves"})
     args = tuple(_read_spec(a, f"$.inputs.args[{i}]", 0)
                  for i, a in enumerate(read_list(inputs["args"], "$.inputs.args")))
-    kwargs = []
-    for i, item in enumerate(read_list(inputs["kwargs"], "$.inputs.kwargs")):
-        where = f"$.inputs.kwargs[{i}]"
-        pair = read_list(item, where, max_len=2)
-        if len(pair) != 2:
-            raise ValueError(f"{where}: expected [name, spec]")
-        kwargs.append((read_str(pair[0], f"{where}[0]"), _read_spec(pair[1], f"{where}[1]", 0)))
-    leaves = []
-    for i, item in enumerate(read_list(inputs["leaves"], "$.inputs.leaves")):
-        where = f"$.inputs.leaves[{i}]"
-        pair = read_list(item, where, max_len=2)
-        if len(pair) != 2:
-            raise ValueError(f"{where}: expected [path, tensor spec]")
-        leaves.append((read_str(pair[0], f"{where}[0]", max_len=4096),
-                       _read_tensor(pair[1], f"{where}[1]")))
+    kwargs = _read_pairs(inputs["kwargs"], "$.inputs.kwargs", "[name, spec]",
+                         lambda v, p: read_str(v, p),
+                         lambda v, p: _read_spec(v, p, 0))
+    leaves = _read_pairs(inputs["leaves"], "$.inputs.leaves", "[path, tensor spec]",
+                         lambda v, p: read_str(v, p, max_len=4096), _read_tensor)
     outputs = None
     if doc["output_leaves"] is not None:
         outputs = tuple(_read_tensor(s, f"$.output_leaves[{i}]") for i, s in
