@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Generic, TypeVar
 
 __all__ = ["ContextProbe", "NotPortableError", "restoring"]
@@ -73,6 +73,25 @@ class ContextProbe(abc.ABC, Generic[S]):
         """
         return () if self.guarded else ((self.observe, state),)
 
+    def watch_forward(self, state: S) -> tuple[tuple[Callable[[], object], object], ...]:
+        """``(getter, expected)`` pairs for *process-global* state that torch's
+        guard cannot see and that changes only the numerics of kernels, never
+        the traced graph (cuDNN flags, TF32 and per-backend float32
+        precision): checked once per call of the observed model (the module
+        given to ``capture_with``) instead of on every block call, because
+        reading a dozen such flags per block would cost more than a hook pair.
+        ``capture_with(..., watch="call")`` checks them on every call.
+        Default: none.  Anything that can change a traced graph belongs in
+        ``watch``."""
+        return ()
+
+    def neutral_state(self) -> S | None:
+        """The state a fresh process observes (``None``: unknown).  Execution
+        checks run artifacts from this state -- plus only what a capture needs
+        re-established -- never from whatever the caller of ``finalize()``
+        has active."""
+        return None
+
     def split_replay(
         self, state: S
     ) -> tuple[AbstractContextManager[None] | None, AbstractContextManager[None] | None]:
@@ -116,7 +135,3 @@ def restoring(get: Callable[[], T], set_: Callable[[T], object], value: T) -> It
         yield
     finally:
         set_(before)
-
-
-def nothing() -> AbstractContextManager[None]:
-    return nullcontext()
