@@ -29,6 +29,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests examples/ctxreplay_example_probe/tests benchmarks --benchmark-disable
 	$(PY) -m mypy --strict ctxreplay
 	$(PY) -m ruff check ctxreplay tests benchmarks examples
+	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
 
 # The documentation site (into site/, git-ignored); every API page comes from docstrings.

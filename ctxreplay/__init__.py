@@ -7,11 +7,13 @@ and replay it when the graph is captured later.
 from __future__ import annotations
 
 from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
+from ._version import __version__ as __version__
 from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sidecar
 from .backends import Backend, BackendError
 from .explain import CaptureExplanation, Explanation, ProbeEffect
 from .probe import ContextProbe, NotPortableError
 from .probes import ContextVarProbe, ForwardContextProbe
+from .records import Capture, CaptureFailure, Notice, Problem
 from .registry import (
     ProbeInfo,
     ProbeRegistrationWarning,
@@ -22,11 +24,10 @@ from .registry import (
     register_probe,
     unregister_probe,
 )
-from .report import Capture, CaptureFailure, CaptureReport, Fidelity, FidelityError, Mismatch
-from .session import CaptureSession, capture_with
-from .snapshot import ContextSnapshot, ProbeDiff, snapshot
-
-__version__ = "0.1.0"
+from .report import CaptureReport, FidelityError
+from .session import CaptureSession, SessionError, capture_with
+from .snapshot import ContextSnapshot, ProbeDiff, ProbeObservationError, snapshot
+from .verify import Fidelity, Mismatch
 
 __all__ = [
     "ArtifactError",
@@ -45,6 +46,10 @@ __all__ = [
     "Fidelity",
     "FidelityError",
     "Mismatch",
+    "Notice",
+    "Problem",
+    "ProbeObservationError",
+    "SessionError",
     "capture_with",
     "ContextProbe",
     "ContextSnapshot",

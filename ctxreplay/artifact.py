@@ -13,51 +13,60 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import torch
 
-from ._frozen import freeze_constants
-from ._json import (
-    loads,
-    read_bool,
-    read_device,
-    read_dtype,
-    read_int,
-    read_list,
-    read_mapping,
-    read_str,
-)
-from .backends.builtin import has_wrapper_hops, lower_wrappers
-from .report import Fidelity, Mismatch
-from .signature import (
-    ConstSpec,
-    DictSpec,
-    SeqSpec,
-    Spec,
-    TensorSpec,
-    compare_specs,
-    materialize,
-    materialize_call,
-    materialize_leaves,
-    spec_of,
-    spec_to_json,
-)
+from ._json import loads, read_bool, read_int, read_list, read_mapping, read_str
+from .compare import compare_specs
+from .materialize import inputs_for, materialize
+from .passes import has_wrapper_hops, lower_wrappers
+from .probe import ContextProbe
+from .signature import CallSpec, SeqSpec, Spec, TensorSpec, spec_of
 from .snapshot import ContextSnapshot
-from .verify import flat_tensor_spec
+from .specjson import (
+    call_to_json,
+    resolve_opaque,
+    spec_from_json,
+    spec_to_json,
+    tensor_from_json,
+)
+from .verify import Fidelity, Mismatch, flat_tensor_spec, neutral_replay
 
-if TYPE_CHECKING:
-    from .probe import ContextProbe
-    from .report import Capture
-
-__all__ = ["SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar", "SavedArtifact",
-           "load_sidecar", "save_capture", "sidecar_path"]
+__all__ = ["SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar", "SavableCapture",
+           "SavedArtifact", "artifact_inputs", "load_sidecar", "save_capture", "sidecar_path"]
 
 SIDECAR_SCHEMA = "ctxreplay.artifact/1"
 
-_SAVABLE_BACKENDS = ("export",)
-_MAX_NESTING = 64
+
+class SavableCapture(Protocol):
+    """What saving needs of a capture (``ctxreplay.Capture`` has it all)."""
+
+    @property
+    def scope(self) -> str: ...
+    @property
+    def variant(self) -> int: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def artifact(self) -> Any: ...
+    @property
+    def binding(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def embedded(self) -> tuple[str, ...]: ...
+    @property
+    def ambient_only(self) -> tuple[str, ...]: ...
+    @property
+    def snapshot(self) -> ContextSnapshot: ...
+    @property
+    def signature(self) -> CallSpec: ...
+    @property
+    def outputs(self) -> Spec | None: ...
+    @property
+    def fidelity(self) -> Fidelity: ...
 
 
 class ArtifactError(RuntimeError):
@@ -94,7 +103,7 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
 
 # -- saving ----------------------------------------------------------------------
 
-def save_capture(capture: Capture, path: str | os.PathLike[str], *,
+def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
                  verify: bool = True) -> SavedArtifact:
     """Write ``capture``'s artifact to ``path`` and its sidecar beside it.
 
@@ -117,8 +126,7 @@ def save_capture(capture: Capture, path: str | os.PathLike[str], *,
     """
     from torch.export import ExportedProgram
 
-    if capture.backend not in _SAVABLE_BACKENDS or not isinstance(capture.artifact,
-                                                                   ExportedProgram):
+    if not isinstance(capture.artifact, ExportedProgram):
         raise ArtifactError(
             f"Capture.save: {capture.scope}#{capture.variant} was captured by the "
             f"{capture.backend!r} backend, whose artifact cannot be written as a .pt2; "
@@ -163,20 +171,21 @@ def save_capture(capture: Capture, path: str | os.PathLike[str], *,
     return SavedArtifact(target, side, lowered, fidelity)
 
 
-def artifact_inputs(capture: Capture) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def artifact_inputs(capture: SavableCapture) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Fresh inputs in the form the capture's artifact takes them."""
-    if capture.binding == "flattened":
-        return materialize_leaves(capture.signature), {}
-    return materialize_call(freeze_constants(capture.signature))
+    return inputs_for(capture.signature, capture.binding)
 
 
-def _check_saved(capture: Capture, target: Path) -> Fidelity:
+def _check_saved(capture: SavableCapture, target: Path) -> Fidelity:
+    """Run the file as a consumer would: loaded fresh, on fresh inputs, from a
+    neutral state plus only what no artifact can carry (``neutral_replay``)."""
     if capture.outputs is None:
         return Fidelity("saved", True, (), ())
     try:
         program = torch.export.load(target)
         args, kwargs = artifact_inputs(capture)
-        produced = spec_of(program.module()(*args, **kwargs))
+        with neutral_replay(capture.snapshot):
+            produced = spec_of(program.module()(*args, **kwargs))
     except Exception as exc:
         return Fidelity("saved", False, (Mismatch("out", "execution", "ran",
                                                   type(exc).__name__, "saved"),), ("saved",))
@@ -188,7 +197,7 @@ def _check_saved(capture: Capture, target: Path) -> Fidelity:
                     ("saved",))
 
 
-def sidecar_json(capture: Capture, artifact: Path, *, lowered: bool,
+def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
                  fidelity: Fidelity) -> dict[str, Any]:
     """The sidecar document: metadata only (no tensor values, no source)."""
     leaves = [[p, spec_to_json(s)] for p, s in capture.signature.leaves()]
@@ -206,9 +215,7 @@ def sidecar_json(capture: Capture, artifact: Path, *, lowered: bool,
         "ambient_only": list(capture.ambient_only),
         "snapshot": capture.snapshot.to_json(),
         "context": capture.snapshot.describe(),
-        "inputs": {"args": [spec_to_json(s) for s in capture.signature.args],
-                   "kwargs": [[k, spec_to_json(s)] for k, s in capture.signature.kwargs],
-                   "leaves": leaves},
+        "inputs": {**call_to_json(capture.signature), "leaves": leaves},
         "outputs": None if capture.outputs is None else spec_to_json(capture.outputs),
         "output_leaves": None if capture.outputs is None else [
             spec_to_json(s) for s in flat_tensor_spec(capture.outputs).items],
@@ -219,18 +226,7 @@ def sidecar_json(capture: Capture, artifact: Path, *, lowered: bool,
 
 # -- loading ---------------------------------------------------------------------
 
-class _Opaque:
-    """A signature node JSON cannot rebuild (a namedtuple, a dataclass, an
-    object, a constant whose value was not recorded)."""
-
-    __slots__ = ("kind", "where")
-
-    def __init__(self, kind: str, where: str) -> None:
-        self.kind = kind
-        self.where = where
-
-
-_Node = Any  # Spec | _Opaque, nested
+_Node = Any  # Spec | Opaque, nested
 
 
 @attrs.frozen(eq=False)
@@ -287,16 +283,13 @@ class ArtifactSidecar:
         return tuple(Mismatch.of(m, "saved", None) for m in found)
 
 
+class _NotRebuildable(ArtifactError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "not_rebuildable")
+
+
 def _buildable(node: _Node) -> Spec:
-    if isinstance(node, _Opaque):
-        raise ArtifactError(f"{node.where}: a {node.kind} cannot be rebuilt from the sidecar; "
-                            "build this argument yourself", "not_rebuildable")
-    if isinstance(node, SeqSpec):
-        return SeqSpec(node.kind, tuple(_buildable(s) for s in node.items))
-    if isinstance(node, DictSpec):
-        return DictSpec(node.kind, node.keys, tuple(_buildable(s) for s in node.values))
-    result: Spec = node
-    return result
+    return resolve_opaque(node, _NotRebuildable)
 
 
 _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "binding",
@@ -342,19 +335,19 @@ def load_sidecar(path: str | os.PathLike[str],
     snap = ContextSnapshot.from_json(doc["snapshot"], probes, path="$.snapshot")
     inputs = read_mapping(doc["inputs"], "$.inputs", keys={"args", "kwargs", "leaves"},
                           required={"args", "kwargs", "leaves"})
-    args = tuple(_read_spec(a, f"$.inputs.args[{i}]", 0)
+    args = tuple(spec_from_json(a, f"$.inputs.args[{i}]")
                  for i, a in enumerate(read_list(inputs["args"], "$.inputs.args")))
     kwargs = _read_pairs(inputs["kwargs"], "$.inputs.kwargs", "[name, spec]",
                          lambda v, p: read_str(v, p),
-                         lambda v, p: _read_spec(v, p, 0))
+                         lambda v, p: spec_from_json(v, p))
     leaves = _read_pairs(inputs["leaves"], "$.inputs.leaves", "[path, tensor spec]",
-                         lambda v, p: read_str(v, p, max_len=4096), _read_tensor)
+                         lambda v, p: read_str(v, p, max_len=4096), tensor_from_json)
     outputs = None
     if doc["output_leaves"] is not None:
-        outputs = tuple(_read_tensor(s, f"$.output_leaves[{i}]") for i, s in
+        outputs = tuple(tensor_from_json(s, f"$.output_leaves[{i}]") for i, s in
                         enumerate(read_list(doc["output_leaves"], "$.output_leaves")))
     if doc["outputs"] is not None:
-        _read_spec(doc["outputs"], "$.outputs", 0)
+        spec_from_json(doc["outputs"], "$.outputs")
     return ArtifactSidecar(
         path=side,
         artifact=side.parent / name,
@@ -378,85 +371,3 @@ def load_sidecar(path: str | os.PathLike[str],
 
 def _read_names(value: object, path: str) -> tuple[str, ...]:
     return tuple(read_str(v, f"{path}[{i}]") for i, v in enumerate(read_list(value, path)))
-
-
-def _read_tensor(value: object, path: str) -> TensorSpec:
-    outer = read_mapping(value, path, keys={"tensor"}, required={"tensor"})
-    where = f"{path}.tensor"
-    t = read_mapping(outer["tensor"], where,
-                     keys={"shape", "stride", "dtype", "device", "requires_grad"},
-                     required={"shape", "stride", "dtype", "device", "requires_grad"})
-    shape = tuple(read_int(d, f"{where}.shape[{i}]", lo=0, hi=2**40)
-                  for i, d in enumerate(read_list(t["shape"], f"{where}.shape", max_len=64)))
-    stride = tuple(read_int(d, f"{where}.stride[{i}]", lo=0, hi=2**48)
-                   for i, d in enumerate(read_list(t["stride"], f"{where}.stride", max_len=64)))
-    if stride and len(stride) != len(shape):
-        raise ValueError(f"{where}.stride: {len(stride)} strides for {len(shape)} dimensions")
-    return TensorSpec(shape, stride, read_dtype(t["dtype"], f"{where}.dtype"),
-                      read_device(t["device"], f"{where}.device"),
-                      read_bool(t["requires_grad"], f"{where}.requires_grad"))
-
-
-_CONST_TYPES: dict[str, tuple[type, ...]] = {
-    "NoneType": (type(None),), "bool": (bool,), "int": (int,), "float": (int, float)}
-
-
-def _read_spec(value: object, path: str, depth: int) -> _Node:
-    """A signature node: rebuilt where JSON carries it fully (tensors, plain
-    constants, lists, tuples, dicts), validated and marked opaque otherwise."""
-    if depth > _MAX_NESTING:
-        raise ValueError(f"{path}: nesting deeper than {_MAX_NESTING} levels")
-    node = read_mapping(value, path)
-    if "tensor" in node:
-        return _read_tensor(node, path)
-    if "const" in node:
-        node = read_mapping(value, path, keys={"const", "value"}, required={"const"})
-        type_name = read_str(node["const"], f"{path}.const")
-        if "value" in node and type_name in _CONST_TYPES:
-            v = node["value"]
-            if type(v) not in _CONST_TYPES[type_name] or (type_name == "int" and
-                                                           isinstance(v, bool)):
-                raise ValueError(f"{path}.value: expected a {type_name}, got {type(v).__name__}")
-            if type_name == "float":
-                v = float(v)
-            return ConstSpec(v, type_name, (type(v), v))
-        if "value" in node and not isinstance(node["value"], str):
-            raise ValueError(f"{path}.value: expected a string, got "
-                             f"{type(node['value']).__name__}")
-        return _Opaque(f"constant of type {type_name}", path)
-    if "seq" in node:
-        node = read_mapping(value, path, keys={"seq", "items"}, required={"seq", "items"})
-        kind = read_str(node["seq"], f"{path}.seq")
-        items = tuple(_read_spec(s, f"{path}.items[{i}]", depth + 1)
-                      for i, s in enumerate(read_list(node["items"], f"{path}.items")))
-        if kind == "list":
-            return SeqSpec(list, items)
-        if kind == "tuple":
-            return SeqSpec(tuple, items)
-        return _Opaque(f"sequence of type {kind}", path)
-    if "dict" in node:
-        node = read_mapping(value, path, keys={"dict", "items"}, required={"dict", "items"})
-        kind = read_str(node["dict"], f"{path}.dict")
-        keys, values = [], []
-        for i, item in enumerate(read_list(node["items"], f"{path}.items")):
-            where = f"{path}.items[{i}]"
-            pair = read_list(item, where, max_len=2)
-            if len(pair) != 2:
-                raise ValueError(f"{where}: expected [key, spec]")
-            keys.append(read_str(pair[0], f"{where}[0]", max_len=4096))
-            values.append(_read_spec(pair[1], f"{where}[1]", depth + 1))
-        if kind == "dict":
-            return DictSpec(dict, tuple(keys), tuple(values))
-        return _Opaque(f"mapping of type {kind}", path)
-    if "object" in node:
-        node = read_mapping(value, path, keys={"object", "fields"}, required={"object", "fields"})
-        kind = read_str(node["object"], f"{path}.object")
-        for i, item in enumerate(read_list(node["fields"], f"{path}.fields")):
-            where = f"{path}.fields[{i}]"
-            pair = read_list(item, where, max_len=2)
-            if len(pair) != 2:
-                raise ValueError(f"{where}: expected [field, spec]")
-            read_str(pair[0], f"{where}[0]", max_len=4096)
-            _read_spec(pair[1], f"{where}[1]", depth + 1)
-        return _Opaque(f"object of type {kind}", path)
-    raise ValueError(f"{path}: expected one of 'tensor', 'const', 'seq', 'dict', 'object'")

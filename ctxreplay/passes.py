@@ -1,12 +1,61 @@
-"""Graph passes that make an artifact independent of ambient defaults."""
+"""Graph passes and graph facts: pinning ambient defaults into a graph,
+lowering context wrappers to explicit casts, and the op summary that
+fingerprints and explanations compare."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["pin_factory_defaults"]
+__all__ = ["WRAPPER_HOPS", "graph_nodes", "graph_ops", "has_wrapper_hops", "lower_wrappers",
+           "pin_factory_defaults"]
+
+#: higher-order ops export records for contexts entered inside the traced
+#: callable; torch.export.save rejected them on older torch (DESIGN.md fact 4)
+WRAPPER_HOPS = frozenset({"wrap_with_autocast", "wrap_with_set_grad_enabled"})
+
+
+def graph_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
+    """Every node of a graph and of the graphs nested in it (higher-order ops)."""
+    for mod in gm.modules():
+        if isinstance(mod, torch.fx.GraphModule):
+            yield from mod.graph.nodes
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return str(getattr(target, "__name__", None) or target)
+
+
+def graph_ops(gm: torch.fx.GraphModule) -> tuple[tuple[str, str | None], ...]:
+    """``(op, dtype of its result)`` for every call in ``gm`` and its subgraphs."""
+    out = []
+    for n in graph_nodes(gm):
+        if n.op != "call_function":
+            continue
+        val = n.meta.get("val")
+        dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else None
+        out.append((_op_name(n.target), dtype))
+    return tuple(out)
+
+
+def has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` (or a graph nested in it) holds a context-wrapper HOP."""
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in WRAPPER_HOPS
+               for n in graph_nodes(gm))
+
+
+def lower_wrappers(ep: Any) -> Any:
+    """An ExportedProgram with context-wrapper higher-order ops lowered to
+    explicit casts (or the same program when it has none)."""
+    if has_wrapper_hops(ep.graph_module):
+        # an empty table decomposes no op: it only re-traces, which turns
+        # the context wrappers into explicit casts
+        return ep.run_decompositions({})
+    return ep
 
 _aten = torch.ops.aten
 

@@ -19,7 +19,8 @@ try:  # torch's C-level snapshot of global state; ~0.2 us (DESIGN.md fact 8)
 except ImportError:  # pragma: no cover - very old or stripped torch
     _GlobalStateGuard = None
 
-__all__ = ["SCHEMA", "ContextSnapshot", "Observer", "ProbeDiff", "Unresolved", "snapshot"]
+__all__ = ["SCHEMA", "ContextSnapshot", "Observer", "ProbeDiff", "ProbeObservationError",
+           "Unresolved", "describe_state", "snapshot"]
 
 SCHEMA = "ctxreplay.snapshot/1"
 
@@ -79,7 +80,7 @@ class ContextSnapshot:
 
     def describe(self) -> dict[str, str]:
         """Probe name -> short human-readable state."""
-        return {n: _describe(p, s) for n, p, s in zip(self.names, self.probes, self.states)}
+        return {n: describe_state(p, s) for n, p, s in zip(self.names, self.probes, self.states)}
 
     def without(self, *names: str) -> ContextSnapshot:
         """The same snapshot with some probes left out."""
@@ -162,8 +163,8 @@ class ContextSnapshot:
                 continue
             out.append(ProbeDiff(
                 name,
-                None if a is None else _describe(*a),
-                None if b is None else _describe(*b),
+                None if a is None else describe_state(*a),
+                None if b is None else describe_state(*b),
             ))
         return tuple(out)
 
@@ -252,7 +253,8 @@ class ContextSnapshot:
         return cls(tuple(names), tuple(states), tuple(insts))
 
 
-def _describe(probe: ContextProbe[Any], state: Any) -> str:
+def describe_state(probe: ContextProbe[Any], state: Any) -> str:
+    """``probe.describe(state)`` as one short printable line; never raises."""
     if isinstance(state, Unresolved):
         return f"<not portable: {state.state_type}>"
     try:
@@ -271,57 +273,107 @@ def _null_stack() -> AbstractContextManager[None]:
     return nullcontext()
 
 
+class ProbeObservationError(RuntimeError):
+    """A probe raised while observing; ``probe`` names it, ``__cause__`` is
+    what it raised."""
+
+    def __init__(self, probe: str, exc: BaseException) -> None:
+        super().__init__(f"probe {probe!r} could not observe the current state: "
+                         f"{type(exc).__name__}: {exc}")
+        self.probe = probe
+        self.exc_type = type(exc).__name__
+
+
+_Checks = tuple[tuple[Any, Any], ...]
+_NEVER: _Checks = ((lambda: True, False),)  # a watch that failed: never reuse the snapshot
+
+
+def _watch(probe: ContextProbe[Any], state: Any, forward: bool) -> _Checks:
+    try:
+        return tuple(probe.watch_forward(state) if forward else probe.watch(state))
+    except Exception:
+        return _NEVER
+
+
 class Observer:
     """Observes a fixed tuple of probes, cheaply.
 
     The last snapshot is reused while torch's ``GlobalStateGuard`` still holds
-    and every probe's ``watch`` getter still returns what it returned;
-    ``guarded`` probes only watch what the guard is blind to (DESIGN.md
-    fact 12).  Identical states give the
-    identical snapshot object, so variant keys hash and compare by identity.
+    and every probe's ``watch`` getter still returns what it returned (the
+    cache tuple is ``(guard, snapshot, per-call checks, per-forward
+    checks)``).  ``watch_forward`` getters are checked by ``forward_changed``
+    -- once per call of the observed model -- or, with ``per_call=True``,
+    with the others on every call.  Identical states give the identical
+    snapshot object, so variant keys hash and compare by identity.  A probe
+    that raises makes ``ProbeObservationError`` naming it.
     """
 
-    __slots__ = ("_cache", "names", "probes")
+    __slots__ = ("cache", "names", "per_call", "probes")
 
-    def __init__(self, probes: tuple[ContextProbe[Any], ...]) -> None:
+    def __init__(self, probes: tuple[ContextProbe[Any], ...], *, per_call: bool = True) -> None:
         self.probes = probes
         self.names = tuple(p.name for p in probes)
-        self._cache: tuple[Any, ContextSnapshot, tuple[tuple[Any, Any], ...]] | None = None
+        self.per_call = per_call
+        self.cache: tuple[Any, ContextSnapshot, _Checks, _Checks] | None = None
 
     def __call__(self) -> ContextSnapshot:
-        cache = self._cache
-        if cache is not None:
-            guard, snap, checks = cache
-            if guard.check():
-                for getter, expected in checks:
-                    if getter() != expected:
-                        break
-                else:
-                    return snap
-        return self._observe(cache)
+        cache = self.cache
+        if cache is not None and cache[0].check():
+            for getter, expected in cache[2]:
+                if getter() != expected:
+                    break
+            else:
+                return cache[1]
+        return self.refresh()
 
-    def _observe(self, cache: Any) -> ContextSnapshot:
+    def refresh(self) -> ContextSnapshot:
+        """Observe every probe now (and cache the result)."""
+        cache = self.cache
         guard = _GlobalStateGuard() if _GlobalStateGuard is not None else None
-        states = tuple(p.observe() for p in self.probes)
+        states = []
+        for p in self.probes:
+            try:
+                states.append(p.observe())
+            except Exception as exc:
+                raise ProbeObservationError(p.name, exc) from exc
+        state_tuple = tuple(states)
         snap: ContextSnapshot
-        if cache is not None and cache[1].states == states:
+        if cache is not None and cache[1].states == state_tuple:
             snap = cache[1]
         else:
-            snap = ContextSnapshot(self.names, states, self.probes)
+            snap = ContextSnapshot(self.names, state_tuple, self.probes)
         if guard is not None:
-            checks = tuple(c for p, s in zip(self.probes, states) for c in p.watch(s))
-            self._cache = (guard, snap, checks)
+            pairs = list(zip(self.probes, state_tuple))
+            every = tuple(c for p, s in pairs for c in _watch(p, s, False))
+            forward = tuple(c for p, s in pairs for c in _watch(p, s, True))
+            if self.per_call:
+                every, forward = every + forward, ()
+            self.cache = (guard, snap, every, forward)
         return snap
 
+    def forward_changed(self) -> bool:
+        """Whether a ``watch_forward`` getter disagrees with the cached
+        snapshot (which is then dropped)."""
+        cache = self.cache
+        if cache is None:
+            return False
+        for getter, expected in cache[3]:
+            if getter() != expected:
+                self.cache = None
+                return True
+        return False
+
     def invalidate(self) -> None:
-        self._cache = None
+        self.cache = None
 
 
 _default_observer: tuple[int, Observer] | None = None
 
 
 def snapshot(probes: object = None) -> ContextSnapshot:
-    """Observe the given probes (the default set when ``None``) now."""
+    """Observe the given probes (the default set when ``None``) now.
+
+    A probe that cannot observe raises ``ProbeObservationError`` naming it."""
     global _default_observer
     if probes is None:
         cached = _default_observer
