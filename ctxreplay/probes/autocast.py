@@ -94,6 +94,9 @@ class AutocastProbe(ContextProbe[AutocastState]):
                 stack.enter_context(_raw_cache(state.cache_enabled))
             yield
 
+    def neutral_state(self) -> AutocastState:
+        return self._off[True]
+
     def neutral(self, state: AutocastState) -> bool:
         return not state.enabled
 

@@ -31,6 +31,9 @@ class DefaultDtypeProbe(ContextProbe[torch.dtype]):
     def replay(self, state: torch.dtype) -> AbstractContextManager[None]:
         return restoring(torch.get_default_dtype, torch.set_default_dtype, state)
 
+    def neutral_state(self) -> torch.dtype:
+        return torch.float32
+
     def neutral(self, state: torch.dtype) -> bool:
         return state == torch.float32
 
