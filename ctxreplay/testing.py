@@ -80,6 +80,9 @@ class GlobalState(NamedTuple):
     torch_function_modes: int  # a leaked ``with torch.device(...)`` or other mode
     # torch >= 2.9's per-backend values, ("backend.op", precision); () before
     fp32_precision: tuple[tuple[str, str], ...] = ()
+    # scaled-dot-product-attention: (flag, enabled)..., the priority order and
+    # the math fp16/bf16 reduction flag (process-global, graph-affecting)
+    sdpa: tuple[object, ...] = ()
 
 
 def global_state() -> GlobalState:
@@ -105,7 +108,21 @@ def global_state() -> GlobalState:
                                                "unavailable"),
         torch_function_modes=int(torch._C._len_torch_function_stack()),
         fp32_precision=_fp32_precision(),
+        sdpa=_sdpa(),
     )
+
+
+_SDPA_GETTERS = tuple(
+    (n, g) for n in ("cudnn", "flash", "mem_efficient", "math", "overrideable", "fa3")
+    if (g := getattr(torch._C, f"_get_{n}_sdp_enabled", None)) is not None)
+_SDPA_EXTRA = tuple(g for g in (getattr(torch._C, "_get_sdp_priority_order", None),
+                                getattr(torch._C, "_get_math_sdp_allow_fp16_bf16_reduction",
+                                        None)) if g is not None)
+
+
+def _sdpa() -> tuple[object, ...]:
+    return (*((n, bool(g())) for n, g in _SDPA_GETTERS),
+            *(tuple(v) if isinstance(v := g(), list) else v for g in _SDPA_EXTRA))
 
 
 def _unless_mixed(get: Any, unavailable: T) -> T:

@@ -145,3 +145,8 @@ def rng_after_draws(seed: int, draws: int = 3) -> Iterator[None]:
         for _ in range(draws):
             torch.rand(7)
         yield
+
+
+def sdpa_fp16_bf16_reduction(allowed: bool) -> AbstractContextManager[None]:
+    return setting(torch._C._get_math_sdp_allow_fp16_bf16_reduction,
+                   torch._C._set_math_sdp_allow_fp16_bf16_reduction, allowed)
