@@ -252,6 +252,7 @@ class MatmulPrecisionProbe(ContextProbe[MatmulPrecisionState]):
         if _cudnn_tf32 is not None:
             checks.append((_cudnn_tf32, dict(state.flags).get("cudnn_tf32")))
         if state.fp32_precision:
+            # ~0.1 us a pair (the getter parses two strings): once per forward
             want = dict(state.fp32_precision)
             checks.extend((get, want[k]) for k, get in _PAIR_GETTERS if k in want)
         return tuple(checks)
