@@ -8,7 +8,9 @@ from . import (  # noqa: F401  (imported for registration)
     determinism,
     grad_mode,
     matmul_precision,
+    mode_stack,
     rng,
+    sdpa_backend,
 )
 from .autocast import AutocastProbe, AutocastState
 from .contextvar import ContextVarProbe
@@ -18,11 +20,14 @@ from .determinism import DeterminismProbe, DeterminismState
 from .forward_context import ForwardContextProbe, LiveState, LiveValueProbe
 from .grad_mode import GradModeProbe, GradModeState
 from .matmul_precision import MatmulPrecisionProbe, MatmulPrecisionState
+from .mode_stack import ModeNotReplayableError, ModeStackProbe, ModeStackState
 from .rng import RngProbe, RngState
+from .sdpa_backend import SdpaBackendProbe, SdpaBackendState
 
 __all__ = [
     "AutocastProbe", "AutocastState", "ContextVarProbe", "DefaultDeviceProbe",
     "DefaultDtypeProbe", "DeterminismProbe", "DeterminismState", "ForwardContextProbe",
     "GradModeProbe", "GradModeState", "LiveState", "LiveValueProbe", "MatmulPrecisionProbe",
-    "MatmulPrecisionState", "RngProbe", "RngState",
+    "MatmulPrecisionState", "ModeNotReplayableError", "ModeStackProbe", "ModeStackState",
+    "RngProbe", "RngState", "SdpaBackendProbe", "SdpaBackendState",
 ]
