@@ -48,9 +48,6 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     elif requests and not captures:
         problems.append(Problem("no_captures", None, len(requests),
                                 sum(r.calls for r in requests)))
-    root = obs.root
-    if root is not None and root.changed:
-        notices.append(Notice("changed_in_forward", count=sum(root.changed.values())))
     notices += _too_fine(captures, requests, obs)
     return tuple(problems), tuple(notices)
 

@@ -38,8 +38,7 @@ class Observation:
 
     def __init__(self, root: nn.Module, targets: list[tuple[str, nn.Module]], *,
                  observer: Observer, max_variants: int, max_scopes: int, profile: bool,
-                 retain_bytes: int | None, ignore: tuple[str, ...],
-                 observe_compiled: bool) -> None:
+                 retain_bytes: int | None, ignore: tuple[str, ...]) -> None:
         self.shared = _Shared(observer, max_variants=max_variants, profile=profile,
                               retain_bytes=retain_bytes)
         self.scopes: list[Scope] = []

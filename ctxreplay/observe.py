@@ -13,8 +13,9 @@ the member's last variant checked in C by ``TensorGuards``.
 
 The module passed to ``capture_with`` gets a ``_Root`` wrapper too: per
 call of the whole model it checks the numerics-only flags that probes list
-in ``watch_forward`` (too many to read on every block call), and notices
-when they change inside a forward.
+in ``watch_forward`` (too many to read on every block call); a change of
+one inside a forward counts from the next model call (``watch="call"``
+reads them on every block call instead).
 
 Copies of an observed module (``copy.deepcopy``, ``pickle``, ``torch.save``)
 are plain: the copied wrapper calls the copy's own forward and observes
@@ -163,10 +164,15 @@ class _Member:
             cache = obs.cache
             if cache is not None and cache[0].check():
                 snap = cache[1]
-                for getter, expected in cache[2]:
-                    if getter() != expected:
-                        snap = obs.refresh()
-                        break
+                try:
+                    for getter, expected in cache[2]:
+                        if getter() != expected:
+                            snap = obs.refresh()
+                            break
+                except ProbeObservationError:
+                    raise
+                except Exception:  # a watched getter that raises: the state changed
+                    snap = obs.refresh()
             else:
                 snap = obs.refresh()
             if not shared.active and obs.forward_changed():
@@ -369,16 +375,14 @@ class _Detached:
 
 class _Root:
     """Wraps the module given to ``capture_with``: per call of the whole
-    model, checks the ``watch_forward`` flags at entry and exit, and counts
-    calls of compiled entry points."""
+    model, checks the ``watch_forward`` flags once."""
 
-    __slots__ = ("__weakref__", "changed", "module", "off", "orig", "prev", "shared")
+    __slots__ = ("__weakref__", "module", "off", "orig", "prev", "shared")
 
     def __init__(self, module: nn.Module, shared: _Shared) -> None:
         self.module = module
         self.shared = shared
         self.off = False
-        self.changed: Counter[str] = Counter()
         self.prev = module.__dict__.get("forward", ABSENT)
         self.orig = module.forward
 
@@ -386,9 +390,11 @@ class _Root:
         if self.off or _dynamo_compiling() or _is_tracing():
             return self.orig(*args, **kwargs)
         shared = self.shared
-        obs = shared.observer
         try:
-            obs.forward_changed()
+            # Once per model call, not per block: the numerics-only flags
+            # (a change inside a forward is seen from the next model call
+            # on; watch="call" follows it exactly)
+            shared.observer.forward_changed()
         except Exception as exc:  # a getter that raises: the members see it too
             shared.error("observe", exc)
         shared.active += 1
@@ -396,13 +402,6 @@ class _Root:
             return self.orig(*args, **kwargs)
         finally:
             shared.active -= 1
-            try:
-                if obs.forward_changed():
-                    # numerics-only flags changed inside this forward: block
-                    # calls after the change were keyed with the earlier values
-                    self.changed["changed_in_forward"] += 1
-            except Exception as exc:
-                shared.error("observe", exc)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Detached:
         twin = memo.get(id(self.module))

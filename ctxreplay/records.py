@@ -62,7 +62,6 @@ class CaptureOptions:
     pin_factories: bool = True
     watch: str = attrs.field(default="forward", validator=attrs.validators.in_(WATCH_MODES))
     retain_bytes: int = 256 << 20
-    observe_compiled: bool = False
     ignore_attributes: tuple[str, ...] = ()
 
     def __attrs_post_init__(self) -> None:
@@ -88,7 +87,6 @@ class CaptureOptions:
                 "max_scopes": self.max_scopes, "targets": self.targets,
                 "backend": self.backend.name, "pin_factories": self.pin_factories,
                 "watch": self.watch, "retain_bytes": self.retain_bytes,
-                "observe_compiled": self.observe_compiled,
                 "capture_timeout": self.capture_timeout,
                 "ignore_attributes": list(self.ignore_attributes)}
 
@@ -328,10 +326,6 @@ _PROBLEM_TEXT: dict[str, Any] = {
 
 #: notice reasons, in words
 NOTICES = {
-    "changed_in_forward": "numerics-only flags (cuDNN, TF32, float32 precision) changed "
-                          "inside a forward of the observed model: block calls after the "
-                          "change were keyed with the earlier values; pass watch='call' to "
-                          "follow such changes exactly",
     "probe_too_fine": "captures with identical graphs differ only in this probe's state: "
                       "its key separates calls that run the same graph (give the probe a "
                       "coarser key, e.g. ForwardContextProbe(..., key=...))",

@@ -54,7 +54,7 @@ class CaptureSession:
             max_variants=options.max_variants, max_scopes=options.max_scopes,
             profile=options.profile_ranges,
             retain_bytes=options.retain_bytes if options.verify == "values" else None,
-            ignore=options.ignore_attributes, observe_compiled=options.observe_compiled)
+            ignore=options.ignore_attributes)
         self._state = "open"
         self._done: dict[tuple[str, int], Capture | CaptureFailure] = {}
         self._leaks: list[CaptureFailure] = []
@@ -270,7 +270,6 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
                  max_scopes: int = 64, profile_ranges: bool = False,
                  capture_timeout: float | None = None, pin_factories: bool = True,
                  watch: str = "forward", retain_bytes: int = 256 << 20,
-                 observe_compiled: bool = False,
                  ignore_attributes: Sequence[str] = ()) -> CaptureSession:
     """Observe ``module`` (or the chosen ``targets`` inside it) from now on,
     and capture each observed variant on ``finalize()``.
@@ -307,8 +306,10 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             per-backend float32 precision) once per call of ``module``;
             ``"call"`` checks them on every block call (slower).
         retain_bytes: memory cap for ``verify="values"`` copies.
-        observe_compiled: reserved; calls inside ``torch.compile``d regions
-            are counted as not observed (``not_observed``).
+
+    Calls that run inside a ``torch.compile``d region are not observed: they
+    are counted, and the report says so (``not_observed``).  Capture before
+    compiling.
         ignore_attributes: attribute names left out of a member's identity
             (e.g. a step counter the forward increments).
 
@@ -324,7 +325,6 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         targets=_describe_targets(targets), replay=replay, verify=verify,
         max_variants=max_variants, max_scopes=max_scopes, profile_ranges=profile_ranges,
         capture_timeout=capture_timeout, pin_factories=pin_factories, watch=watch,
-        retain_bytes=retain_bytes, observe_compiled=observe_compiled,
-        ignore_attributes=tuple(ignore_attributes))
+        retain_bytes=retain_bytes, ignore_attributes=tuple(ignore_attributes))
     return CaptureSession(module, options, targets)
 

@@ -319,11 +319,14 @@ class Observer:
     def __call__(self) -> ContextSnapshot:
         cache = self.cache
         if cache is not None and cache[0].check():
-            for getter, expected in cache[2]:
-                if getter() != expected:
-                    break
-            else:
-                return cache[1]
+            try:
+                for getter, expected in cache[2]:
+                    if getter() != expected:
+                        break
+                else:
+                    return cache[1]
+            except Exception:  # a watched getter that raises: the state changed
+                pass
         return self.refresh()
 
     def refresh(self) -> ContextSnapshot:
@@ -357,11 +360,16 @@ class Observer:
         cache = self.cache
         if cache is None:
             return False
-        for getter, expected in cache[3]:
-            if getter() != expected:
-                self.cache = None
-                return True
-        return False
+        try:
+            for getter, expected in cache[3]:
+                if getter() != expected:
+                    break
+            else:
+                return False
+        except Exception:  # a watched getter that raises: the state changed
+            pass
+        self.cache = None
+        return True
 
     def invalidate(self) -> None:
         self.cache = None
