@@ -174,6 +174,9 @@ class Capture:
     ops: tuple[tuple[str, str | None], ...] = attrs.field(repr=False, default=())
     member_calls: tuple[tuple[str, int], ...] = ()
     weights_from: str = ""
+    #: variants of other member identities whose graphs turned out identical
+    #: to this one's, merged into this record (their members are listed here)
+    merged: tuple[int, ...] = ()
 
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact as a ``.pt2`` that ``torch.export.load`` reads back,
@@ -198,6 +201,7 @@ class Capture:
             "member_calls": [list(m) for m in self.member_calls],
             "weights_from": self.weights_from,
             "variant": self.variant,
+            "merged": list(self.merged),
             "calls": self.calls,
             "backend": self.backend,
             "binding": self.binding,

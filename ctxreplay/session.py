@@ -14,6 +14,7 @@ from torch import nn
 
 from ._baseline import Baseline
 from ._coverage import coverage
+from ._merge import merge_identical
 from ._progress import Progress
 from .attach import Observation
 from .backends import Backend, get_backend
@@ -160,11 +161,12 @@ class CaptureSession:
         finally:
             bar.close()
             net.restore()
-        captures = self._captures(requests)
+        captures = list(merge_identical(self._captures(requests)))
         coverage_ = coverage(self._observation, requests, captures, self.options)
         if self._state != "interrupted":
             self._release()  # before the report: a probe's clear() may fail, and counts
-        report = self._build(requests, time.perf_counter() - t0, explanation, coverage_)
+        report = self._build(requests, captures, time.perf_counter() - t0, explanation,
+                             coverage_)
         self._done.clear()  # the report holds them now
         self._state = "finalized"
         self._report = report
@@ -202,15 +204,13 @@ class CaptureSession:
                 out.append(done)
         return out
 
-    def _build(self, requests: list[VariantRequest], seconds: float, explanation: Any,
+    def _build(self, requests: list[VariantRequest], captures: list[Capture], seconds: float,
+               explanation: Any,
                coverage_: tuple[tuple[Problem, ...], tuple[Notice, ...]]) -> CaptureReport:
-        captures: list[Capture] = []
         failures: list[CaptureFailure] = []
         for r in requests:
             done = self._done.get((r.scope, r.variant))
-            if isinstance(done, Capture):
-                captures.append(done)
-            elif done is not None:
+            if isinstance(done, CaptureFailure):
                 failures.append(done)
         failures += self._leaks
         obs = self._observation
