@@ -7,12 +7,13 @@ and replay it when the graph is captured later.
 from __future__ import annotations
 
 from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
+from ._collective import DistributedError
 from ._version import __version__ as __version__
 from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sidecar
 from .backends import Backend, BackendError
 from .explain import CaptureExplanation, Explanation, ProbeEffect
 from .probe import ContextProbe, NotPortableError
-from .probes import ContextVarProbe, ForwardContextProbe
+from .probes import ContextVarProbe, DistributedProbe, ForwardContextProbe
 from .records import Capture, CaptureFailure, Notice, Problem
 from .registry import (
     ProbeInfo,
@@ -54,6 +55,8 @@ __all__ = [
     "ContextProbe",
     "ContextSnapshot",
     "ContextVarProbe",
+    "DistributedError",
+    "DistributedProbe",
     "ForwardContextProbe",
     "NotPortableError",
     "ProbeDiff",

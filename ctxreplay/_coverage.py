@@ -14,8 +14,10 @@ __all__ = ["coverage"]
 
 
 def coverage(obs: Observation, requests: Sequence[VariantRequest],
-             captures: Sequence[Capture], options: CaptureOptions
+             captures: Sequence[Capture], options: CaptureOptions, *, whole: bool = True
              ) -> tuple[tuple[Problem, ...], tuple[Notice, ...]]:
+    """``whole=False``: one rank of a distributed finalize, which cannot say
+    whether the job captured nothing (``no_captures``, ``nothing_observed``)."""
     problems: list[Problem] = []
     notices: list[Notice] = []
     shared = obs.shared
@@ -43,7 +45,9 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     for scope, member, change in obs.changed_members():
         problems.append(Problem("member_changed", scope.name, 0, 0,
                                 (f"{member.name or scope.name} ({change})",)))
-    if not requests and not errors and not compiled and not obs.dropped_scopes:
+    if not whole:
+        pass
+    elif not requests and not errors and not compiled and not obs.dropped_scopes:
         problems.append(Problem("nothing_observed"))
     elif requests and not captures:
         problems.append(Problem("no_captures", None, len(requests),

@@ -113,6 +113,17 @@ class Observation:
                     out.append((scope, m, describe_identity_change(m.identity_value, now)))
         return out
 
+    def identity_value(self, request: VariantRequest) -> Any:
+        """The identity of the members that ran ``request``'s variant."""
+        for scope in self.scopes:
+            if scope.name != request.scope:
+                continue
+            for m in self._of(scope):
+                for _, mv in m.all_variants():
+                    if mv.index == request.variant:
+                        return scope.identities[mv.identity]
+        return None
+
     def _of(self, scope: Scope) -> list[_Member]:
         return [m for m in self.members if m.scope is scope]
 

@@ -26,7 +26,7 @@ from ._isolate import isolated, rng_guard
 from .backends import Backend, BackendError, classify_exception, exception_message
 from .checking import Checker
 from .materialize import inputs_for, materialize_leaves
-from .passes import graph_ops, pin_factory_defaults
+from .passes import graph_ops, has_collectives, pin_factory_defaults
 from .probe import ContextProbe
 from .records import Capture, CaptureFailure, CaptureOptions, MemberCall, VariantRequest
 from .signature import CallSpec, ConstSpec, Spec, TensorSpec, children, is_native, tensor_values
@@ -95,11 +95,15 @@ class _Plan:
 
 def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                     options: CaptureOptions, *,
-                    baseline: tuple[ContextProbe[Any], ...] = ()) -> Capture:
+                    baseline: tuple[ContextProbe[Any], ...] = (),
+                    defer_collectives: bool = False) -> Capture:
     """Capture ``request``; ``modules`` maps member names to the live modules
     (never changed: every trace and run uses an isolated view).
     ``baseline``: probes whose neutral state execution checks start from,
-    beside the snapshot's own."""
+    beside the snapshot's own.  ``defer_collectives``: a graph holding
+    collectives is only checked at the signature level here (running it
+    alone would wait for the other ranks); ``Capture.collective`` says so,
+    and the distributed finalize runs it on every rank together."""
     t0 = time.perf_counter()
     backend = options.backend
     fail = functools.partial(_failure, request, backend)
@@ -129,7 +133,12 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                                  request.snapshot.states)
             if (n in ambient or n not in embedded) and n not in pinned
             and not is_neutral(p, s))
-        checker = Checker(request, options, real, artifact, view, graph_outputs,
+        gm = real.graph_module(artifact)
+        collective = gm is not None and has_collectives(gm)
+        check_options = options
+        if collective and defer_collectives and options.verify in ("execute", "values"):
+            check_options = attrs.evolve(options, verify="signature")
+        checker = Checker(request, check_options, real, artifact, view, graph_outputs,
                           binding=plan.binding, flatten_out=plan.flatten_out,
                           carried=carried, baseline=baseline)
         try:
@@ -153,7 +162,7 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         constants=tuple(p for p, _ in _const_paths(request.inputs)),
         attempts=backend.last_attempts, seconds=time.perf_counter() - t0, ops=ops,
         member_calls=tuple((m.name, m.calls) for m in request.members),
-        weights_from=traced.name,
+        weights_from=traced.name, collective=collective,
     )
 
 

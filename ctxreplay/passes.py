@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["WRAPPER_HOPS", "graph_nodes", "graph_ops", "has_wrapper_hops", "lower_wrappers",
-           "pin_factory_defaults"]
+__all__ = ["WRAPPER_HOPS", "graph_nodes", "graph_ops", "has_collectives", "has_wrapper_hops",
+           "lower_wrappers", "pin_factory_defaults"]
 
 #: higher-order ops export records for contexts entered inside the traced
 #: callable; torch.export.save rejected them on older torch (DESIGN.md fact 4)
@@ -40,6 +40,17 @@ def graph_ops(gm: torch.fx.GraphModule) -> tuple[tuple[str, str | None], ...]:
         dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else None
         out.append((_op_name(n.target), dtype))
     return tuple(out)
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.",
+                          "_c10d_functional_autograd.", "c10d.")
+
+
+def has_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` (or a nested graph) calls a collective: running it
+    communicates, so every rank of its group must run it together."""
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and str(n.target).startswith(_COLLECTIVE_NAMESPACES) for n in graph_nodes(gm))
 
 
 def has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:

@@ -63,6 +63,9 @@ class CaptureOptions:
     watch: str = attrs.field(default="forward", validator=attrs.validators.in_(WATCH_MODES))
     retain_bytes: int = 256 << 20
     ignore_attributes: tuple[str, ...] = ()
+    #: a ``torch.distributed`` process group (``None``: the default group
+    #: when one is initialised); ``finalize()`` is then a collective over it
+    group: Any = attrs.field(default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_variants", "max_scopes"):
@@ -177,6 +180,13 @@ class Capture:
     #: variants of other member identities whose graphs turned out identical
     #: to this one's, merged into this record (their members are listed here)
     merged: tuple[int, ...] = ()
+    #: in a distributed finalize: the rank that captured it (holds the artifact)
+    rank: int | None = None
+    #: ranks that observed it, and each one's calls
+    observed_on: tuple[int, ...] = ()
+    rank_calls: tuple[tuple[int, int], ...] = ()
+    #: its graph holds collectives: executing it waits for the other ranks
+    collective: bool = False
 
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact as a ``.pt2`` that ``torch.export.load`` reads back,
@@ -203,6 +213,10 @@ class Capture:
             "variant": self.variant,
             "merged": list(self.merged),
             "calls": self.calls,
+            "rank": self.rank,
+            "observed_on": list(self.observed_on),
+            "rank_calls": [list(r) for r in self.rank_calls],
+            "collective": self.collective,
             "backend": self.backend,
             "binding": self.binding,
             "constants": list(self.constants),
@@ -282,6 +296,8 @@ class Problem:
     limit: int | None = None
     #: ``False``: ``variants`` is a lower bound (bookkeeping stays bounded)
     exact: bool = True
+    #: in a distributed finalize: the rank it was seen on
+    rank: int | None = None
 
     @property
     def message(self) -> str:
@@ -290,7 +306,7 @@ class Problem:
     def to_json(self) -> dict[str, Any]:
         return {"reason": self.reason, "scope": self.scope, "variants": self.variants,
                 "calls": self.calls, "names": list(self.names), "limit": self.limit,
-                "exact": self.exact}
+                "exact": self.exact, "rank": self.rank}
 
 
 def _n(n: int, word: str) -> str:

@@ -56,6 +56,9 @@ class CaptureReport:
     options: CaptureOptions | None = attrs.field(default=None, repr=False)
     #: ``verify="values"``: the byte cap, bytes held, variants not retained
     retained: dict[str, int] | None = None
+    #: a distributed finalize: world size, the group's ranks, backend, each
+    #: rank's finalize seconds and number of captures (``None``: one process)
+    distributed: dict[str, Any] | None = None
     _explanations: dict[tuple[str, int], CaptureExplanation] = attrs.field(
         factory=dict, repr=False, alias="explanations")
 
@@ -126,6 +129,7 @@ class CaptureReport:
             "problems": [p.to_json() for p in self.problems],
             "notices": [n.to_json() for n in self.notices],
             "retained": None if self.retained is None else dict(self.retained),
+            "distributed": None if self.distributed is None else dict(self.distributed),
             "captures": [self._capture_json(c) for c in self.captures],
             "failures": [f.to_json() for f in self.failures],
         }

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from ._baseline import Baseline
+from ._collective import Collective, active_group, finalize_group
 from ._coverage import coverage
 from ._merge import merge_identical
 from ._progress import Progress
@@ -126,6 +127,9 @@ class CaptureSession:
                                "then, so no call since was observed; its report is "
                                "session.report. Open a new session with "
                                "ctxreplay.capture_with(...) to capture more")
+        group = active_group(self.options.group)
+        if group is not None:
+            return self._finalize_group(Collective(group), strict, explain, progress)
         self.close()
         t0 = time.perf_counter()
         requests = self._observation.requests()
@@ -174,12 +178,76 @@ class CaptureSession:
             raise FidelityError(report)
         return report
 
+    def _finalize_group(self, coll: Collective, strict: bool, explain: bool,
+                        progress: ProgressCallback | None) -> CaptureReport:
+        """``finalize()`` as a collective: see ``_collective``."""
+        self.close()
+        obs = self._observation
+        requests = obs.requests()
+        modules = obs.member_modules()
+        baseline_probes = _baseline_probes()
+        bar = Progress(len(requests), 0, progress)
+        net = Baseline()
+
+        def capture(request: VariantRequest) -> list[Capture | CaptureFailure]:
+            self._leaks.clear()
+            self._capture(request, modules, baseline_probes, net)
+            return [self._done.pop((request.scope, request.variant)), *self._leaks]
+
+        def explain_mine(captures: list[Capture]) -> Any:
+            from .explain import explain_captures
+
+            return explain_captures(captures, modules, self.options)
+
+        try:
+            outcome = finalize_group(
+                coll, requests, [obs.identity_value(r) for r in requests], self.options,
+                capture, lambda: coverage(obs, requests, [], self.options, whole=False),
+                lambda: self._counts(), modules, baseline_probes,
+                explain_mine if explain else None, bar.step)
+        except BaseException:
+            self._state = "interrupted"
+            self._release()
+            raise
+        finally:
+            bar.close()
+            net.restore()
+        self._release()
+        report = CaptureReport(outcome.captures, outcome.failures, self.options.probe_names,
+                               self.options.to_json(), outcome.dropped, outcome.errors,
+                               max(outcome.seconds), problems=outcome.problems,
+                               notices=outcome.notices, options=self.options,
+                               retained=outcome.retained, distributed=outcome.info)
+        from .explain import Explanation
+
+        if outcome.explanations:
+            report._keep(Explanation(outcome.explanations))
+        self._state = "finalized"
+        self._report = report
+        if strict and not report.ok:
+            raise FidelityError(report)
+        return report
+
+    def _counts(self) -> dict[str, Any]:
+        obs = self._observation
+        values = None
+        if self.options.verify == "values":
+            values = {"retain_bytes": self.options.retain_bytes,
+                      "retained_bytes": obs.shared.retained_bytes,
+                      "not_retained": obs.shared.retained_skipped}
+        return {"errors": dict(obs.shared.errors),
+                "dropped": {"variants": sum(len(s.dropped) for s in obs.scopes),
+                            "variant_calls": sum(s.dropped_calls for s in obs.scopes),
+                            "scopes": obs.dropped_structures},
+                "retained": values}
+
     def _capture(self, request: VariantRequest, modules: dict[str, nn.Module],
                  baseline_probes: tuple[ContextProbe[Any], ...], net: Baseline) -> None:
         failure: CaptureFailure | None = None
         try:
             result: Capture | CaptureFailure = capture_variant(
-                request, modules, self.options, baseline=baseline_probes)
+                request, modules, self.options, baseline=baseline_probes,
+                defer_collectives=active_group(self.options.group) is not None)
         except CaptureFailed as f:
             result = failure = f.failure
         except Exception as exc:  # an engine bug must not cost the other variants
@@ -270,7 +338,7 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
                  max_scopes: int = 64, profile_ranges: bool = False,
                  capture_timeout: float | None = None, pin_factories: bool = True,
                  watch: str = "forward", retain_bytes: int = 256 << 20,
-                 ignore_attributes: Sequence[str] = ()) -> CaptureSession:
+                 ignore_attributes: Sequence[str] = (), group: Any = None) -> CaptureSession:
     """Observe ``module`` (or the chosen ``targets`` inside it) from now on,
     and capture each observed variant on ``finalize()``.
 
@@ -312,6 +380,12 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
     compiling.
         ignore_attributes: attribute names left out of a member's identity
             (e.g. a step counter the forward increments).
+        group: a ``torch.distributed`` process group.  When one is given, or
+            the default group is initialised with more than one rank,
+            ``finalize()`` is a collective over it: every distinct variant is
+            captured once across the ranks, and every rank gets the same
+            merged report.  ``capture_timeout`` (else the group's timeout)
+            also bounds how long it waits for the other ranks.
 
     Returns:
         The open :class:`CaptureSession`.
@@ -325,6 +399,6 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         targets=_describe_targets(targets), replay=replay, verify=verify,
         max_variants=max_variants, max_scopes=max_scopes, profile_ranges=profile_ranges,
         capture_timeout=capture_timeout, pin_factories=pin_factories, watch=watch,
-        retain_bytes=retain_bytes, ignore_attributes=tuple(ignore_attributes))
+        retain_bytes=retain_bytes, ignore_attributes=tuple(ignore_attributes), group=group)
     return CaptureSession(module, options, targets)
 

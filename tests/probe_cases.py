@@ -111,7 +111,9 @@ CASES = [
          lambda: ts.sdpa_fp16_bf16_reduction(True), _sdpa_math_bf16_graph),
 ]
 BUILTIN_PROBES = {"autocast", "grad_mode", "determinism", "default_dtype", "default_device",
-                  "matmul_precision", "rng", "sdpa_backend", "mode_stack"}
+                  "matmul_precision", "rng", "sdpa_backend", "mode_stack", "distributed"}
 # Built-ins whose registered instance replays no non-neutral state it
 # observes, so no case here can pass the replay tests: each has its own file.
-CASELESS = {"mode_stack": "types only; tests/test_probes_mode_stack.py"}
+CASELESS = {"mode_stack": "types only; tests/test_probes_mode_stack.py",
+            "distributed": "a process's distributed mode is not re-entered; "
+                           "tests/test_distributed.py"}

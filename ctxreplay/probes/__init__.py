@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (imported for registration)
     default_device,
     default_dtype,
     determinism,
+    distributed,
     grad_mode,
     matmul_precision,
     mode_stack,
@@ -17,6 +18,7 @@ from .contextvar import ContextVarProbe
 from .default_device import DefaultDeviceProbe
 from .default_dtype import DefaultDtypeProbe
 from .determinism import DeterminismProbe, DeterminismState
+from .distributed import DistributedProbe, DistributedState
 from .forward_context import ForwardContextProbe, LiveState, LiveValueProbe
 from .grad_mode import GradModeProbe, GradModeState
 from .matmul_precision import MatmulPrecisionProbe, MatmulPrecisionState
@@ -26,7 +28,8 @@ from .sdpa_backend import SdpaBackendProbe, SdpaBackendState
 
 __all__ = [
     "AutocastProbe", "AutocastState", "ContextVarProbe", "DefaultDeviceProbe",
-    "DefaultDtypeProbe", "DeterminismProbe", "DeterminismState", "ForwardContextProbe",
+    "DefaultDtypeProbe", "DeterminismProbe", "DeterminismState", "DistributedProbe",
+    "DistributedState", "ForwardContextProbe",
     "GradModeProbe", "GradModeState", "LiveState", "LiveValueProbe", "MatmulPrecisionProbe",
     "MatmulPrecisionState", "ModeNotReplayableError", "ModeStackProbe", "ModeStackState",
     "RngProbe", "RngState", "SdpaBackendProbe", "SdpaBackendState",
