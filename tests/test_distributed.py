@@ -148,3 +148,25 @@ def test_the_distributed_probe_is_neutral_in_one_process_and_strict_in_json() ->
     bad = dict(probe.encode(four), world_size=0)
     with pytest.raises(ValueError, match=r"\$\.world_size"):
         probe.decode(bad, "$")
+
+
+def test_the_torchrun_example_runs_under_torchrun(tmp_path: Path) -> None:
+    """docs/distributed.md shows examples/torchrun_capture.py verbatim."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "torchrun_capture.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(_port()), str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-2000:]
+    docs = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in (0, 1)]
+    for d in docs:
+        d.pop("seconds")
+        d["distributed"].pop("rank_seconds")
+        for c in d["captures"]:
+            c.pop("seconds")
+    assert docs[0] == docs[1] and docs[0]["ok"]
+    assert {tuple(c["observed_on"]) for c in docs[0]["captures"]} >= {(0, 1), (0,), (1,)}
+    assert "captured on rank" in done.stdout
