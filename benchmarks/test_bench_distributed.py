@@ -3,8 +3,9 @@ and a 4-rank gloo job.  Reported beside the single-process finalize of the
 same variants, measured in the same run: total backend calls across ranks
 (must equal the number of variants), per-rank finalize time, and the merged
 report's size.  Every process warms torch.export up first; on a machine
-with fewer cores than ranks the ranks share them, which the times show.  Under ``--benchmark-disable`` (make test) the job is 2 ranks
-and 2 variants, so the file runs in seconds and cannot rot."""
+with fewer cores than ranks the ranks share them, which the times show.
+Under ``--benchmark-disable`` (make test) the job is 2 ranks and 2
+variants, so the file runs in seconds and cannot rot."""
 
 from __future__ import annotations
 
