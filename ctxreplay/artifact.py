@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import torch
 
-from ._json import loads, read_bool, read_int, read_list, read_mapping, read_str
+from ._json import loads, read_bool, read_int, read_list, read_mapping, read_pairs, read_str
 from .compare import compare_specs
 from .materialize import inputs_for, materialize
 from .passes import has_wrapper_hops, lower_wrappers
@@ -298,20 +298,6 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered"}
 
 
-def _read_pairs(value: object, path: str, shape: str,
-                first: Callable[[object, str], Any],
-                second: Callable[[object, str], Any]) -> list[tuple[Any, Any]]:
-    """A list of two-element lists, each element read by its own reader."""
-    out = []
-    for i, item in enumerate(read_list(value, path)):
-        where = f"{path}[{i}]"
-        pair = read_list(item, where, max_len=2)
-        if len(pair) != 2:
-            raise ValueError(f"{where}: expected {shape}")
-        out.append((first(pair[0], f"{where}[0]"), second(pair[1], f"{where}[1]")))
-    return out
-
-
 def load_sidecar(path: str | os.PathLike[str],
                  probes: Mapping[str, ContextProbe[Any]] | None = None) -> ArtifactSidecar:
     """Read the sidecar of an artifact written by ``Capture.save``.
@@ -337,10 +323,10 @@ def load_sidecar(path: str | os.PathLike[str],
                           required={"args", "kwargs", "leaves"})
     args = tuple(spec_from_json(a, f"$.inputs.args[{i}]")
                  for i, a in enumerate(read_list(inputs["args"], "$.inputs.args")))
-    kwargs = _read_pairs(inputs["kwargs"], "$.inputs.kwargs", "[name, spec]",
+    kwargs = read_pairs(inputs["kwargs"], "$.inputs.kwargs", "[name, spec]",
                          lambda v, p: read_str(v, p),
                          lambda v, p: spec_from_json(v, p))
-    leaves = _read_pairs(inputs["leaves"], "$.inputs.leaves", "[path, tensor spec]",
+    leaves = read_pairs(inputs["leaves"], "$.inputs.leaves", "[path, tensor spec]",
                          lambda v, p: read_str(v, p, max_len=4096), tensor_from_json)
     outputs = None
     if doc["output_leaves"] is not None:

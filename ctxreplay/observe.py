@@ -403,13 +403,8 @@ class _Root:
         finally:
             shared.active -= 1
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Detached:
-        twin = memo.get(id(self.module))
-        prev = None if self.prev is ABSENT else copy.deepcopy(self.prev, memo)
-        return _Detached(twin if twin is not None else self.module, prev)
-
-    def __reduce__(self) -> Any:
-        return (_Detached, (self.module, None if self.prev is ABSENT else self.prev))
+    __deepcopy__ = _Member.__deepcopy__
+    __reduce__ = _Member.__reduce__
 
 
 class _CompiledCounter:

@@ -7,7 +7,8 @@ The engine never names a concrete probe: it only calls the probe contract.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -143,7 +144,7 @@ class CaptureSession:
         # finalize() began with.  It also runs when a KeyboardInterrupt passes.
         net = Baseline()
         explanation = None
-        try:
+        with self._finalizing(bar, net):
             for request in todo:
                 if self._state == "interrupted":  # nothing is held any more
                     self._done[(request.scope, request.variant)] = CaptureFailure(
@@ -156,15 +157,6 @@ class CaptureSession:
 
                 explanation = explain_captures(self._captures(requests), modules,
                                                self.options)
-        except BaseException:
-            # a Ctrl-C: let go of every module and live state now; what was
-            # captured stays, and a second finalize() reports the rest
-            self._state = "interrupted"
-            self._release()
-            raise
-        finally:
-            bar.close()
-            net.restore()
         captures = list(merge_identical(self._captures(requests)))
         coverage_ = coverage(self._observation, requests, captures, self.options)
         if self._state != "interrupted":
@@ -199,19 +191,12 @@ class CaptureSession:
 
             return explain_captures(captures, modules, self.options)
 
-        try:
+        with self._finalizing(bar, net):
             outcome = finalize_group(
                 coll, requests, [obs.identity_value(r) for r in requests], self.options,
                 capture, lambda: coverage(obs, requests, [], self.options, whole=False),
                 lambda: self._counts(), modules, baseline_probes,
                 explain_mine if explain else None, bar.step)
-        except BaseException:
-            self._state = "interrupted"
-            self._release()
-            raise
-        finally:
-            bar.close()
-            net.restore()
         self._release()
         report = CaptureReport(outcome.captures, outcome.failures, self.options.probe_names,
                                self.options.to_json(), outcome.dropped, outcome.errors,
@@ -227,6 +212,20 @@ class CaptureSession:
         if strict and not report.ok:
             raise FidelityError(report)
         return report
+
+    @contextmanager
+    def _finalizing(self, bar: Progress, net: Baseline) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            # a Ctrl-C: let go of every module and live state now; what was
+            # captured stays, and a second finalize() reports the rest
+            self._state = "interrupted"
+            self._release()
+            raise
+        finally:
+            bar.close()
+            net.restore()
 
     def _counts(self) -> dict[str, Any]:
         obs = self._observation

@@ -25,6 +25,7 @@ from ._json import (
     read_int,
     read_list,
     read_mapping,
+    read_pairs,
     read_str,
 )
 from .signature import (
@@ -112,14 +113,10 @@ _CONST_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _pairs(value: object, path: str, what: str) -> list[tuple[str, Any, str]]:
-    out = []
-    for i, item in enumerate(read_list(value, path)):
-        where = f"{path}[{i}]"
-        pair = read_list(item, where, max_len=2)
-        if len(pair) != 2:
-            raise ValueError(f"{where}: expected [{what}, spec]")
-        out.append((read_str(pair[0], f"{where}[0]", max_len=4096), pair[1], f"{where}[1]"))
-    return out
+    """``[name, spec]`` pairs: the name read, the spec with its path."""
+    return [(k, v, where) for k, (v, where) in read_pairs(
+        value, path, f"[{what}, spec]", lambda v, p: read_str(v, p, max_len=4096),
+        lambda v, p: (v, p))]
 
 
 def spec_from_json(value: object, path: str = "$", depth: int = 0) -> Spec | Opaque | Any:

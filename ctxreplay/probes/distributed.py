@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 import torch
 
-from .._json import read_bool, read_int, read_list, read_mapping, read_str
+from .._json import read_bool, read_int, read_list, read_mapping, read_pairs, read_str
 from ..probe import ContextProbe
 from ..registry import register_probe
 
@@ -102,14 +102,8 @@ class DistributedProbe(ContextProbe[DistributedState]):
         ranks = tuple(read_int(r, f"{path}.ranks[{i}]", lo=0, hi=_MAX_RANKS)
                       for i, r in enumerate(read_list(doc["ranks"], f"{path}.ranks",
                                                       max_len=_MAX_RANKS)))
-        degrees = []
-        for i, item in enumerate(read_list(doc["degrees"], f"{path}.degrees", max_len=64)):
-            where = f"{path}.degrees[{i}]"
-            pair = read_list(item, where, max_len=2)
-            if len(pair) != 2:
-                raise ValueError(f"{where}: expected [name, degree]")
-            degrees.append((read_str(pair[0], f"{where}[0]"),
-                            read_int(pair[1], f"{where}[1]", lo=1, hi=_MAX_RANKS)))
+        degrees = read_pairs(doc["degrees"], f"{path}.degrees", "[name, degree]", read_str,
+                             lambda v, p: read_int(v, p, lo=1, hi=_MAX_RANKS), max_len=64)
         return DistributedState(
             read_bool(doc["initialized"], f"{path}.initialized"),
             None if backend is None else read_str(backend, f"{path}.backend"),

@@ -14,15 +14,15 @@ calls a legacy getter unguarded: where one raises, its value is recorded as
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
 import torch
 
 from .._json import read_bool, read_mapping, read_str
-from ..probe import ContextProbe
+from ..probe import ContextProbe, applying
 from ..registry import register_probe
 
 __all__ = ["MatmulPrecisionProbe", "MatmulPrecisionState"]
@@ -442,18 +442,5 @@ def _apply(target: MatmulPrecisionState) -> None:
                        f"it reports {_observe()!r}")
 
 
-@contextmanager
-def _replay(state: MatmulPrecisionState) -> Iterator[None]:
-    before = _observe()
-    if before == state:
-        yield
-        return
-    try:
-        _apply(state)
-    except BaseException:
-        _apply(before)
-        raise
-    try:
-        yield
-    finally:
-        _apply(before)
+def _replay(state: MatmulPrecisionState) -> AbstractContextManager[None]:
+    return applying(_observe, _apply, state)

@@ -12,15 +12,15 @@ Torch's global-state guard sees none of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
 import torch
 
 from .._json import read_bool, read_list, read_mapping, read_str
-from ..probe import ContextProbe
+from ..probe import ContextProbe, applying
 from ..registry import register_probe
 
 __all__ = ["SdpaBackendProbe", "SdpaBackendState"]
@@ -280,21 +280,8 @@ def _apply(state: SdpaBackendState) -> None:
         _set_reduction(state.math_fp16_bf16_reduction)
 
 
-@contextmanager
-def _replay(state: SdpaBackendState) -> Iterator[None]:
+def _replay(state: SdpaBackendState) -> AbstractContextManager[None]:
     # The raw setters, not sdpa_kernel: its exit re-enables what it found
     # but rebuilds the priority order from the enabled backends only, so a
     # priority set while a backend was off would not come back exactly.
-    before = _observe()
-    if before == state:
-        yield
-        return
-    try:
-        _apply(state)
-    except BaseException:
-        _apply(before)
-        raise
-    try:
-        yield
-    finally:
-        _apply(before)
+    return applying(_observe, _apply, state)
