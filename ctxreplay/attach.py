@@ -21,15 +21,16 @@ __all__ = ["Observation"]
 
 
 def _compiled_entry_points(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """Compiled regions over or around observed blocks: ``(name, owner, attribute)``."""
+    """Compiled regions over or around observed blocks: ``(qualified name,
+    owner, attribute)``."""
     out: list[tuple[str, nn.Module, str]] = []
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
     for name, m in root.named_modules():
         if optimized is not None and isinstance(m, optimized) and "forward" in m.__dict__:
-            out.append((name or type(m).__name__, m, "forward"))
+            out.append((name, m, "forward"))
         elif m.__dict__.get("_compiled_call_impl") is not None:
-            out.append((name or type(m).__name__, m, "_compiled_call_impl"))
+            out.append((name, m, "_compiled_call_impl"))
     return out
 
 
@@ -44,14 +45,14 @@ class Observation:
         self.scopes: list[Scope] = []
         self.dropped_scopes: list[str] = []
         self.members: list[_Member] = []
-        self.compiled: list[_CompiledCounter] = []
         self.root: _Root | None = None
         by_key: dict[tuple[Any, ...], Scope] = {}
         dropped: set[tuple[Any, ...]] = set()
-        # the compiled entry points first: blocks inside them keep their own
-        # wrappers, which step aside under torch.compile
+        # compiled entry points that exist now are counted exactly; blocks
+        # compiled later are only marked (see observe._Member.forward)
+        self.compiled: list[_CompiledCounter] = []
         for name, owner, attr in _compiled_entry_points(root):
-            counter = _CompiledCounter(owner, attr, name, self.shared)
+            counter = _CompiledCounter(owner, attr, name)
             owner.__dict__[attr] = counter
             self.compiled.append(counter)
         for name, mod in targets:
@@ -113,6 +114,14 @@ class Observation:
                     out.append((scope, m, describe_identity_change(m.identity_value, now)))
         return out
 
+    def compiled_calls(self) -> tuple[dict[str, int], list[str]]:
+        """Calls of each compiled entry point counted, and the members that
+        ran compiled outside any of them (not countable)."""
+        counted = {c.name or type(c.owner).__name__: c.calls for c in self.compiled if c.calls}
+        marked = [m.name or m.scope.name for m in self.members if m.compiled.seen
+                  and not any(_inside(m.name, c.name) for c in self.compiled if c.calls)]
+        return counted, marked
+
     def identity_value(self, request: VariantRequest) -> Any:
         """The identity of the members that ran ``request``'s variant."""
         for scope in self.scopes:
@@ -132,10 +141,10 @@ class Observation:
         """Stop observing and put back what each wrapped attribute held.  A
         wrapper another tool wrapped on top of stays in its chain as a
         pass-through holding no session state."""
-        for c in reversed(self.compiled):
+        holders: list[_Member | _Root] = [*self.members, *([self.root] if self.root else [])]
+        for c in reversed(self.compiled):  # (their counts stay, for the report)
             if c.owner.__dict__.get(c.attr) is c:
                 c.owner.__dict__[c.attr] = c.orig
-        holders: list[_Member | _Root] = [*self.members, *([self.root] if self.root else [])]
         for h in reversed(holders):
             h.off = True
             mod = h.module
@@ -146,10 +155,12 @@ class Observation:
                     del mod.forward
                 else:
                     mod.forward = prev
-        self.compiled = []
 
     def release(self) -> None:
         """Drop every module reference (after detach and capture)."""
+        for c in self.compiled:
+            c.owner = None  # type: ignore[assignment]
+            c.orig = None
         for m in self.members:
             m.module = None  # type: ignore[assignment]
             m.orig = None  # type: ignore[assignment]
@@ -161,6 +172,11 @@ class Observation:
         if self.root is not None:
             self.root.module = None  # type: ignore[assignment]
             self.root.orig = None  # type: ignore[assignment]
+
+
+def _inside(member: str, qualified: str) -> bool:
+    """Whether ``member`` is at or below the module ``qualified`` names."""
+    return qualified == "" or member == qualified or member.startswith(qualified + ".")
 
 
 def _skip_detached(fn: Any) -> Any:

@@ -65,7 +65,8 @@ class ProbeEffect:
         if self.status == "failed":
             return f"capture fails without it: {self.reason}"
         if self.status == "unavailable":
-            return f"not explained: {self.reason}"
+            return (f"not explained: {self.reason} (a live state was released by "
+                    "finalize(); explain with finalize(explain=True))")
         if self.status == "no effect":
             return "no effect"
         text = (f"{self.changed} node{'s' if self.changed != 1 else ''} changed "
@@ -238,9 +239,8 @@ def _replayable(snapshot: ContextSnapshot) -> str | None:
     try:
         with snapshot.replay():
             pass
-    except Exception as exc:
-        return f"replay_released ({type(exc).__name__}: a live state was released by " \
-               "finalize(); use finalize(explain=True))"
+    except Exception:
+        return "replay_released"
     return None
 
 

@@ -52,7 +52,15 @@ except ImportError:  # pragma: no cover - stripped torch
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
 _dynamo_compiling: Callable[[], bool] = getattr(
     torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
 _Tensor = torch.Tensor
+
+
+class _Tally:
+    """A plain flag compiled code sets (see ``_Member.forward``)."""
+
+    def __init__(self) -> None:
+        self.seen = False
 
 
 class _Python:
@@ -83,7 +91,7 @@ def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
 class _Shared:
     """What every member of one session shares."""
 
-    __slots__ = ("active", "compiled_calls", "errors", "failing_probes", "lock", "max_variants",
+    __slots__ = ("active", "errors", "failing_probes", "lock", "max_variants",
                  "observer",
                  "profile", "retain_bytes", "retained_bytes", "retained_skipped", "root")
 
@@ -98,7 +106,6 @@ class _Shared:
         self.retained_skipped = 0
         self.errors: Counter[tuple[str, str]] = Counter()
         self.failing_probes: Counter[str] = Counter()
-        self.compiled_calls: Counter[str] = Counter()
         self.active = 0  # calls of the root module in progress (approximate across threads)
         self.root: _Root | None = None
 
@@ -122,8 +129,8 @@ ABSENT = object()
 class _Member:
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
-    __slots__ = ("__weakref__", "identity", "identity_value", "ignore", "lazy", "memo",
-                 "module", "name", "off", "orig", "prev", "scope", "shared", "table",
+    __slots__ = ("__weakref__", "compiled", "identity", "identity_value", "ignore", "lazy",
+                 "memo", "module", "name", "off", "orig", "prev", "scope", "shared", "table",
                  "tables", "training")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
@@ -134,6 +141,7 @@ class _Member:
         self.shared = shared
         self.ignore = ignore
         self.off = False
+        self.compiled = _Tally()
         self.memo: tuple[Any, ...] | None = None
         self.prev = module.__dict__.get("forward", ABSENT)
         self.orig = module.forward
@@ -151,9 +159,15 @@ class _Member:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.off or _dynamo_compiling() or _is_tracing():
             # Under torch.compile the check is a constant and orig is
-            # inlined: compiled regions are not observed, and get no graph
-            # break (``_Root`` counts such calls); under jit tracing, reading
-            # a tensor's shape would be recorded into the trace.
+            # inlined: compiled regions are not observed and get no graph
+            # break.  The store below is a side effect Dynamo replays on every
+            # run of the compiled code: it marks the block as having run
+            # compiled.  (A count would be read too, and Dynamo would guard on
+            # it and recompile every call; torch.export warns about side
+            # effects.)  Under jit tracing, reading a tensor's shape would be
+            # recorded into the trace.
+            if _dynamo_compiling() and not self.off and not _exporting():
+                self.compiled.seen = True
             return self.orig(*args, **kwargs)
         failed: BaseException | None = None
         real = True
@@ -408,18 +422,19 @@ class _Root:
 
 
 class _CompiledCounter:
-    """Counts calls of a compiled entry point (an ``OptimizedModule``'s forward
-    or a module's ``_compiled_call_impl``): blocks inside run compiled and are
-    not observed."""
+    """Counts calls of a compiled entry point that exists when the session
+    attaches (an ``OptimizedModule``'s forward, a module's
+    ``_compiled_call_impl``): the blocks inside run compiled, unobserved."""
 
-    __slots__ = ("attr", "name", "orig", "owner", "shared")
+    __slots__ = ("attr", "calls", "name", "orig", "owner")
 
-    def __init__(self, owner: nn.Module, attr: str, name: str, shared: _Shared) -> None:
-        self.owner, self.attr, self.name, self.shared = owner, attr, name, shared
+    def __init__(self, owner: nn.Module, attr: str, name: str) -> None:
+        self.owner, self.attr, self.name = owner, attr, name
         self.orig = owner.__dict__[attr]
+        self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.shared.compiled_calls[self.name] += 1
+        self.calls += 1
         return self.orig(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -431,3 +446,5 @@ class _CompiledCounter:
 
 def _identity(x: Any) -> Any:
     return x
+
+

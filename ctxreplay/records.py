@@ -332,9 +332,12 @@ _PROBLEM_TEXT: dict[str, Any] = {
                              f"max_scopes={p.limit} were never observed",
     "observation_error": lambda p: f"{_n(p.calls, 'observation')} failed ({_names(p)}); "
                                    "those calls are not covered",
-    "not_observed": lambda p: f"{_n(p.calls, 'call')} ran inside compiled region(s) "
-                              f"({_names(p)}): the blocks inside were not observed; pass "
-                              "the uncompiled module to capture_with and compile afterwards",
+    "not_observed": lambda p: (f"{_n(p.calls, 'call')} ran inside compiled region(s) "
+                               f"({_names(p)})" if p.exact else
+                               f"{_names(p)} ran inside a region compiled after capture_with "
+                               "(how often is not countable)")
+                              + ": the blocks inside were not observed; pass the uncompiled "
+                                "module to capture_with and compile afterwards",
     "never_completed": lambda p: f"{p.scope}: no call of {_n(p.variants, 'variant')} "
                                  f"returned ({_n(p.calls, 'call')} raised), so there is "
                                  "nothing to capture",

@@ -106,6 +106,14 @@ class CaptureReport:
         result = explain_captures(self.captures, model, options,
                                   include_neutral=include_neutral,
                                   reuse_backend=backend is None)
+        # what finalize(explain=True) worked out while the live states were
+        # held stays: a later explain that can no longer replay them says less
+        kept = []
+        for ce in result.captures:
+            before = self._explanations.get((ce.scope, ce.variant))
+            unavailable = any(e.status == "unavailable" for e in ce.effects)
+            kept.append(before if before is not None and unavailable else ce)
+        result = Explanation(tuple(kept))
         self._keep(result)
         return result
 

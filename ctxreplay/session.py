@@ -136,7 +136,10 @@ class CaptureSession:
         requests = self._observation.requests()
         modules = self._observation.member_modules()
         baseline_probes = _baseline_probes()
-        todo = [r for r in requests if (r.scope, r.variant) not in self._done]
+        # a variant none of whose calls returned has nothing to capture: it
+        # is a problem of the report (never_completed), not a capture failure
+        todo = [r for r in requests if (r.scope, r.variant) not in self._done
+                and any(m.completed for m in r.members)]
         bar = Progress(len(requests), len(requests) - len(todo), progress)
         # The safety net: whatever a probe's replay, a backend or a capture
         # thread abandoned after ``capture_timeout`` did to the ambient state,
@@ -175,7 +178,8 @@ class CaptureSession:
         """``finalize()`` as a collective: see ``_collective``."""
         self.close()
         obs = self._observation
-        requests = obs.requests()
+        everything = obs.requests()
+        requests = [r for r in everything if any(m.completed for m in r.members)]
         modules = obs.member_modules()
         baseline_probes = _baseline_probes()
         bar = Progress(len(requests), 0, progress)
@@ -194,7 +198,7 @@ class CaptureSession:
         with self._finalizing(bar, net):
             outcome = finalize_group(
                 coll, requests, [obs.identity_value(r) for r in requests], self.options,
-                capture, lambda: coverage(obs, requests, [], self.options, whole=False),
+                capture, lambda: coverage(obs, everything, [], self.options, whole=False),
                 lambda: self._counts(), modules, baseline_probes,
                 explain_mine if explain else None, bar.step)
         self._release()

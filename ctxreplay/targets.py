@@ -33,7 +33,9 @@ def structure_key(module: nn.Module) -> tuple[Any, ...]:
 
 
 # nn.Module's own bookkeeping, not state a forward reads
-_INTERNALS = frozenset(nn.Module().__dict__) | {"forward", "training", "_compiled_call_impl"}
+_INTERNALS = frozenset(nn.Module().__dict__) | {
+    "forward", "training", "_compiled_call_impl", "_is_torch_compile",
+    "__prepare_scriptable__"}
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
           torch.layout, torch.memory_format)
 _SKIP = object()

@@ -4,8 +4,9 @@ import-linter layers contract in pyproject.toml (which make test enforces)."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ctxreplay"

@@ -150,10 +150,6 @@ def test_explain_after_finalize_blames_no_probe_for_released_state() -> None:
     assert "capture fails without it" not in explanation.table()
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: an 'unavailable' effect's reason is "
-                   "prose quoting an exception type ('replay_released (LookupError: a live "
-                   "state was released by finalize(); ...)'), stored in the report JSON, "
-                   "which the metadata-only oracle rejects")
 def test_explain_after_finalize_keeps_the_report_metadata_only() -> None:
     model = Net().eval()
     report = check_report(_session(model, [*PROBES, _probe()]).finalize())
@@ -172,9 +168,6 @@ def test_explain_after_finalize_without_live_state_still_explains() -> None:
     assert ce["grad_mode"].status == "no effect"
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: report.explain(model) after "
-                   "finalize(explain=True) overwrites the explanations finalize computed "
-                   "with 'unavailable' ones")
 def test_explain_again_keeps_what_finalize_computed() -> None:
     model = Net().eval()
     report = check_report(_session(model, [*PROBES, _probe()]).finalize(explain=True))
@@ -209,11 +202,7 @@ def _forgotten_context(backend: str) -> ctxreplay.CaptureSession:
 
 
 BACKENDS = [
-    "export", "symbolic",
-    pytest.param("auto", marks=pytest.mark.xfail(
-        strict=True, reason="ENGINE BUG: AutoBackend raises BackendError outside any except, "
-        "so the failure says 'unsupported_graph (BackendError)' and the user's "
-        "'Forward context is not set' is unreachable (nor in the DEBUG traceback)")),
+    "export", "symbolic", "auto",
 ]
 
 

@@ -149,11 +149,13 @@ class AutoBackend(Backend):
     def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         attempts: list[tuple[str, str, str]] = []
+        errors: list[BaseException] = []
         for b in self.backends:
             try:
                 art = b.capture(module, args, kwargs)
             except Exception as exc:
                 attempts.append((b.name, classify_exception(exc), type(exc).__name__))
+                errors.append(exc)
                 continue
             self._attempts = tuple(attempts)
             return _Chosen(b, art)
@@ -164,7 +166,10 @@ class AutoBackend(Backend):
             if code != "trace_error":
                 reason = code
                 break
-        raise BackendError(reason, attempts[-1][2] if attempts else "?", tuple(attempts))
+        # the cause: the first backend's error, the closest to the user's code
+        # (Dynamo wraps a user's exception in its own "Observed..." types)
+        raise BackendError(reason, attempts[-1][2] if attempts else "?", tuple(attempts)) \
+            from (errors[0] if errors else None)
 
     def resolve(self, artifact: Any) -> tuple[Backend, Any]:
         return artifact.backend, artifact.artifact
