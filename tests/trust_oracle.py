@@ -155,13 +155,15 @@ def ambient_of(capture: ctxreplay.Capture) -> Iterator[None]:
         yield
 
 
-def run_call(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True
-             ) -> tuple[torch.Tensor, ...]:
+def run_call(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True,
+             ambient: bool = True) -> tuple[torch.Tensor, ...]:
     """Run ``call``'s real inputs through ``capture`` with its member's weights
-    (``check_shapes=False``: even inputs the capture was not made for)."""
+    (``check_shapes=False``: even inputs the capture was not made for), inside
+    what ``ambient_only`` says must surround it (``ambient=False``: nothing
+    but ``no_grad``, as a self-contained program)."""
     gm = program_for(capture, call.module)
     args, kwargs = call.fresh_inputs()
-    with ambient_of(capture):
+    with ambient_of(capture) if ambient else torch.no_grad():
         if capture.binding == "native":
             out = gm(*args, **kwargs)
         else:
@@ -185,11 +187,11 @@ def differs(live: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> st
     return None
 
 
-def replay_failure(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True
-                   ) -> str | None:
+def replay_failure(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True,
+                   ambient: bool = True) -> str | None:
     """``None`` when ``capture`` reproduces ``call``; else what went wrong."""
     try:
-        got = run_call(capture, call, check_shapes=check_shapes)
+        got = run_call(capture, call, check_shapes=check_shapes, ambient=ambient)
     except Exception as exc:
         return f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return differs(call.out, got)
@@ -197,7 +199,7 @@ def replay_failure(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool
 
 def unreproduced(report: ctxreplay.CaptureReport, calls: list[Call],
                  pick: Callable[[Call, list[ctxreplay.Capture]], list[ctxreplay.Capture]]
-                 | None = None) -> list[str]:
+                 | None = None, *, ambient: bool = True) -> list[str]:
     """Every call no capture reproduces: none claims it, several do, or the
     one that does returns other values.  Empty means every call is covered."""
     bad = []
@@ -210,7 +212,7 @@ def unreproduced(report: ctxreplay.CaptureReport, calls: list[Call],
             bad.append(f"{where}: {len(found)} captures claim it "
                        f"{[(c.scope, c.variant) for c in found]}")
             continue
-        why = replay_failure(found[0], call)
+        why = replay_failure(found[0], call, ambient=ambient)
         if why is not None:
             bad.append(f"{where} via {found[0].scope}#{found[0].variant}: {why}")
     return bad
