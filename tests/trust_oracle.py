@@ -156,12 +156,19 @@ def ambient_of(capture: ctxreplay.Capture) -> Iterator[None]:
 
 
 def run_call(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True,
-             ambient: bool = True) -> tuple[torch.Tensor, ...]:
+             ambient: bool = True, programs: dict[Any, nn.Module] | None = None
+             ) -> tuple[torch.Tensor, ...]:
     """Run ``call``'s real inputs through ``capture`` with its member's weights
     (``check_shapes=False``: even inputs the capture was not made for), inside
     what ``ambient_only`` says must surround it (``ambient=False``: nothing
-    but ``no_grad``, as a self-contained program)."""
-    gm = program_for(capture, call.module)
+    but ``no_grad``, as a self-contained program).  ``programs`` keeps each
+    (capture, member) program for the next call (``ep.module()`` is slow)."""
+    key = (id(capture), id(call.module))
+    gm = None if programs is None else programs.get(key)
+    if gm is None:
+        gm = program_for(capture, call.module)
+        if programs is not None:
+            programs[key] = gm
     args, kwargs = call.fresh_inputs()
     with ambient_of(capture) if ambient else torch.no_grad():
         if capture.binding == "native":
@@ -188,10 +195,12 @@ def differs(live: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> st
 
 
 def replay_failure(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True,
-                   ambient: bool = True) -> str | None:
+                   ambient: bool = True, programs: dict[Any, nn.Module] | None = None
+                   ) -> str | None:
     """``None`` when ``capture`` reproduces ``call``; else what went wrong."""
     try:
-        got = run_call(capture, call, check_shapes=check_shapes, ambient=ambient)
+        got = run_call(capture, call, check_shapes=check_shapes, ambient=ambient,
+                       programs=programs)
     except Exception as exc:
         return f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return differs(call.out, got)
@@ -203,6 +212,7 @@ def unreproduced(report: ctxreplay.CaptureReport, calls: list[Call],
     """Every call no capture reproduces: none claims it, several do, or the
     one that does returns other values.  Empty means every call is covered."""
     bad = []
+    programs: dict[Any, nn.Module] = {}
     for i, call in enumerate(calls):
         found = candidates(report, call)
         if pick is not None:
@@ -212,7 +222,7 @@ def unreproduced(report: ctxreplay.CaptureReport, calls: list[Call],
             bad.append(f"{where}: {len(found)} captures claim it "
                        f"{[(c.scope, c.variant) for c in found]}")
             continue
-        why = replay_failure(found[0], call, ambient=ambient)
+        why = replay_failure(found[0], call, ambient=ambient, programs=programs)
         if why is not None:
             bad.append(f"{where} via {found[0].scope}#{found[0].variant}: {why}")
     return bad
