@@ -45,9 +45,12 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
                                       if not any(m.completed for m in r.members)).items():
         problems.append(Problem("never_completed", scope_name, len(reqs),
                                 sum(r.calls for r in reqs)))
+    for scope, member_name, attributes in obs.stateful_members():
+        problems.append(Problem("stateful_member", scope.name, 0, 0,
+                                (member_name, *attributes[:8])))
     for scope, member, change in obs.changed_members():
         problems.append(Problem("member_changed", scope.name, 0, 0,
-                                (f"{member.name or scope.name} ({change})",)))
+                                (member.name or scope.name, change)))
     if not whole:
         pass
     elif not requests and not errors and not compiled and not obs.dropped_scopes:
@@ -74,7 +77,7 @@ def _too_fine(captures: Sequence[Capture], requests: Sequence[VariantRequest],
     out: list[Notice] = []
     groups: dict[tuple[Any, ...], list[Capture]] = defaultdict(list)
     for c in captures:
-        groups[(c.scope, c.ops, c.signature, c.backend)].append(c)
+        groups[(c.scope, c.graph_digest or c.ops, c.signature, c.backend)].append(c)
     flagged: set[tuple[str, str]] = set()
     for (scope, *_), caps in groups.items():
         if len(caps) < 2:

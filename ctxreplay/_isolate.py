@@ -19,7 +19,7 @@ inside it received as ``generator=``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,25 +33,76 @@ _MAX_OBJECTS = 4096
 
 
 @contextmanager
-def isolated(module: nn.Module) -> Iterator[nn.Module]:
-    """A view of ``module`` that capture and execution may change freely."""
+def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
+             ) -> Iterator[nn.Module]:
+    """A view of ``module`` that capture and execution may change freely,
+    with each submodule path in ``training`` set to that mode (the mode the
+    live call ran in, whatever the model is in now)."""
     try:
         view = _copy(module)
     except Exception:
         view = None
     if view is not None:
+        _set_training(view, training)
         yield view
         return
     with _restoring(module):
+        _set_training(module, training)
         yield module
+
+
+def _set_training(module: nn.Module, training: Iterable[tuple[str, bool]]) -> None:
+    for path, mode in training:
+        try:
+            sub = module.get_submodule(path) if path else module
+        except AttributeError:
+            continue
+        sub.training = mode  # the flag alone: train() would recurse
 
 
 def _copy(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = p
+    # a tensor the forward made (it has a grad_fn) refuses deepcopy: the copy
+    # holds a detached copy of it instead
+    for t in _held_tensors(module):
+        if t.grad_fn is not None:
+            memo[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
     view: nn.Module = copy.deepcopy(module, memo)
     return view
+
+
+def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """Tensors in the ``__dict__`` of the module tree and of the plain
+    objects (and lists, tuples, dicts) it holds, bounded."""
+    seen: set[int] = set()
+    stack: list[Any] = list(module.modules())
+    budget = _MAX_OBJECTS
+    while stack and budget > 0:
+        obj = stack.pop()
+        budget -= 1
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            continue
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+            continue
+        d = getattr(obj, "__dict__", None)
+        if type(d) is dict and not isinstance(obj, type) and not callable(obj):
+            stack.extend(v for k, v in d.items() if k not in _MODULE_DICTS)
+        elif isinstance(obj, nn.Module):
+            stack.extend(v for k, v in obj.__dict__.items() if k not in _MODULE_DICTS)
+
+
+# a module's parameter / buffer / submodule tables: walked through modules()
+_MODULE_DICTS = frozenset({"_parameters", "_modules"})
 
 
 class _Saved:

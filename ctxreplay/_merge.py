@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import torch
 
+from .passes import graph_code
 from .records import Capture
 from .verify import Fidelity, merge_mismatches
 
@@ -29,7 +30,7 @@ def _program_key(c: Capture) -> Any:
         return None
     try:
         return (c.scope, c.signature, c.snapshot, c.binding, c.embedded, c.ambient_only,
-                ep.graph_module.code, str(ep.graph_signature))
+                graph_code(ep.graph_module), str(ep.graph_signature))
     except Exception:
         return None
 

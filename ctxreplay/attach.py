@@ -14,7 +14,7 @@ from torch import nn
 from .observe import ABSENT, _CompiledCounter, _Member, _Root, _Shared
 from .records import MemberCall, VariantRequest
 from .snapshot import Observer
-from .targets import describe_identity_change, identity_of, structure_key
+from .targets import describe_identity_change, identity_of, structure_key, training_of
 from .variants import MemberVariant, Scope
 
 __all__ = ["Observation"]
@@ -92,10 +92,12 @@ class Observation:
                 pairs = per_index[index]
                 first = pairs[0][1]
                 recorded = next((mv for _, mv in pairs if mv.completed), first)
+                identity = scope.identities[first.identity] if first.identity >= 0 else ()
                 out.append(VariantRequest(
                     scope.name, index, first.snapshot, recorded.inputs,
                     tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed, mv.retained)
-                          for m, mv in pairs)))
+                          for m, mv in pairs),
+                    training_of(identity)))
         return out
 
     def changed_members(self) -> list[tuple[Scope, _Member, str]]:
@@ -113,6 +115,11 @@ class Observation:
                 if m.module.training is m.training and now != m.identity_value:
                     out.append((scope, m, describe_identity_change(m.identity_value, now)))
         return out
+
+    def stateful_members(self) -> list[tuple[Scope, str, tuple[str, ...]]]:
+        """Members whose forward wrote Python state they hold."""
+        return [(m.scope, m.name or m.scope.name, tuple(sorted(m.stateful)))
+                for m in self.members if m.stateful]
 
     def compiled_calls(self) -> tuple[dict[str, int], list[str]]:
         """Calls of each compiled entry point counted, and the members that

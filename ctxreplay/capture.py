@@ -26,12 +26,12 @@ from ._isolate import isolated, rng_guard
 from .backends import Backend, BackendError, classify_exception, exception_message
 from .checking import Checker
 from .materialize import inputs_for, materialize_leaves
-from .passes import graph_ops, has_collectives, pin_factory_defaults
+from .passes import graph_code, graph_op_args, graph_ops, has_collectives, pin_factory_defaults
 from .probe import ContextProbe
 from .records import Capture, CaptureFailure, CaptureOptions, MemberCall, VariantRequest
 from .signature import CallSpec, ConstSpec, Spec, TensorSpec, children, is_native, tensor_values
 from .specjson import call_to_json
-from .verify import is_neutral
+from .verify import is_neutral, neutral_replay
 
 __all__ = ["CaptureFailed", "capture_variant", "recapture"]
 
@@ -97,6 +97,25 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                     options: CaptureOptions, *,
                     baseline: tuple[ContextProbe[Any], ...] = (),
                     defer_collectives: bool = False) -> Capture:
+    """See ``_capture_variant``; it runs from the state a fresh process has
+    (inputs made under the caller's ``inference_mode`` would be inference
+    tensors), whatever the caller of ``finalize()`` has active."""
+    try:
+        neutral = neutral_replay(request.snapshot, baseline, only_neutral=True)
+        neutral.__enter__()
+    except Exception as exc:
+        raise _failure(request, options.backend, "replay_failed", exc) from None
+    try:
+        return _capture_variant(request, modules, options, baseline=baseline,
+                                defer_collectives=defer_collectives)
+    finally:
+        neutral.__exit__(None, None, None)
+
+
+def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
+                     options: CaptureOptions, *,
+                     baseline: tuple[ContextProbe[Any], ...] = (),
+                     defer_collectives: bool = False) -> Capture:
     """Capture ``request``; ``modules`` maps member names to the live modules
     (never changed: every trace and run uses an isolated view).
     ``baseline``: probes whose neutral state execution checks start from,
@@ -116,12 +135,12 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     except Exception as exc:
         raise fail("replay_failed", exc) from None
     try:
-        view_cm = isolated(module)
+        view_cm = isolated(module, request.training)
         view = view_cm.__enter__()
     except Exception as exc:
         raise fail("isolation_failed", exc) from None
     try:
-        artifact, graph_outputs, real = _trace(request, plan, view, options, fail)
+        artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
         embedded, ambient = plan.embedded, plan.ambient
         if embedded and not real.records_embedded:  # the artifact carries none of them
             embedded, ambient = (), request.snapshot.names
@@ -150,7 +169,11 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     try:
         gm = real.graph_module(artifact)
         ops = graph_ops(gm) if gm is not None else ()
-        fingerprint = _fingerprint(ops, request.inputs, request.snapshot.to_json(), real.name)
+        op_args = graph_op_args(gm) if gm is not None else ()
+        digest = hashlib.sha256(graph_code(gm).encode()).hexdigest()[:32] \
+            if gm is not None else ""
+        fingerprint = _fingerprint(ops, request.inputs, request.snapshot.to_json(), real.name,
+                                   digest)
     except Exception as exc:
         raise fail("bad_artifact", exc) from None
     return Capture(
@@ -162,7 +185,8 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         constants=tuple(p for p, _ in _const_paths(request.inputs)),
         attempts=backend.last_attempts, seconds=time.perf_counter() - t0, ops=ops,
         member_calls=tuple((m.name, m.calls) for m in request.members),
-        weights_from=traced.name, collective=collective,
+        weights_from=traced.name, collective=collective, graph_digest=digest,
+        op_args=op_args,
     )
 
 
@@ -200,7 +224,8 @@ def _failure(request: VariantRequest, backend: Backend, reason: str,
 # -- tracing ----------------------------------------------------------------------
 
 def _trace(request: VariantRequest, plan: _Plan, view: nn.Module, options: CaptureOptions,
-           fail: Callable[..., CaptureFailed]) -> tuple[Any, Spec | None, Backend]:
+           fail: Callable[..., CaptureFailed],
+           baseline: tuple[ContextProbe[Any], ...] = ()) -> tuple[Any, Spec | None, Backend]:
     backend = options.backend
     try:
         if plan.binding == "native":
@@ -215,6 +240,11 @@ def _trace(request: VariantRequest, plan: _Plan, view: nn.Module, options: Captu
     def job() -> tuple[Any, Spec | None, Backend]:
         with ExitStack() as stack:
             try:
+                # from a fresh process's state, whatever the caller of
+                # finalize() has active (an autocast already on would make
+                # the embedded replay a no-op the tracer never records)
+                stack.enter_context(neutral_replay(request.snapshot, baseline,
+                                                   only_neutral=True))
                 stack.enter_context(plan.around)
             except Exception as exc:
                 raise _ReplayFault() from exc
@@ -231,7 +261,10 @@ def _trace(request: VariantRequest, plan: _Plan, view: nn.Module, options: Captu
                     # a fallback backend that records no embedded context
                     # (symbolic, under auto) reads its outputs inside them
                     unrecorded = plan.inside is not None and not real.records_embedded
-                    with plan.inside() if plan.inside and unrecorded else nullcontext():
+                    # a backend may run the module here (symbolic): random
+                    # state and the generators it reaches are put back
+                    with rng_guard(), \
+                            plan.inside() if plan.inside and unrecorded else nullcontext():
                         spec = real.output_spec(artifact, args, kwargs)
                 except _ArtifactFault:
                     raise
@@ -370,9 +403,9 @@ def _const_paths(inputs: CallSpec) -> Iterator[tuple[str, Spec]]:
 
 
 def _fingerprint(ops: tuple[tuple[str, str | None], ...], inputs: CallSpec,
-                 snapshot_json: Any, backend: str) -> str:
+                 snapshot_json: Any, backend: str, graph: str = "") -> str:
     doc = {"ops": [list(o) for o in ops], "inputs": call_to_json(inputs),
-           "snapshot": snapshot_json, "backend": backend}
+           "snapshot": snapshot_json, "backend": backend, "graph": graph}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

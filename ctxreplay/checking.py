@@ -98,7 +98,7 @@ class Checker:
 
     def _execute(self, m: MemberCall, module: nn.Module, name: str | None) -> list[Mismatch]:
         leaves = materialize_leaves(self.request.inputs)
-        with isolated(module) as view:
+        with isolated(module, self.request.training) as view:
             program = self._program(view, m)
             if program is None:
                 return [_mismatch("execution", "member weights",
@@ -118,7 +118,7 @@ class Checker:
                                   member=name)
             if found:
                 return found
-        with isolated(module) as ref:
+        with isolated(module, self.request.training) as ref:
             try:  # the member itself, on the same inputs, under the live context
                 reference = self._eager(ref, leaves)
             except Exception as exc:
@@ -132,7 +132,7 @@ class Checker:
                               None, name)]
         specs = [s for _, s in self.request.inputs.leaves()]
         leaves = tuple(_placed(t, s) for t, s in zip(m.retained.inputs, specs))
-        with isolated(module) as view:
+        with isolated(module, self.request.training) as view:
             program = self._program(view, m)
             if program is None:
                 return []  # reported by the execute check

@@ -43,8 +43,10 @@ class ProbeEffect:
 
     ``retyped``: nodes with the same op but another dtype; ``added`` /
     ``removed``: nodes only in the graph without the probe / only in the
-    faithful one; ``changed`` is their sum.  ``outputs``: the graph output
-    dtypes without the probe when they differ from the faithful ones.
+    faithful one; ``constants``: nodes with the same op whose non-tensor
+    arguments differ (a scale, a dim, a flag); ``changed`` is their sum.
+    ``outputs``: the graph output dtypes without the probe when they differ
+    from the faithful ones.
     """
 
     probe: str
@@ -57,6 +59,7 @@ class ProbeEffect:
     outputs: tuple[str, ...] = ()
     live_outputs: tuple[str, ...] = ()
     reason: str | None = None
+    constants: int = 0
 
     def describe(self) -> str:
         """One line for the table."""
@@ -70,7 +73,8 @@ class ProbeEffect:
         if self.status == "no effect":
             return "no effect"
         text = (f"{self.changed} node{'s' if self.changed != 1 else ''} changed "
-                f"({self.retyped} retyped, +{self.added}, -{self.removed})")
+                f"({self.retyped} retyped, +{self.added}, -{self.removed}"
+                + (f", {self.constants} constants" if self.constants else "") + ")")
         if self.outputs:
             text += f"; outputs {','.join(self.live_outputs)} -> {','.join(self.outputs)}"
         return text
@@ -78,17 +82,18 @@ class ProbeEffect:
     def to_json(self) -> dict[str, Any]:
         return {"probe": self.probe, "state": self.state, "status": self.status,
                 "changed": self.changed, "retyped": self.retyped, "added": self.added,
-                "removed": self.removed, "outputs": list(self.outputs),
+                "removed": self.removed, "constants": self.constants,
+                "outputs": list(self.outputs),
                 "live_outputs": list(self.live_outputs), "reason": self.reason}
 
     @classmethod
     def from_json(cls, data: object, path: str = "$") -> ProbeEffect:
         """Strict inverse of ``to_json``; ``ValueError`` naming the path."""
         keys = {"probe", "state", "status", "changed", "retyped", "added", "removed",
-                "outputs", "live_outputs", "reason"}
+                "constants", "outputs", "live_outputs", "reason"}
         doc = read_mapping(data, path, keys=keys, required={"probe", "state", "status"})
         counts = {k: read_int(doc.get(k, 0), f"{path}.{k}", lo=0)
-                  for k in ("changed", "retyped", "added", "removed")}
+                  for k in ("changed", "retyped", "added", "removed", "constants")}
         reason = doc.get("reason")
         return cls(
             read_str(doc["probe"], f"{path}.probe"),
@@ -190,6 +195,23 @@ def _dtypes(spec: Spec | None) -> tuple[str, ...]:
                  if isinstance(s, TensorSpec))
 
 
+def compare_args(faithful: Sequence[tuple[str, str | None]], faithful_args: Sequence[str],
+                 other: Sequence[tuple[str, str | None]], other_args: Sequence[str]) -> int:
+    """Nodes with the same op in both graphs whose non-tensor arguments
+    (constants, dims, flags) differ, aligned as ``compare_ops`` aligns them."""
+    if len(faithful_args) != len(faithful) or len(other_args) != len(other):
+        return 0
+    a = [op for op, _ in faithful]
+    b = [op for op, _ in other]
+    differ = 0
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            differ += sum(faithful_args[i] != other_args[j]
+                          for i, j in zip(range(i1, i2), range(j1, j2)))
+    return differ
+
+
 def compare_ops(faithful: Sequence[tuple[str, str | None]],
                 other: Sequence[tuple[str, str | None]]) -> tuple[int, int, int]:
     """``(retyped, added, removed)`` between two graphs' ``(op, dtype)`` lists,
@@ -275,12 +297,13 @@ def explain_capture(capture: Capture, module: nn.Module, options: CaptureOptions
                                        reason=f.failure.reason))
             continue
         retyped, added, removed = compare_ops(capture.ops, other.ops)
+        constants = compare_args(capture.ops, capture.op_args, other.ops, other.op_args)
         outs = _dtypes(other.graph_outputs)
-        changed = retyped + added + removed
+        changed = retyped + added + removed + constants
         status = "changed" if changed or outs != live else "no effect"
         effects.append(ProbeEffect(name, described[name], status, changed, retyped, added,
                                    removed, outs if outs != live else (),
-                                   live if outs != live else ()))
+                                   live if outs != live else (), constants=constants))
     return CaptureExplanation(capture.scope, capture.variant, tuple(effects))
 
 

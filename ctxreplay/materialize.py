@@ -4,7 +4,8 @@ way a capture takes them.
 Call these outside the live forward (DESIGN.md fact 10): created inside an
 inference-mode forward they would be inference tensors.  Values are drawn
 from a private generator, so materialising never moves the user's random
-state: floats uniform in [0, 1), integers zero, bools false (fact 11).
+state: floats uniform in [0, 1), integers zero, bools true (masks that keep
+everything; DESIGN.md fact 11).
 Retained copies of a live call's tensors (``verify="values"``) are bound
 through the same path with ``leaves=``.
 """
@@ -71,8 +72,13 @@ def _fill(t: Tensor, dtype: torch.dtype, device: torch.device, fill: str) -> Non
     with torch.no_grad():
         if dtype.is_floating_point and fill != "zeros":
             t.uniform_(0.0, 1.0, generator=_generator(device))
+        elif dtype == torch.bool and fill != "zeros":
+            # masks that keep everything: an all-false attention mask would
+            # hide every position (and make softmax NaN on both sides of a
+            # comparison), so a graph reading the wrong cache slot would pass
+            t.fill_(True)
         else:
-            t.zero_()  # safe indices, false masks; complex zeros
+            t.zero_()  # safe indices; complex zeros
 
 
 def tensor(spec: TensorSpec, fill: str = "uniform") -> Tensor:

@@ -25,6 +25,7 @@ nothing.
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import types
 from collections import Counter
@@ -130,8 +131,8 @@ class _Member:
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
     __slots__ = ("__weakref__", "compiled", "identity", "identity_value", "ignore", "lazy",
-                 "memo", "module", "name", "off", "orig", "prev", "scope", "shared", "table",
-                 "tables", "training")
+                 "memo", "module", "name", "off", "orig", "prev", "scope", "shared", "stateful",
+                 "table", "tables", "training")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
@@ -142,6 +143,7 @@ class _Member:
         self.ignore = ignore
         self.off = False
         self.compiled = _Tally()
+        self.stateful: set[str] = set()  # held attributes its forward wrote
         self.memo: tuple[Any, ...] | None = None
         self.prev = module.__dict__.get("forward", ABSENT)
         self.orig = module.forward
@@ -247,11 +249,18 @@ class _Member:
         if mv is None:
             return self.orig(*args, **kwargs)
         next(mv.counter)
+        held = _held_state(self.module, self.ignore)
         if self.shared.profile:
             with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
                 out = self.orig(*args, **kwargs)
         else:
             out = self.orig(*args, **kwargs)
+        try:
+            changed = _held_changes(held)
+        except Exception:  # an object whose __dict__ went away: not our business
+            changed = []
+        if changed:
+            self.stateful.update(changed)
         if not mv.completed:
             try:
                 self._complete(mv, snap, args, kwargs, out)
@@ -263,6 +272,8 @@ class _Member:
 
     def _record(self, snap: ContextSnapshot, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> MemberVariant | None:
+        if _in_jit_check():
+            return None  # torch.jit.trace running the module again to check its trace
         sig = call_key(args, kwargs)
         key = (snap, sig)
         scope, shared = self.scope, self.shared
@@ -370,6 +381,53 @@ class _Member:
 
     def __reduce__(self) -> Any:
         return (_Detached, (self.module, None if self.prev is ABSENT else self.prev))
+
+
+_HELD_LIMIT = 64
+
+
+def _held_state(module: nn.Module, ignore: tuple[str, ...]
+                ) -> list[tuple[str, Any, dict[str, Any]]]:
+    """``(label, object, shallow copy of its __dict__)`` of the plain Python
+    objects the module tree holds (a caching hook's state): a forward that
+    writes them depends on what earlier calls left there."""
+    out = []
+    for path, m in module.named_modules():
+        for name, value in m.__dict__.items():
+            if name.startswith("_") or name in ignore or isinstance(
+                    value, (nn.Module, torch.Tensor, type)) or callable(value):
+                continue
+            d = getattr(value, "__dict__", None)
+            if type(d) is dict:
+                out.append((f"{path}.{name}" if path else name, value, dict(d)))
+                if len(out) >= _HELD_LIMIT:
+                    return out
+    return out
+
+
+def _held_changes(held: list[tuple[str, Any, dict[str, Any]]]) -> list[str]:
+    changed = []
+    for label, obj, before in held:
+        now = obj.__dict__
+        for k in set(before) | set(now):
+            if before.get(k, ABSENT) is not now.get(k, ABSENT):
+                changed.append(f"{label}.{k}")
+    return changed
+
+
+def _in_jit_check(depth: int = 40) -> bool:
+    """Whether ``torch.jit.trace`` is re-running the module to check its
+    trace (``check_trace=True``): torch's own second run, not a call."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name in ("_check_trace", "run_mod_and_filter_tensor_outputs") and \
+                code.co_filename.endswith(("jit/_trace.py", "jit\\_trace.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Detached:

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["WRAPPER_HOPS", "graph_nodes", "graph_ops", "has_collectives", "has_wrapper_hops",
-           "lower_wrappers", "pin_factory_defaults"]
+__all__ = ["WRAPPER_HOPS", "graph_code", "graph_nodes", "graph_op_args", "graph_ops",
+           "has_collectives",
+           "has_wrapper_hops", "lower_wrappers", "pin_factory_defaults"]
 
 #: higher-order ops export records for contexts entered inside the traced
 #: callable; torch.export.save rejected them on older torch (DESIGN.md fact 4)
@@ -51,6 +52,39 @@ def has_collectives(gm: torch.fx.GraphModule) -> bool:
     communicates, so every rank of its group must run it together."""
     return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                and str(n.target).startswith(_COLLECTIVE_NAMESPACES) for n in graph_nodes(gm))
+
+
+def _args_key(a: Any) -> Any:
+    if isinstance(a, torch.fx.Node):
+        return "%"
+    if isinstance(a, (list, tuple)):
+        return [_args_key(x) for x in a]
+    if isinstance(a, dict):
+        return {str(k): _args_key(v) for k, v in a.items()}
+    return repr(a)
+
+
+def graph_op_args(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """A short digest of each call's non-tensor arguments (constants, dims,
+    flags), in ``graph_ops`` order: two graphs with the same ops can still
+    differ here (``x * 2.0`` and ``x * 3.0``)."""
+    import hashlib
+
+    out = []
+    for n in graph_nodes(gm):
+        if n.op != "call_function":
+            continue
+        text = repr((_args_key(n.args), _args_key(dict(n.kwargs))))
+        out.append(hashlib.sha256(text.encode()).hexdigest()[:8])
+    return tuple(out)
+
+
+def graph_code(gm: torch.fx.GraphModule) -> str:
+    """The code of ``gm`` and of every graph nested in it (the bodies of
+    higher-order ops such as ``wrap_with_autocast``), in module order: two
+    graphs with equal code compute the same thing from the same inputs."""
+    return "\n".join(f"# {name}\n{m.code}" for name, m in gm.named_modules()
+                     if isinstance(m, torch.fx.GraphModule))
 
 
 def has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:

@@ -42,6 +42,8 @@ PROBLEMS = {
     "never_completed": "no call of a variant returned, so there is nothing to capture",
     "member_changed": "a block's attributes changed while observed, so its calls may "
                       "have run another graph",
+    "stateful_member": "a block's forward writes Python state it keeps, so a later capture "
+                       "may take another path than its calls did",
 }
 
 
@@ -125,6 +127,10 @@ class VariantRequest:
     snapshot: ContextSnapshot
     inputs: CallSpec
     members: tuple[MemberCall, ...]
+    #: ``(submodule path, training)`` the members had when the variant ran:
+    #: capture and checks put every view in that mode, whatever the model is
+    #: in by finalize()
+    training: tuple[tuple[str, bool], ...] = ()
 
     @property
     def traced(self) -> MemberCall:
@@ -187,6 +193,11 @@ class Capture:
     rank_calls: tuple[tuple[int, int], ...] = ()
     #: its graph holds collectives: executing it waits for the other ranks
     collective: bool = False
+    #: a digest of the graph's code (nested graphs and constants included):
+    #: equal digests, equal computation for the same inputs and weights
+    graph_digest: str = ""
+    #: per op of ``ops``, a digest of its non-tensor arguments
+    op_args: tuple[str, ...] = attrs.field(repr=False, default=())
 
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact as a ``.pt2`` that ``torch.export.load`` reads back,
@@ -217,6 +228,7 @@ class Capture:
             "observed_on": list(self.observed_on),
             "rank_calls": [list(r) for r in self.rank_calls],
             "collective": self.collective,
+            "graph_digest": self.graph_digest,
             "backend": self.backend,
             "binding": self.binding,
             "constants": list(self.constants),
@@ -341,10 +353,17 @@ _PROBLEM_TEXT: dict[str, Any] = {
     "never_completed": lambda p: f"{p.scope}: no call of {_n(p.variants, 'variant')} "
                                  f"returned ({_n(p.calls, 'call')} raised), so there is "
                                  "nothing to capture",
-    "member_changed": lambda p: f"{p.scope}: {_names(p)} changed while observed; later "
-                                "calls may have run another graph than the one recorded. Set "
-                                "it before capture_with, or list the attribute in "
-                                "ignore_attributes if the graph does not depend on it",
+    "stateful_member": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} writes "
+                                 f"state it holds ({', '.join(p.names[1:]) or '?'}) in its "
+                                 "forward; a capture made afterwards sees that state as "
+                                 "finalize() finds it, not as each call did. List the "
+                                 "attributes in ignore_attributes if the graph does not "
+                                 "depend on them",
+    "member_changed": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} changed "
+                                f"({p.names[1] if len(p.names) > 1 else '?'}) while observed; "
+                                "later calls may have run another graph than the one "
+                                "recorded. Set it before capture_with, or list the attribute "
+                                "in ignore_attributes if the graph does not depend on it",
 }
 
 #: notice reasons, in words

@@ -14,7 +14,8 @@ from torch import nn
 # torch's lazy modules hold these until their first forward
 _Uninitialized: type = getattr(nn.parameter, "UninitializedTensorMixin", type(None))
 
-__all__ = ["describe_identity_change", "identity_of", "resolve_targets", "structure_key"]
+__all__ = ["describe_identity_change", "identity_of", "resolve_targets", "structure_key",
+           "training_of"]
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -98,24 +99,31 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
     return tuple(out)
 
 
+def training_of(identity: tuple[Any, ...]) -> tuple[tuple[str, bool], ...]:
+    """``(submodule path, training)`` recorded in an identity."""
+    return tuple((entry[0], entry[2]) for entry in identity)
+
+
 def describe_identity_change(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
-    """The first difference between two identities, in words (metadata only:
-    attribute names and types, not values)."""
+    """The first difference between two identities as a short token (metadata
+    only: a submodule path and an attribute name, never a value):
+    ``submodules``, ``PATH:class``, ``PATH:training``, ``PATH:shapes`` or
+    ``PATH.ATTRIBUTE``."""
     if len(before) != len(after):
-        return "its submodules changed"
+        return "submodules"
     for a, b in zip(before, after):
-        where = a[0] or "the block"
+        where = a[0] or "."
         if a[1] != b[1]:
-            return f"{where}: class {a[1]} became {b[1]}"
+            return f"{where}:class"
         if a[2] != b[2]:
-            return f"{where}: training {a[2]} became {b[2]}"
+            return f"{where}:training"
         if a[3] != b[3] or a[4] != b[4]:
-            return f"{where}: parameter or buffer shapes changed"
+            return f"{where}:shapes"
         da, db = dict(a[5]), dict(b[5])
         for k in sorted(set(da) | set(db), key=str):
             if da.get(k, _SKIP) != db.get(k, _SKIP):
-                return f"{where}: attribute {k!r} changed"
-    return "no difference"
+                return f"{where}.{k}" if a[0] else str(k)
+    return "none"
 
 
 def _is_stack(mod: nn.Module) -> bool:

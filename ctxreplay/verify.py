@@ -124,7 +124,7 @@ def hint_for(snapshot: ContextSnapshot, carried: Iterable[str]) -> str | None:
 
 @contextmanager
 def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[Any]] = (),
-                   *, full: bool = False) -> Iterator[None]:
+                   *, full: bool = False, only_neutral: bool = False) -> Iterator[None]:
     """The state a fresh process has -- every probe of ``snapshot`` and of
     ``baseline`` at its ``neutral_state()`` (a probe that does not know it is
     left as it is) -- plus, from ``snapshot``, what no artifact can carry:
@@ -133,8 +133,9 @@ def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[An
     context, determinism flags), except pinnable states (default dtype and
     device), which a capture writes into its graph.  So an artifact run here
     shows whether it carries what it can carry.  ``full=True`` replays the
-    whole snapshot instead (the live call's context).  Restores exactly on
-    exit."""
+    whole snapshot instead (the live call's context); ``only_neutral=True``
+    nothing of it (the state a capture starts from, whatever the caller of
+    ``finalize()`` has active).  Restores exactly on exit."""
     probes: dict[str, ContextProbe[Any]] = {p.name: p for p in baseline}
     probes.update(zip(snapshot.names, snapshot.probes))
     with ExitStack() as stack:
@@ -142,7 +143,9 @@ def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[An
             neutral = probes[name].neutral_state()
             if neutral is not None:
                 stack.enter_context(probes[name].replay(neutral))
-        if full:
+        if only_neutral:
+            pass
+        elif full:
             stack.enter_context(snapshot.replay())
         else:
             for probe, state in zip(snapshot.probes, snapshot.states):

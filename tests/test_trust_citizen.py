@@ -94,12 +94,7 @@ def _kinds(graph: torch._C.Graph) -> list[str]:
     return [n.kind() for n in graph.nodes()]
 
 
-@pytest.mark.parametrize("check_trace", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
-        strict=True, reason="ENGINE BUG: jit.trace's check_trace re-runs the eager model "
-        "outside tracing, and the session records that internal call as a variant")),
-])
+@pytest.mark.parametrize("check_trace", [False, True])
 def test_jit_trace_sees_the_same_graph_and_records_nothing(check_trace: bool) -> None:
     model = _net()
     x = _x()

@@ -462,9 +462,6 @@ def test_a_probe_state_that_differs_in_every_call_is_noticed() -> None:
     assert same.ok and same.notices == () and [c.calls for c in same.captures] == [5]
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: probe_too_fine compares (op, dtype) "
-                   "lists only, so per-step scalar constants (different graphs) are called "
-                   "'identical graphs' and the user is told to coarsen a key that matters")
 def test_a_per_step_scale_is_not_called_too_fine() -> None:
     report = finalize_checked(_loop(6, lambda step: StepContext(1.0 + step, step)),
                               strict=True)

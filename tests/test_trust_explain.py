@@ -177,9 +177,6 @@ def test_explain_again_keeps_what_finalize_computed() -> None:
     assert ce["forward_context"].status == "failed"
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: explain compares (op, dtype) lists only, "
-                   "so a forward context that changes a graph constant (scale 3.0 vs 1.0) "
-                   "is reported 'no effect'")
 def test_a_context_that_changes_a_graph_constant_is_reported_changed() -> None:
     model = Net(SoftBlock).eval()
     report = check_report(_session(model, [*PROBES, _probe()]).finalize(explain=True))

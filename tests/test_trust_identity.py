@@ -305,8 +305,6 @@ class NamedStack(nn.Module):
         return x
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: captures of different identities whose "
-                                       "graphs are identical are not merged into one record")
 def test_identical_graphs_of_different_identities_are_merged_into_one_record() -> None:
     torch.manual_seed(0)
     model = NamedStack().eval()
@@ -435,9 +433,6 @@ def _eval_capture(call: Any, found: list[ctxreplay.Capture]) -> list[ctxreplay.C
     return [c for c in found if _has_dropout(c) == call.training]
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: a variant is traced in the training "
-                                       "mode the module has at finalize, not the one its "
-                                       "calls ran in")
 def test_an_eval_call_and_a_train_call_are_two_variants() -> None:
     torch.manual_seed(0)
     model = DroppingStack()
@@ -462,9 +457,6 @@ def test_an_eval_call_and_a_train_call_are_two_variants() -> None:
     assert replay_failure(train, evaluated[0]) is not None
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: a variant is traced in the training "
-                                       "mode the module has at finalize, not the one its "
-                                       "calls ran in")
 def test_an_eval_call_captured_after_model_train_has_no_dropout() -> None:
     torch.manual_seed(0)
     model = DroppingStack().eval()

@@ -124,13 +124,7 @@ def test_qwen3_decode_every_call_matches_through_its_own_layers_capture(kind: st
         assert sorted(c.members for c in steps) == [(members[0],), (members[1],)]
 
 
-_BLIND_EXECUTE = pytest.mark.xfail(
-    strict=True, reason="ENGINE BUG: execute verification materialises the bool attention "
-                        "mask all False, so no cache slot is read and layer 0's graph passes "
-                        "for layer 1")
-
-
-@pytest.mark.parametrize("verify", [pytest.param("execute", marks=_BLIND_EXECUTE), "values"])
+@pytest.mark.parametrize("verify", ["execute", "values"])
 def test_qwen3_static_cache_forced_to_share_across_layer_idx_is_caught(verify: str) -> None:
     # The case without the fix: both layers' decode steps through layer 0's
     # graph, which reads layer 0's cache slot whatever the weights.
