@@ -148,8 +148,7 @@ class _Member:
         self.prev = module.__dict__.get("forward", ABSENT)
         self.orig = module.forward
         self.tables: dict[int, dict[Any, MemberVariant]] = {}
-        self.lazy = any(isinstance(p, _Uninitialized)
-                        for p in (*module.parameters(), *module.buffers()))
+        self.lazy = _uninitialized(module)
         self.identity_value: Any = None
         self.identity = -1
         self.training = module.training
@@ -257,6 +256,8 @@ class _Member:
             out = self.orig(*args, **kwargs)
         try:
             changed = _held_changes(held)
+            if self.lazy:  # a lazy module materialises in its first call
+                self._rekey()
         except Exception:  # an object whose __dict__ went away: not our business
             changed = []
         if changed:
@@ -357,11 +358,40 @@ class _Member:
         a lazy module's first call) and switch to that identity's table."""
         self.training = self.module.training
         self.identity_value = identity_of(self.module, self.ignore)
-        self.lazy = False
+        self.lazy = _uninitialized(self.module)
         with self.shared.lock:
             self.identity = self.scope.identity_id(self.identity_value)
         self.table = self.tables.setdefault(self.identity, {})
         self.memo = None
+
+    def _rekey(self) -> None:
+        """A lazy module's first call made its parameters (and class): its
+        variants move to the identity it has now."""
+        if _uninitialized(self.module):
+            return
+        self.lazy = False
+        value = identity_of(self.module, self.ignore)
+        scope = self.scope
+        with self.shared.lock:
+            old, new = self.identity, scope.identity_id(value)
+            self.identity_value, self.training = value, self.module.training
+            if new == old:
+                return
+            moved = self.tables.pop(old, {})
+            dest = self.tables.setdefault(new, {})
+            for (snap, sig), mv in moved.items():
+                taken = scope.index.get((new, snap, sig))
+                if taken is None:
+                    scope.index[(new, snap, sig)] = mv.index
+                else:
+                    mv.index = taken
+                mv.identity = new
+                dest[(snap, sig)] = mv
+                others = any((snap, sig) in m.tables.get(old, {})
+                             for m in scope.member_states if m is not self)
+                if not others:
+                    scope.index.pop((old, snap, sig), None)
+            self.identity, self.table, self.memo = new, dest, None
 
     def all_variants(self) -> Iterator[tuple[Any, MemberVariant]]:
         for identity, table in list(self.tables.items()):
@@ -381,6 +411,10 @@ class _Member:
 
     def __reduce__(self) -> Any:
         return (_Detached, (self.module, None if self.prev is ABSENT else self.prev))
+
+
+def _uninitialized(module: nn.Module) -> bool:
+    return any(isinstance(p, _Uninitialized) for p in (*module.parameters(), *module.buffers()))
 
 
 _HELD_LIMIT = 64

@@ -20,6 +20,7 @@ class _MemberLike(Protocol):
 
     name: str
     module: nn.Module
+    tables: dict[int, dict[Any, Any]]
 
     def all_variants(self) -> Any: ...
 

@@ -274,9 +274,6 @@ def test_lazy_modules_can_be_targeted_before_their_first_forward() -> None:
     assert all(c.fidelity.ok and "execute" in c.fidelity.checked for c in report.captures)
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: a lazy member's identity is taken before "
-                   "its first forward materialises it; LazyLinear becoming Linear is then "
-                   "reported member_changed and the report is not ok")
 def test_a_lazy_model_captured_after_its_first_forward_is_ok() -> None:
     report = finalize_checked(_lazy_session(), strict=True)
     assert report.ok and report.problems == ()
