@@ -26,7 +26,13 @@ from .registry import (
 )
 from .report import CaptureReport, FidelityError
 from .session import CaptureSession, SessionError, capture_with
-from .snapshot import ContextSnapshot, ProbeDiff, ProbeObservationError, snapshot
+from .snapshot import (
+    ContextSnapshot,
+    ProbeDiff,
+    ProbeObservationError,
+    UnknownProbeWarning,
+    snapshot,
+)
 from .verify import Fidelity, Mismatch
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "ProbeEffect",
     "SavedArtifact",
     "load_sidecar",
+    "UnknownProbeWarning",
     "Backend",
     "BackendError",
     "Capture",
