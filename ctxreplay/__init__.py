@@ -11,6 +11,17 @@ from ._version import __version__ as __version__
 from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sidecar
 from .backends import Backend, BackendError
 from .explain import CaptureExplanation, Explanation, ProbeEffect
+from .loading import (
+    Difference,
+    GuardedCapture,
+    GuardError,
+    GuardWarning,
+    LoadedCapture,
+    LoadedManifest,
+    WeightsError,
+    load,
+)
+from .manifest import SavedManifest
 from .probe import ContextProbe, NotPortableError
 from .probes import ContextVarProbe, ForwardContextProbe
 from .records import Capture, CaptureFailure, Notice, Problem
@@ -43,7 +54,16 @@ __all__ = [
     "ProbeEffect",
     "SavedArtifact",
     "load_sidecar",
+    "Difference",
+    "GuardError",
+    "GuardWarning",
+    "GuardedCapture",
+    "LoadedCapture",
+    "LoadedManifest",
+    "SavedManifest",
     "UnknownProbeWarning",
+    "WeightsError",
+    "load",
     "Backend",
     "BackendError",
     "Capture",
