@@ -10,6 +10,7 @@ from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
 from ._version import __version__ as __version__
 from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sidecar
 from .backends import Backend, BackendError
+from .dispatch import DispatchStats, InstallHandle, install
 from .explain import CaptureExplanation, Explanation, ProbeEffect
 from .loading import (
     Difference,
@@ -55,14 +56,17 @@ __all__ = [
     "SavedArtifact",
     "load_sidecar",
     "Difference",
+    "DispatchStats",
     "GuardError",
     "GuardWarning",
     "GuardedCapture",
+    "InstallHandle",
     "LoadedCapture",
     "LoadedManifest",
     "SavedManifest",
     "UnknownProbeWarning",
     "WeightsError",
+    "install",
     "load",
     "Backend",
     "BackendError",
