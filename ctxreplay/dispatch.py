@@ -62,6 +62,12 @@ __all__ = ["OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
 #: which no graph records -- unless ``"dispatch"`` says they do not
 OBJECT_POLICIES = ("eager", "dispatch")
 
+_TensorGuards: Any
+try:  # checks dtype, shape, stride, device, requires_grad and dispatch keys in C
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - stripped torch
+    _TensorGuards = None
+
 _dynamo_compiling: Callable[[], bool] = getattr(
     torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 _is_tracing = torch._C._is_tracing
@@ -220,11 +226,23 @@ class _Target:
         return out
 
 
+def _last_hit_check(args: tuple[Any, ...]) -> Any:
+    """A C-level check that positional tensor arguments still have the
+    metadata of these (``None`` where it does not apply)."""
+    if _TensorGuards is None or not args or any(type(a) is not torch.Tensor for a in args):
+        return None
+    try:
+        return _TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
+                             dynamic_dims_strides=[list(a.stride()) for a in args])
+    except Exception:  # this torch's TensorGuards takes other arguments
+        return None
+
+
 class _Slot:
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
-    __slots__ = ("__weakref__", "entries", "groups", "handle", "memo", "misses", "module",
-                 "name", "off", "orig", "prev", "reasons", "targets", "training")
+    __slots__ = ("__weakref__", "entries", "groups", "handle", "last", "memo", "misses",
+                 "module", "name", "off", "orig", "prev", "reasons", "targets", "training")
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module) -> None:
         self.handle, self.name, self.module = handle, name, module
@@ -235,6 +253,8 @@ class _Slot:
         self.entries: list[_Entry] = []
         self.groups: list[tuple[Observer, list[_Entry]]] = []
         self.memo: dict[Any, Any] = {}
+        #: the last hit of a call of positional tensors: (snapshot, count, check, target)
+        self.last: tuple[Any, int, Any, _Target] | None = None
         self.targets: dict[int, _Target] = {}
         self.misses = 0
         self.reasons: Counter[str] = Counter()
@@ -245,14 +265,25 @@ class _Slot:
         target: Any
         try:
             groups = self.groups
+            if not self.handle.active:  # called outside the model: check those flags here
+                for obs in self.handle._observers:
+                    obs.forward_changed()
             if len(groups) == 1:
                 snaps: Any = groups[0][0]()
             else:
                 snaps = tuple(g[0]() for g in groups)
-            key = (snaps, call_key(args, kwargs))
-            target = self.memo.get(key)
-            if target is None:
-                target = self._resolve(snaps, key, args, kwargs)
+            last = self.last
+            if last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
+                    and last[2].check(*args):
+                target = last[3]
+            else:
+                key = (snaps, call_key(args, kwargs))
+                target = self.memo.get(key)
+                if target is None:
+                    target = self._resolve(snaps, key, args, kwargs)
+                if type(target) is _Target and not kwargs:
+                    check = _last_hit_check(args)
+                    self.last = None if check is None else (snaps, len(args), check, target)
         except NotRealError:  # a tracer's stand-ins: not a live call
             return self.orig(*args, **kwargs)
         except Exception:  # dispatch must never break the forward
@@ -307,6 +338,7 @@ class _Slot:
 
     def invalidate(self) -> None:
         """The member's tensors or submodules were replaced: bind again."""
+        self.last = None
         self.memo.clear()
         self.targets.clear()
         self.handle._forget(self)
@@ -319,6 +351,34 @@ class _Slot:
                 return reason
             t = self.targets[id(e)] = _Target(e, self)
         return t
+
+
+class _Root:
+    """Wraps the model given to ``install``: per call of it, the probes'
+    numerics-only flags (``watch_forward``) are checked once, not per block."""
+
+    __slots__ = ("__weakref__", "handle", "module", "off", "orig", "prev")
+
+    def __init__(self, handle: InstallHandle, module: nn.Module) -> None:
+        self.handle, self.module = handle, module
+        self.prev = module.__dict__.get("forward", _ABSENT)
+        self.orig = module.forward
+        self.off = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            return self.orig(*args, **kwargs)
+        handle = self.handle
+        try:
+            for obs in handle._observers:
+                obs.forward_changed()
+        except Exception:  # a getter that raises: the members observe it again
+            pass
+        handle.active += 1
+        try:
+            return self.orig(*args, **kwargs)
+        finally:
+            handle.active -= 1
 
 
 class InstallHandle:
@@ -337,6 +397,9 @@ class InstallHandle:
         self._compiled: list[str] = []
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
+        self._observers: tuple[Observer, ...] = ()
+        self._root: _Root | None = None
+        self.active = 0  # calls of the model in progress
         self.removed = False
 
     def _watch(self) -> None:
@@ -422,15 +485,18 @@ class InstallHandle:
         if self.removed:
             return
         self.removed = True
-        for s in reversed(self._slots):
-            s.off = True
-            current = s.module.__dict__.get("forward")
-            if getattr(current, "__self__", None) is s:
-                if s.prev is _ABSENT:
-                    del s.module.forward
+        holders: list[_Slot | _Root] = [*self._slots, *([self._root] if self._root else [])]
+        for h in reversed(holders):
+            h.off = True
+            current = h.module.__dict__.get("forward")
+            if getattr(current, "__self__", None) is h:
+                if h.prev is _ABSENT:
+                    del h.module.forward
                 else:
-                    s.module.forward = s.prev
+                    h.module.forward = h.prev
+        for s in self._slots:
             s.memo.clear()
+            s.last = None
             s.targets.clear()
         self._built.clear()
         for h in self._hooks:
@@ -499,11 +565,17 @@ def install(model: nn.Module, source: object, *,
                            if not isinstance(p, UnknownProbe) and not isinstance(s, UnknownState))
             key = tuple((p.name, id(p)) for p in probes)
             if key not in observers:
-                observers[key] = Observer(probes, per_call=True)
+                # the numerics-only flags (watch_forward) are checked once per
+                # call of ``model``, as observation does (DESIGN.md fact 14)
+                observers[key] = Observer(probes, per_call=False)
             by_probes.setdefault(key, []).append(e)
         slot.groups = [(observers[k], v) for k, v in by_probes.items()]
         handle._slots.append(slot)
+    handle._observers = tuple(observers.values())
     handle._watch()
     for slot in handle._slots:
         slot.module.forward = slot.forward
+    if all(s.module is not model for s in handle._slots):
+        handle._root = _Root(handle, model)
+        model.forward = handle._root.forward
     return handle
