@@ -629,8 +629,8 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
     if given.is_dir():
         manifest = given / MANIFEST_NAME
         if not manifest.is_file():
-            raise ValueError(f"{given}: a directory without {MANIFEST_NAME}; expected "
-                             f"{EXPECTED_FILES}")
+            raise ValueError(f"$: a directory without {MANIFEST_NAME}; expected "
+                             f"{EXPECTED_FILES} (in {given})")
         given = manifest
     if not given.exists():
         raise FileNotFoundError(f"{given}: no such file or directory")
@@ -639,14 +639,14 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
     if head == b"PK\x03\x04":  # a zip archive: what torch.export.save writes
         side = sidecar_path(given)
         if not side.is_file():
-            raise ValueError(f"{given}: a .pt2 archive without its sidecar {side.name} "
-                             "(Capture.save writes it beside the .pt2)")
+            raise ValueError(f"$: a .pt2 archive without its sidecar {side.name} "
+                             f"(Capture.save writes it beside the .pt2) (in {given})")
         return "artifact", given, None
     try:
         data = loads(given.read_bytes(), "$", source=str(given))
     except ValueError:
-        raise ValueError(f"{given}: not a ctxreplay file (neither a .pt2 archive nor a JSON "
-                         f"document); expected {EXPECTED_FILES}") from None
+        raise ValueError(f"$: not a ctxreplay file (neither a .pt2 archive nor a JSON "
+                         f"document); expected {EXPECTED_FILES} (in {given})") from None
     schema = data.get("schema") if isinstance(data, Mapping) else None
     # by family: a reader of the kind then names an unsupported version
     families = {MANIFEST_SCHEMA: "manifest", SIDECAR_SCHEMA: "sidecar",
@@ -655,8 +655,8 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
         if isinstance(schema, str) and schema.startswith(prefix.partition("/")[0] + "/"):
             return kind, given, data
     shown = repr(schema[:60]) if isinstance(schema, str) else "none"
-    raise ValueError(f"{given}: a JSON document that is not a ctxreplay manifest, sidecar or "
-                     f"report (schema {shown}); expected {EXPECTED_FILES}")
+    raise ValueError(f"$.schema: a JSON document that is not a ctxreplay manifest, sidecar "
+                     f"or report (schema {shown}); expected {EXPECTED_FILES} (in {given})")
 
 
 def _fidelity(doc: Mapping[str, Any], key: str) -> bool:
@@ -719,7 +719,7 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
             raise FileNotFoundError(f"$.captures[{e.index}].sidecar: {side_file} is "
                                     "missing") from None
         except ValueError as exc:
-            raise ValueError(f"{side_file.name}: {exc}") from None
+            raise ValueError(f"{exc} (in {side_file})") from None
         _check_entry(e, side)
         if not side.artifact.is_file():
             raise FileNotFoundError(f"$.captures[{e.index}].artifact: {side.artifact} is "
@@ -766,5 +766,5 @@ def load(path: str | os.PathLike[str], *,
         return _load_manifest(target, data, probes)
     if kind in ("artifact", "sidecar"):
         return _load_single(target, probes)
-    raise ValueError(f"{target}: a report holds no artifacts; write them with "
-                     "report.save_all(directory) and load that directory")
+    raise ValueError(f"$.schema: a report holds no artifacts; write them with "
+                     f"report.save_all(directory) and load that directory (in {target})")

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 from test_artifacts_manifest import manifests_are_metadata_only  # noqa: F401
+from torch import nn
 from torchstate import default_dtype, deterministic
 
 import ctxreplay
-from torch import nn
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")]
 
@@ -141,9 +141,9 @@ def test_the_guard_follows_every_change_between_calls(dirs: dict[str, Any]) -> N
     with torch.inference_mode():
         first = guarded(*args, **kwargs)
         assert torch.equal(guarded(*args, **kwargs), first)  # the cached path
-        with deterministic(True):  # process-global, watched on every call
-            with pytest.raises(ctxreplay.GuardError, match="determinism"):
-                guarded(*args, **kwargs)
+        # process-global, watched on every call
+        with deterministic(True), pytest.raises(ctxreplay.GuardError, match="determinism"):
+            guarded(*args, **kwargs)
         assert torch.equal(guarded(*args, **kwargs), first)
     with pytest.raises(ctxreplay.GuardError, match="grad_mode"):
         guarded(*args, **kwargs)

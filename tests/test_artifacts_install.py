@@ -223,7 +223,7 @@ def test_sources_and_members_are_checked(net: Net) -> None:
     report = captured(net, torch.rand(2, 16))
     with pytest.raises(TypeError, match="source must be a CaptureReport"):
         ctxreplay.install(net, "captures/")
-    with pytest.raises(ValueError, match="the model has no submodule 'blocks.2'"):
+    with pytest.raises(ValueError, match=r"the model has no submodule 'blocks\.2'"):
         ctxreplay.install(Net(depth=2), report)
     with pytest.raises(ValueError, match="object_args: 'maybe'"):
         ctxreplay.install(net, report, object_args="maybe")

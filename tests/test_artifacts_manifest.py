@@ -213,11 +213,11 @@ def test_load_refuses_a_report_and_a_pt2_without_sidecar(saved_dir: Path,
                                                           tmp_path: Path) -> None:
     _, report = dit_report(depth=2, verify="signature")
     report.save(tmp_path / "report.json")
-    with pytest.raises(ValueError, match="a report holds no artifacts; .*save_all"):
+    with pytest.raises(ValueError, match=r"a report holds no artifacts; .*save_all"):
         ctxreplay.load(tmp_path / "report.json")
     lone = tmp_path / "lone.pt2"
     shutil.copy(next(saved_dir.glob("*.pt2")), lone)
-    with pytest.raises(ValueError, match="without its sidecar lone.pt2.json"):
+    with pytest.raises(ValueError, match=r"without its sidecar lone\.pt2\.json"):
         ctxreplay.load(lone)
     with pytest.raises(FileNotFoundError, match="no such file"):
         ctxreplay.load(tmp_path / "absent")
