@@ -438,3 +438,23 @@ def test_dispatch_never_breaks_the_forward_on_an_observation_error(net: Net) -> 
             assert torch.equal(_eager(net, x), expected)
         slot.groups[0] = (obs, slot.groups[0][1])
         assert handle.stats().reasons == {"observe_error": 1}
+
+
+def test_a_numerics_flag_changed_between_model_calls_is_a_context_miss(net: Net) -> None:
+    from torchstate import cudnn_allow_tf32
+
+    x = torch.rand(2, 16)
+    report = captured(net, x)
+    with ctxreplay.install(net, report) as handle:
+        _eager(net, x)
+        flag = torch.backends.cudnn.allow_tf32
+        with cudnn_allow_tf32(not flag):  # read once per model call, not per block
+            _eager(net, x)
+            Block.eager_calls = 0
+            with bf16(), torch.inference_mode():
+                net.blocks[0](x)  # a block called outside the model: checked there
+            assert Block.eager_calls == 1
+        _eager(net, x)
+        stats = handle.stats()
+        assert stats.hits == {"blocks.0#0": 6}
+        assert stats.reasons == {"context": 4}
