@@ -11,7 +11,19 @@ from ._collective import DistributedError
 from ._version import __version__ as __version__
 from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sidecar
 from .backends import Backend, BackendError
+from .dispatch import DispatchStats, InstallHandle, install
 from .explain import CaptureExplanation, Explanation, ProbeEffect
+from .loading import (
+    Difference,
+    GuardedCapture,
+    GuardError,
+    GuardWarning,
+    LoadedCapture,
+    LoadedManifest,
+    WeightsError,
+    load,
+)
+from .manifest import SavedManifest
 from .probe import ContextProbe, NotPortableError
 from .probes import ContextVarProbe, DistributedProbe, ForwardContextProbe
 from .records import Capture, CaptureFailure, Notice, Problem
@@ -27,7 +39,13 @@ from .registry import (
 )
 from .report import CaptureReport, FidelityError
 from .session import CaptureSession, SessionError, capture_with
-from .snapshot import ContextSnapshot, ProbeDiff, ProbeObservationError, snapshot
+from .snapshot import (
+    ContextSnapshot,
+    ProbeDiff,
+    ProbeObservationError,
+    UnknownProbeWarning,
+    snapshot,
+)
 from .verify import Fidelity, Mismatch
 
 __all__ = [
@@ -38,6 +56,19 @@ __all__ = [
     "ProbeEffect",
     "SavedArtifact",
     "load_sidecar",
+    "Difference",
+    "DispatchStats",
+    "GuardError",
+    "GuardWarning",
+    "GuardedCapture",
+    "InstallHandle",
+    "LoadedCapture",
+    "LoadedManifest",
+    "SavedManifest",
+    "UnknownProbeWarning",
+    "WeightsError",
+    "install",
+    "load",
     "Backend",
     "BackendError",
     "Capture",

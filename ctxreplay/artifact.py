@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,13 +19,14 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from ._environment import full_environment
 from ._json import loads, read_bool, read_int, read_list, read_mapping, read_pairs, read_str
 from .compare import compare_specs
 from .materialize import inputs_for, materialize
 from .passes import has_wrapper_hops, lower_wrappers
 from .probe import ContextProbe
 from .signature import CallSpec, SeqSpec, Spec, TensorSpec, spec_of
-from .snapshot import ContextSnapshot
+from .snapshot import ContextSnapshot, UnknownProbeWarning
 from .specjson import (
     call_to_json,
     resolve_opaque,
@@ -35,7 +37,8 @@ from .specjson import (
 from .verify import Fidelity, Mismatch, flat_tensor_spec, neutral_replay
 
 __all__ = ["SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar", "SavableCapture",
-           "SavedArtifact", "artifact_inputs", "load_sidecar", "save_capture", "sidecar_path"]
+           "SavedArtifact", "artifact_inputs", "load_sidecar", "read_sidecar", "save_capture",
+           "sidecar_path", "warn_unknown"]
 
 SIDECAR_SCHEMA = "ctxreplay.artifact/1"
 
@@ -199,13 +202,20 @@ def _check_saved(capture: SavableCapture, target: Path) -> Fidelity:
 
 def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
                  fidelity: Fidelity) -> dict[str, Any]:
-    """The sidecar document: metadata only (no tensor values, no source)."""
+    """The sidecar document: metadata only (no tensor values, no source).
+    ``members`` / ``weights_from`` (whose parameters the file holds) and the
+    ``environment`` are written where the capture has them."""
     leaves = [[p, spec_to_json(s)] for p, s in capture.signature.leaves()]
+    members = getattr(capture, "members", ())
     return {
         "schema": SIDECAR_SCHEMA,
         "artifact": artifact.name,
         "torch": str(torch.__version__),
+        "environment": full_environment(),
         "scope": capture.scope,
+        "members": list(members),
+        "weights_from": str(getattr(capture, "weights_from", "") or
+                            (members[0] if members else "")),
         "variant": capture.variant,
         "backend": capture.backend,
         "binding": capture.binding,
@@ -257,6 +267,10 @@ class ArtifactSidecar:
     document: Mapping[str, Any] = attrs.field(repr=False)
     _args: tuple[_Node, ...] = attrs.field(repr=False, alias="args")
     _kwargs: tuple[tuple[str, _Node], ...] = attrs.field(repr=False, alias="kwargs")
+    #: the blocks the capture stands for and the one whose weights the file
+    #: holds (empty in a sidecar written before they were recorded)
+    members: tuple[str, ...] = ()
+    weights_from: str = ""
 
     def load_program(self) -> Any:
         """``torch.export.load`` of the artifact beside this sidecar."""
@@ -272,6 +286,14 @@ class ArtifactSidecar:
         args = tuple(materialize(_buildable(a)) for a in self._args)
         kwargs = {k: materialize(_buildable(v)) for k, v in self._kwargs}
         return args, kwargs
+
+    def signature(self) -> CallSpec:
+        """The captured call's signature, rebuilt from the document (what a
+        live call must equal to be this capture's call).  Raises
+        :class:`ArtifactError` (``not_rebuildable``) naming the first part
+        JSON does not carry fully (an object, a string constant's value)."""
+        return CallSpec(tuple(_buildable(a) for a in self._args),
+                        tuple((k, _buildable(v)) for k, v in self._kwargs))
 
     def check(self, outputs: Any) -> tuple[Mismatch, ...]:
         """Differences between ``outputs`` (of the loaded program) and the live
@@ -294,19 +316,44 @@ def _buildable(node: _Node) -> Spec:
 
 _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "binding",
                  "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
-                 "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity"}
-_REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered"}
+                 "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
+                 "environment", "members", "weights_from"}
+_REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
+                             "environment", "members", "weights_from"}
 
 
 def load_sidecar(path: str | os.PathLike[str],
-                 probes: Mapping[str, ContextProbe[Any]] | None = None) -> ArtifactSidecar:
+                 probes: Mapping[str, ContextProbe[Any]] | None = None, *,
+                 unknown: str = "opaque") -> ArtifactSidecar:
     """Read the sidecar of an artifact written by ``Capture.save``.
 
     ``path`` is the ``.pt2`` or its ``.json`` sidecar.  Every field is
     validated; malformed input raises ``ValueError`` naming the path inside
     the document.  ``probes`` supplies instances for probe names the registry
-    does not hold (as in :meth:`ContextSnapshot.from_json`).
+    does not hold (as in :meth:`ContextSnapshot.from_json`).  A probe neither
+    holds (``unknown="opaque"``, the default) loads as an opaque state that
+    cannot be replayed, with one :class:`ctxreplay.UnknownProbeWarning`
+    naming them; ``unknown="error"`` refuses it.
     """
+    side = read_sidecar(path, probes, unknown=unknown)
+    warn_unknown(side.snapshot.unknown, str(side.path.name))
+    return side
+
+
+def warn_unknown(names: tuple[str, ...] | list[str], where: str) -> None:
+    """One warning naming every unknown probe of a loaded document."""
+    if names:
+        shown = ", ".join(sorted(set(names)))
+        warnings.warn(f"{where}: probe(s) {shown} are not registered in this process; "
+                      "their states were loaded as opaque and cannot be replayed",
+                      UnknownProbeWarning, stacklevel=3)
+
+
+def read_sidecar(path: str | os.PathLike[str],
+                 probes: Mapping[str, ContextProbe[Any]] | None = None, *,
+                 unknown: str = "opaque") -> ArtifactSidecar:
+    """:func:`load_sidecar` without the warning (the caller gives one for
+    everything it loads): unknown probes are in ``snapshot.unknown``."""
     given = Path(os.fspath(path))
     side = given if given.suffix == ".json" and not given.name.endswith(".pt2") \
         else sidecar_path(given)
@@ -318,7 +365,10 @@ def load_sidecar(path: str | os.PathLike[str],
     name = read_str(doc["artifact"], "$.artifact", max_len=1024)
     if Path(name).name != name or name in ("", ".", ".."):
         raise ValueError(f"$.artifact: {name!r} must be a bare file name")
-    snap = ContextSnapshot.from_json(doc["snapshot"], probes, path="$.snapshot")
+    snap = ContextSnapshot.from_json(doc["snapshot"], probes, path="$.snapshot",
+                                     unknown=unknown)
+    if "environment" in doc:
+        read_mapping(doc["environment"], "$.environment")
     inputs = read_mapping(doc["inputs"], "$.inputs", keys={"args", "kwargs", "leaves"},
                           required={"args", "kwargs", "leaves"})
     args = tuple(spec_from_json(a, f"$.inputs.args[{i}]")
@@ -350,10 +400,13 @@ def load_sidecar(path: str | os.PathLike[str],
         inputs=tuple(leaves),
         outputs=outputs,
         document=doc,
+        members=_read_names(doc.get("members", []), "$.members", max_len=4096),
+        weights_from=read_str(doc.get("weights_from", ""), "$.weights_from", max_len=4096),
         args=args,
         kwargs=tuple(kwargs),
     )
 
 
-def _read_names(value: object, path: str) -> tuple[str, ...]:
-    return tuple(read_str(v, f"{path}[{i}]") for i, v in enumerate(read_list(value, path)))
+def _read_names(value: object, path: str, max_len: int = 256) -> tuple[str, ...]:
+    return tuple(read_str(v, f"{path}[{i}]", max_len=max_len)
+                 for i, v in enumerate(read_list(value, path)))

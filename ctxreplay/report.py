@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from . import manifest as _manifest
 from ._version import environment
 from .explain import CaptureExplanation, Explanation, explain_captures
 from .records import Capture, CaptureFailure, CaptureOptions, Notice, Problem
@@ -152,6 +153,19 @@ class CaptureReport:
     def save(self, path: str | Path) -> None:
         """Write ``to_json()`` to ``path`` (what ``ctxreplay explain`` reads)."""
         Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True))
+
+    def save_all(self, directory: str | Path, *, verify: bool = True) -> _manifest.SavedManifest:
+        """Write every capture into ``directory`` (created if missing): per
+        capture its ``.pt2`` and metadata-only sidecar (``Capture.save``,
+        ``verify`` as there), and one ``manifest.json`` indexing them --
+        scopes, the members each capture stands for and whose weights it
+        holds (``weights_from``), variants, signatures, snapshots (their
+        portable part), fingerprints, fidelity, failures, problems and the
+        versions (ctxreplay, torch, Python, device type and capability,
+        autocast op policy).  A capture no ``.pt2`` can hold (another
+        backend than ``torch.export``) is recorded as not saved, with its
+        reason code.  Open the directory with :func:`ctxreplay.load`."""
+        return _manifest.save_all(self, directory, verify=verify)
 
 
 class FidelityError(AssertionError):

@@ -19,10 +19,15 @@ try:  # torch's C-level snapshot of global state; ~0.2 us (DESIGN.md fact 8)
 except ImportError:  # pragma: no cover - very old or stripped torch
     _GlobalStateGuard = None
 
-__all__ = ["SCHEMA", "ContextSnapshot", "Observer", "ProbeDiff", "ProbeObservationError",
+__all__ = ["DECODE_MODES", "SCHEMA", "ContextSnapshot", "Observer", "ProbeDiff",
+           "ProbeObservationError", "UnknownProbe", "UnknownProbeWarning", "UnknownState",
            "Unresolved", "describe_state", "snapshot"]
 
 SCHEMA = "ctxreplay.snapshot/1"
+
+#: ``from_json(unknown=...)``: refuse a probe this process does not have, or
+#: load its state as an opaque placeholder
+DECODE_MODES = ("error", "opaque")
 
 
 @attrs.frozen
@@ -31,6 +36,48 @@ class Unresolved:
 
     probe: str
     state_type: str
+
+
+@attrs.frozen
+class UnknownState(Unresolved):
+    """The state of a probe this process does not have (``from_json(...,
+    unknown="opaque")``): kept as the document wrote it -- ``state`` is its
+    canonical JSON, ``""`` when it was not portable -- never replayed."""
+
+    state: str = ""
+
+
+class UnknownProbeWarning(UserWarning):
+    """A document named probes this process does not have; their states were
+    loaded as opaque placeholders that cannot be replayed."""
+
+
+class UnknownProbe(ContextProbe[Any]):
+    """Stands in for a probe a document names and this process does not have.
+
+    It cannot observe or replay anything; it writes the state it was read
+    with back unchanged, so a document passes through this process intact."""
+
+    portable = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.description = "a probe this process does not have"
+
+    def observe(self) -> Any:
+        raise LookupError(f"probe {self.name!r} is not registered in this process")
+
+    def replay(self, state: Any) -> AbstractContextManager[None]:
+        raise LookupError(f"probe {self.name!r} is not registered in this process; "
+                          "its state cannot be replayed")
+
+    def encode(self, state: Any) -> Any:
+        if isinstance(state, UnknownState) and state.state:
+            return json.loads(state.state)
+        raise NotPortableError(self.name)
+
+    def describe(self, state: Any) -> str:
+        return "<unknown probe>"
 
 
 @attrs.frozen
@@ -75,8 +122,14 @@ class ContextSnapshot:
 
     @property
     def unresolved(self) -> tuple[str, ...]:
-        """Probes whose state could not be carried from a document."""
+        """Probes whose state could not be carried from a document (unknown
+        probes included)."""
         return tuple(n for n, s in self.items() if isinstance(s, Unresolved))
+
+    @property
+    def unknown(self) -> tuple[str, ...]:
+        """Probes the document named that this process does not have."""
+        return tuple(n for n, s in self.items() if isinstance(s, UnknownState))
 
     def describe(self) -> dict[str, str]:
         """Probe name -> short human-readable state."""
@@ -93,6 +146,11 @@ class ContextSnapshot:
 
     # -- replay -------------------------------------------------------------
     def _check_resolved(self) -> None:
+        unknown = self.unknown
+        if unknown:
+            raise ValueError(
+                f"cannot replay: probe(s) {', '.join(unknown)} are not registered in this "
+                "process; register them, or pass instances to from_json(probes=...)")
         bad = self.unresolved
         if bad:
             raise ValueError(
@@ -173,6 +231,9 @@ class ContextSnapshot:
         """A JSON-safe dict.  A state that is not portable is marked, not dropped."""
         probes: dict[str, Any] = {}
         for name, probe, state in zip(self.names, self.probes, self.states):
+            if isinstance(state, UnknownState) and state.state:
+                probes[name] = {"portable": True, "state": json.loads(state.state)}
+                continue
             if isinstance(state, Unresolved):
                 probes[name] = {"portable": False, "type": state.state_type}
                 continue
@@ -197,13 +258,21 @@ class ContextSnapshot:
         probes: Iterable[ContextProbe[Any]] | Mapping[str, ContextProbe[Any]] | None = None,
         *,
         path: str = "$",
+        unknown: str = "error",
     ) -> ContextSnapshot:
         """Rebuild a snapshot from ``to_json()`` output, validating every field.
 
         ``probes`` supplies instances for names the registry does not hold (a
         user's forward-context probe).  Any malformed input raises
         ``ValueError`` naming the path; nothing is executed or unpickled.
+        ``unknown``: ``"error"`` refuses a probe name neither the registry nor
+        ``probes`` holds; ``"opaque"`` loads its state as an
+        :class:`UnknownState` of an :class:`UnknownProbe` (listed by
+        ``.unknown``; it cannot be replayed, and is written back unchanged).
+        Its state is still checked to be plain JSON, and bounded.
         """
+        if unknown not in DECODE_MODES:
+            raise ValueError(f"unknown: {unknown!r} is not one of {list(DECODE_MODES)}")
         doc = read_mapping(data, path, keys={"schema", "probes"}, required={"schema", "probes"})
         schema = read_str(doc["schema"], f"{path}.schema")
         if schema != SCHEMA:
@@ -226,10 +295,15 @@ class ContextSnapshot:
                 try:
                     probe = registry.get_probe(name)
                 except registry.UnknownProbeError as exc:
-                    raise ValueError(f"{where}: {exc}") from None
+                    if unknown == "error":
+                        raise ValueError(f"{where}: {exc}") from None
+                    probe = UnknownProbe(name)
             entry = read_mapping(entries[name], where, keys={"portable", "state", "type"},
                                  required={"portable"})
-            if read_bool(entry["portable"], f"{where}.portable"):
+            state: Any
+            if isinstance(probe, UnknownProbe):
+                state = _unknown_state(name, entry, where)
+            elif read_bool(entry["portable"], f"{where}.portable"):
                 if "state" not in entry:
                     raise ValueError(f"{where}.state: missing required field")
                 try:
@@ -253,8 +327,27 @@ class ContextSnapshot:
         return cls(tuple(names), tuple(states), tuple(insts))
 
 
+_MAX_UNKNOWN_STATE = 4096  # characters of an unknown probe's state kept verbatim
+
+
+def _unknown_state(name: str, entry: Any, where: str) -> UnknownState:
+    if not read_bool(entry["portable"], f"{where}.portable"):
+        return UnknownState(name, read_str(entry.get("type", "?"), f"{where}.type"))
+    if "state" not in entry:
+        raise ValueError(f"{where}.state: missing required field")
+    try:
+        text = json.dumps(entry["state"], sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}.state: expected plain JSON") from None
+    if len(text) > _MAX_UNKNOWN_STATE:
+        raise ValueError(f"{where}.state: longer than {_MAX_UNKNOWN_STATE} characters")
+    return UnknownState(name, "unknown", text)
+
+
 def describe_state(probe: ContextProbe[Any], state: Any) -> str:
     """``probe.describe(state)`` as one short printable line; never raises."""
+    if isinstance(state, UnknownState):
+        return "<unknown probe>"
     if isinstance(state, Unresolved):
         return f"<not portable: {state.state_type}>"
     try:
