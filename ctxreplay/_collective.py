@@ -46,12 +46,12 @@ from .records import Capture, CaptureFailure, Problem, VariantRequest
 from .signature import CallSpec, ConstSpec, Spec
 from .snapshot import ContextSnapshot
 from .specjson import call_to_json
+from .targets import ADDRESS
 
 __all__ = ["Collective", "DistributedError", "active_group"]
 
 _sequence: dict[tuple[int, ...], itertools.count[int]] = {}
 _DEVICE_INDEX = re.compile(r"\b(cuda|xpu|mps|hpu|mtia|privateuseone):\d+\b")
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _POLL = 0.02
 
 
@@ -80,7 +80,7 @@ def active_group(group: Any) -> Any:
 
 def _digest(value: Any) -> str:
     text = json.dumps(value, sort_keys=True, default=repr)
-    text = _ADDRESS.sub("", _DEVICE_INDEX.sub(r"\1", text))
+    text = ADDRESS.sub("", _DEVICE_INDEX.sub(r"\1", text))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -113,7 +113,7 @@ def _snapshot_key(snap: ContextSnapshot) -> Any:
 def variant_key(request: VariantRequest, identity: Any) -> str:
     """The same on every rank for the same call: scope, member identity,
     signature and context, without device indices or addresses."""
-    return _digest({"scope": request.scope, "identity": _ADDRESS.sub("", repr(identity)),
+    return _digest({"scope": request.scope, "identity": ADDRESS.sub("", repr(identity)),
                     "inputs": call_to_json(request.inputs),
                     "constants": _const_keys(request.inputs),
                     "snapshot": _snapshot_key(request.snapshot)})

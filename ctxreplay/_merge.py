@@ -61,6 +61,7 @@ def _merged(group: list[Capture]) -> Capture:
                         member_calls=tuple(mc for c in group for mc in c.member_calls),
                         calls=sum(c.calls for c in group), fidelity=fid,
                         merged=tuple(c.variant for c in group[1:]),
+                        identities=tuple(i for c in group for i in c.identities),
                         seconds=sum(c.seconds for c in group))
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ._environment import full_environment
 from ._json import loads, read_bool, read_int, read_list, read_mapping, read_pairs, read_str
-from .compare import compare_specs
+from .compare import SpecMismatch, compare_specs
 from .materialize import inputs_for, materialize
 from .passes import has_wrapper_hops, lower_wrappers
 from .probe import ContextProbe
@@ -155,7 +155,7 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
             errors.append(exc)
             continue
         written = program
-        fidelity = _check_saved(capture, target) if verify else Fidelity("saved", True, (), ())
+        fidelity = _check_saved(capture, target) if verify else Fidelity("off", True, (), ())
         if result is None or fidelity.ok:
             result = (lowered, program, fidelity)
         if fidelity.ok:
@@ -182,22 +182,34 @@ def artifact_inputs(capture: SavableCapture) -> tuple[tuple[Any, ...], dict[str,
 def _check_saved(capture: SavableCapture, target: Path) -> Fidelity:
     """Run the file as a consumer would: loaded fresh, on fresh inputs, from a
     neutral state plus only what no artifact can carry (``neutral_replay``)."""
-    if capture.outputs is None:
-        return Fidelity("saved", True, (), ())
+    if capture.outputs is None:  # no live outputs to hold the file to
+        return Fidelity("off", True, (), ())
     try:
         program = torch.export.load(target)
-        args, kwargs = artifact_inputs(capture)
-        with neutral_replay(capture.snapshot):
-            produced = spec_of(program.module()(*args, **kwargs))
     except Exception as exc:
-        return Fidelity("saved", False, (Mismatch("out", "execution", "ran",
+        return Fidelity("saved", False, (Mismatch("out", "execution", "loaded",
                                                   type(exc).__name__, "saved"),), ("saved",))
-    found = compare_specs(flat_tensor_spec(capture.outputs), flat_tensor_spec(produced))
+    found = _run_saved(capture, program, ())
+    with_needs = None
+    if found and capture.ambient_only:
+        with_needs = not _run_saved(capture, program, capture.ambient_only)
     hint = None
     if found and capture.ambient_only:
         hint = "not carried by the artifact: " + ", ".join(capture.ambient_only)
     return Fidelity("saved", not found, tuple(Mismatch.of(m, "saved", hint) for m in found),
-                    ("saved",))
+                    ("saved",), ok_with_needs=with_needs)
+
+
+def _run_saved(capture: SavableCapture, program: Any,
+               needs: tuple[str, ...]) -> list[SpecMismatch]:
+    try:
+        args, kwargs = artifact_inputs(capture)
+        with neutral_replay(capture.snapshot, needs=needs):
+            produced = spec_of(program.module()(*args, **kwargs))
+    except Exception as exc:
+        return [SpecMismatch("out", "execution", "ran", type(exc).__name__)]
+    assert capture.outputs is not None
+    return list(compare_specs(flat_tensor_spec(capture.outputs), flat_tensor_spec(produced)))
 
 
 def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
@@ -216,6 +228,8 @@ def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
         "members": list(members),
         "weights_from": str(getattr(capture, "weights_from", "") or
                             (members[0] if members else "")),
+        "identities": [list(i) for i in getattr(capture, "identities", ())],
+        "ignore_attributes": list(getattr(capture, "ignore_attributes", ())),
         "variant": capture.variant,
         "backend": capture.backend,
         "binding": capture.binding,
@@ -271,6 +285,10 @@ class ArtifactSidecar:
     #: holds (empty in a sidecar written before they were recorded)
     members: tuple[str, ...] = ()
     weights_from: str = ""
+    #: ``(member, identity digest)`` and the attributes left out of it
+    #: (``Capture.identities``; empty in older sidecars)
+    identities: tuple[tuple[str, str], ...] = ()
+    ignore_attributes: tuple[str, ...] = ()
 
     def load_program(self) -> Any:
         """``torch.export.load`` of the artifact beside this sidecar."""
@@ -317,9 +335,10 @@ def _buildable(node: _Node) -> Spec:
 _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "binding",
                  "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
-                 "environment", "members", "weights_from"}
+                 "environment", "members", "weights_from", "identities", "ignore_attributes"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
-                             "environment", "members", "weights_from"}
+                             "environment", "members", "weights_from", "identities",
+                             "ignore_attributes"}
 
 
 def load_sidecar(path: str | os.PathLike[str],
@@ -402,6 +421,12 @@ def read_sidecar(path: str | os.PathLike[str],
         document=doc,
         members=_read_names(doc.get("members", []), "$.members", max_len=4096),
         weights_from=read_str(doc.get("weights_from", ""), "$.weights_from", max_len=4096),
+        identities=tuple(read_pairs(doc.get("identities", []), "$.identities",
+                                    "[member, digest]",
+                                    lambda v, p: read_str(v, p, max_len=4096),
+                                    lambda v, p: read_str(v, p, max_len=64))),
+        ignore_attributes=_read_names(doc.get("ignore_attributes", []),
+                                      "$.ignore_attributes"),
         args=args,
         kwargs=tuple(kwargs),
     )

@@ -14,7 +14,13 @@ from torch import nn
 from .observe import ABSENT, _CompiledCounter, _Member, _Root, _Shared
 from .records import MemberCall, VariantRequest
 from .snapshot import Observer
-from .targets import describe_identity_change, identity_of, structure_key, training_of
+from .targets import (
+    describe_identity_change,
+    identity_digest,
+    identity_of,
+    structure_key,
+    training_of,
+)
 from .variants import MemberVariant, Scope
 
 __all__ = ["Observation"]
@@ -97,7 +103,7 @@ class Observation:
                     scope.name, index, first.snapshot, recorded.inputs,
                     tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed, mv.retained)
                           for m, mv in pairs),
-                    training_of(identity)))
+                    training_of(identity), identity_digest(identity) if identity else ""))
         return out
 
     def changed_members(self) -> list[tuple[Scope, _Member, str]]:

@@ -159,7 +159,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
             check_options = attrs.evolve(options, verify="signature")
         checker = Checker(request, check_options, real, artifact, view, graph_outputs,
                           binding=plan.binding, flatten_out=plan.flatten_out,
-                          carried=carried, baseline=baseline)
+                          carried=carried, baseline=baseline, ambient_only=ambient_only)
         try:
             fidelity = checker.run(modules)
         except Exception as exc:
@@ -186,7 +186,9 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         attempts=backend.last_attempts, seconds=time.perf_counter() - t0, ops=ops,
         member_calls=tuple((m.name, m.calls) for m in request.members),
         weights_from=traced.name, collective=collective, graph_digest=digest,
-        op_args=op_args,
+        op_args=op_args, identities=tuple((m.name, request.identity) for m in request.members
+                                          if request.identity),
+        ignore_attributes=options.ignore_attributes,
     )
 
 

@@ -50,13 +50,16 @@ class Checker:
     def __init__(self, request: VariantRequest, options: CaptureOptions, backend: Backend,
                  artifact: Any, traced: nn.Module, graph_outputs: Spec | None, *,
                  binding: str, flatten_out: bool, carried: tuple[str, ...],
-                 baseline: tuple[ContextProbe[Any], ...]) -> None:
+                 baseline: tuple[ContextProbe[Any], ...],
+                 ambient_only: tuple[str, ...] = ()) -> None:
         self.request, self.options = request, options
         self.backend, self.artifact, self.traced = backend, artifact, traced
         self.graph_outputs, self.carried, self.baseline = graph_outputs, carried, baseline
         self.binding, self.flatten_out = binding, flatten_out
         self.applied = () if options.replay == "off" else request.snapshot.names
         self.hint = hint_for(request.snapshot, carried)
+        self.ambient_only = ambient_only
+        self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
 
     def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
         level = self.options.verify
@@ -64,8 +67,24 @@ class Checker:
             return Fidelity(level, True, (), ())
         checked = {"signature": ("signature",), "execute": ("signature", "execute"),
                    "values": ("signature", "execute", "values")}[level]
-        found: list[Mismatch] = []
         members = [m for m in self.request.members if m.completed]
+        found = self._check(level, members, modules)
+        merged = merge_mismatches(found)
+        with_needs = None
+        if merged and level != "signature" and self.ambient_only:
+            # would it reproduce where its ambient_only states hold (as the
+            # guard of a loaded capture requires)?  ok stays False: the
+            # artifact alone does not reproduce the call
+            self.needs = self.ambient_only
+            try:
+                with_needs = not self._check(level, members, modules)
+            finally:
+                self.needs = ()
+        return Fidelity(level, not merged, merged, checked, len(members), with_needs)
+
+    def _check(self, level: str, members: list[MemberCall],
+               modules: Mapping[str, nn.Module]) -> list[Mismatch]:
+        found: list[Mismatch] = []
         single = len(self.request.members) == 1
         for m in members:
             name = None if single else m.name
@@ -80,8 +99,7 @@ class Checker:
             found += self._execute(m, module, name)
             if level == "values":
                 found += self._values(m, module, name)
-        merged = merge_mismatches(found)
-        return Fidelity(level, not merged, merged, checked, len(members))
+        return found
 
     def _program(self, view: nn.Module, member: MemberCall) -> Callable[..., Any] | None:
         """The artifact as a module running with ``view``'s tensors; for a
@@ -151,7 +169,8 @@ class Checker:
 
     def _call(self, program: Callable[..., Any], leaves: tuple[torch.Tensor, ...]) -> Any:
         args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=_clone(leaves))
-        with rng_guard(), neutral_replay(self.request.snapshot, self.baseline):
+        with rng_guard(), neutral_replay(self.request.snapshot, self.baseline,
+                                         needs=self.needs):
             return program(*args, **kwargs)
 
     def _eager(self, view: nn.Module, leaves: tuple[torch.Tensor, ...]) -> Any:

@@ -118,7 +118,15 @@ def _fidelity(doc: Any) -> str:
     if not isinstance(doc, Mapping):
         return "-"
     checked = "+".join(str(c) for c in doc.get("checked", [])) or str(doc.get("level", "?"))
-    return f"{'ok' if doc.get('ok') is True else 'NOT OK'} ({checked})"
+    from .verify import fidelity_status
+
+    try:
+        status = fidelity_status(doc, "fidelity")
+    except ValueError:
+        return "unreadable"
+    words = {"ok": "ok", "ok_with_needs": "ok where its needs hold", "failed": "NOT OK",
+             "unchecked": "not checked"}[status]
+    return f"{words} ({checked})"
 
 
 def _environment(env: Any) -> str:
@@ -162,7 +170,7 @@ def _inspect(ns: argparse.Namespace) -> int:
     if kind == "manifest":
         doc = read_manifest(target, data)
         for e in doc.entries:
-            ok = "ok" if e.saved_ok is not False else "NOT OK"
+            ok = {"failed": "NOT OK", "unchecked": "unchecked"}.get(e.saved or "", "ok")
             saved = f"no: {e.not_saved}" if e.not_saved else ok
             caps.append((e.capture, saved, e.artifact or "-"))
         print(f"manifest {target} ({len(doc.entries)} captures; report "

@@ -54,6 +54,7 @@ from .signature import (
     tensor_values,
 )
 from .snapshot import ContextSnapshot, Observer, UnknownProbe, UnknownState, Unresolved
+from .targets import identity_digest, identity_of
 
 __all__ = ["OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
 
@@ -84,6 +85,8 @@ class DispatchStats:
     reason code (``signature``: no capture of this member has the call's
     input signature; ``context``: one has, but under another context;
     ``training``: the member's ``training`` flag changed since install;
+    ``identity``: the member's class, shapes, training flags or plain
+    attributes differ from those it had when it ran the variant;
     ``object_arguments``, ``environment``, ``fidelity``, ``unknown_probe``,
     ``live_state``, ``structure``, ``not_rebuildable``,
     ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``:
@@ -118,6 +121,9 @@ class _Entry:
     flatten_out: bool
     match: ContextSnapshot
     unusable: str | None
+    #: member -> identity digest when it ran, and the attributes left out
+    identities: dict[str, str] = attrs.field(factory=dict)
+    ignore_attributes: tuple[str, ...] = ()
     hits: int = 0
 
 
@@ -146,7 +152,8 @@ def _entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     unusable = _unusable(needs, snap, signature, outputs, flatten_out, backend_ok, ignore,
                          object_args)
     return _Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
-                  flatten_out, snap, unusable)
+                  flatten_out, snap, unusable, dict(source.identities),
+                  tuple(source.ignore_attributes))
 
 
 def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
@@ -167,6 +174,13 @@ def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
     if object_args != "dispatch" and any(_has_objects(s) for _, s in signature.items()):
         return "object_arguments"
     return None
+
+
+def _identity(module: nn.Module, ignore: tuple[str, ...]) -> str:
+    try:
+        return identity_digest(identity_of(module, ignore))
+    except Exception:  # an attribute that cannot be read: not the same member
+        return "unreadable"
 
 
 def _sources(source: object) -> list[Capture | LoadedCapture]:
@@ -262,6 +276,10 @@ class _Slot:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.off or _dynamo_compiling() or _is_tracing():
             return self.orig(*args, **kwargs)
+        if self.module.training is not self.training:
+            self.misses += 1
+            self.reasons["training"] += 1
+            return self.orig(*args, **kwargs)
         target: Any
         try:
             groups = self.groups
@@ -289,9 +307,7 @@ class _Slot:
         except Exception:  # dispatch must never break the forward
             target = "observe_error"
         if type(target) is _Target:
-            if self.module.training is not self.training:
-                target = "training"
-            elif not target.failed:
+            if not target.failed:
                 out = target.run(args, kwargs)
                 if not target.failed:
                     target.entry.hits += 1
@@ -436,16 +452,24 @@ class InstallHandle:
         return tuple(s.name for s in self._slots)
 
     def _fits(self, e: _Entry, slot: _Slot) -> str | None:
-        """Whether ``slot``'s member can run ``e``'s program (its weights fit)."""
+        """Whether ``slot``'s member can run ``e``'s program: it is what the
+        member was when it ran the variant (its identity) and its weights fit."""
         key = (id(e), slot.name)
         if key not in self._built:
+            where = f"{e.label}@{slot.name}"
             try:
                 gm: nn.Module | None = bind_weights(e.program, slot.module, e.binding)
             except WeightsError:
                 gm = None
-                self._unfit[f"{e.label}@{slot.name}"] = "structure"
+                self._unfit[where] = "structure"
+            if gm is not None and e.identities.get(slot.name, "") not in (
+                    "", _identity(slot.module, e.ignore_attributes)):
+                gm = None
+                self._unfit[where] = "identity"
             self._built[key] = gm
-        return None if self._built[key] is not None else "structure"
+        if self._built[key] is not None:
+            return None
+        return self._unfit.get(f"{e.label}@{slot.name}", "structure")
 
     def _make(self, e: _Entry, slot: _Slot) -> Callable[..., Any] | None:
         gm = self._built.get((id(e), slot.name))

@@ -52,7 +52,7 @@ from .snapshot import (
     describe_state,
 )
 from .specjson import resolve_opaque, spec_from_json
-from .verify import is_neutral
+from .verify import combined_status, fidelity_status, is_neutral
 
 __all__ = ["EXPECTED_FILES", "GUARD_MODES", "Difference", "GuardError", "GuardWarning",
            "GuardedCapture", "LoadedCapture", "LoadedManifest", "Needs", "WeightsError",
@@ -141,7 +141,8 @@ class Needs:
     context: Mapping[str, str]
     environment: Mapping[str, Any] | None
     devices: frozenset[str]
-    fidelity_ok: bool
+    #: ``Fidelity.status`` of its checks (live and saved file together)
+    fidelity: str
 
     def observable(self, ignore: Iterable[str] = ()) -> tuple[ContextProbe[Any], ...]:
         """The probes whose current state can be observed and compared."""
@@ -163,7 +164,7 @@ def needs_of(capture: Any) -> Needs:
         specs += [s for _, s in tensor_leaves(capture.outputs)]
     return Needs(f"{capture.scope}#{capture.variant}", capture.snapshot,
                  tuple(capture.ambient_only), capture.snapshot.describe(), None,
-                 _devices(specs), bool(capture.fidelity.ok))
+                 _devices(specs), capture.fidelity.status)
 
 
 def needs_from_document(capture: Any, environment: Mapping[str, Any] | None, path: str,
@@ -186,14 +187,21 @@ def needs_from_document(capture: Any, environment: Mapping[str, Any] | None, pat
                  _fidelity(doc, "fidelity"))
 
 
+_FIDELITY_WORDS = {
+    "failed": "the capture did not reproduce its live call when it was checked",
+    "unchecked": "the capture was never checked against its live call (verify='off', or "
+                 "saved with verify=False)",
+}
+
+
 def static_differences(needs: Needs, ignore: Iterable[str] = ()) -> list[Difference]:
     """What differs whatever the ambient state: environment, fidelity, and
     needed states of probes this process does not have."""
     label = (needs.label,)
     out: list[Difference] = []
-    if not needs.fidelity_ok:
-        out.append(Difference("fidelity", "ok", "the capture did not reproduce its live call "
-                              "when it was checked", "fidelity", label))
+    if needs.fidelity in _FIDELITY_WORDS:  # ok_with_needs: its needs are checked below
+        out.append(Difference("fidelity", "ok", _FIDELITY_WORDS[needs.fidelity], "fidelity",
+                              label))
     skip = set(ignore)
     for name, probe, state in zip(needs.snapshot.names, needs.snapshot.probes,
                                   needs.snapshot.states):
@@ -378,8 +386,10 @@ class LoadedCapture:
     sidecar: ArtifactSidecar = attrs.field(repr=False)
     members: tuple[str, ...]
     weights_from: str
-    #: the live check and the saved file's check both passed
-    fidelity_ok: bool
+    #: ``Fidelity.status`` of the live check and the saved file's check
+    #: together: ``"ok"``, ``"ok_with_needs"`` (reproduces where its
+    #: ``ambient_only`` states hold), ``"failed"`` or ``"unchecked"``
+    fidelity: str
     #: versions, device and autocast op policy it was made with
     environment: Mapping[str, Any] = attrs.field(repr=False)
     merged: tuple[int, ...] = ()
@@ -420,6 +430,15 @@ class LoadedCapture:
         return self.sidecar.ambient_only
 
     @property
+    def identities(self) -> tuple[tuple[str, str], ...]:
+        """``(member, identity digest)`` when it ran (``Capture.identities``)."""
+        return self.sidecar.identities
+
+    @property
+    def ignore_attributes(self) -> tuple[str, ...]:
+        return self.sidecar.ignore_attributes
+
+    @property
     def needs(self) -> Needs:
         """What the guard checks (see :func:`ctxreplay.load`)."""
         needs = self._cache.get("needs")
@@ -429,7 +448,7 @@ class LoadedCapture:
             context = side.document.get("context")
             needs = Needs(self.label, side.snapshot, side.ambient_only,
                           dict(context) if isinstance(context, Mapping) else {},
-                          self.environment, _devices(specs), self.fidelity_ok)
+                          self.environment, _devices(specs), self.fidelity)
             self._cache["needs"] = needs
         return needs
 
@@ -659,15 +678,15 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
                      f"or report (schema {shown}); expected {EXPECTED_FILES} (in {given})")
 
 
-def _fidelity(doc: Mapping[str, Any], key: str) -> bool:
+def _fidelity(doc: Mapping[str, Any], key: str) -> str:
     value = doc.get(key)
     if value is None:
-        return True
-    return bool(read_mapping(value, f"$.{key}").get("ok") is True)
+        return "unchecked"
+    return fidelity_status(value, f"$.{key}")
 
 
 def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
-             fidelity_ok: bool, environment: Mapping[str, Any] | None,
+             fidelity: str, environment: Mapping[str, Any] | None,
              merged: tuple[int, ...] = ()) -> LoadedCapture:
     env = environment
     if env is None:
@@ -676,15 +695,15 @@ def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
     return LoadedCapture(side.artifact, side, members or side.members or (side.scope,),
                          weights_from or side.weights_from or
                          (members[0] if members else side.scope),
-                         fidelity_ok, env, merged)
+                         fidelity, env, merged)
 
 
 def _load_single(path: Path, probes: Probes) -> LoadedCapture:
     side = read_sidecar(path, _probe_map(probes))
     warn_unknown(side.snapshot.unknown, side.path.name)
     doc = side.document
-    return _capture(side, (), "", _fidelity(doc, "fidelity") and
-                    _fidelity(doc, "saved_fidelity"), None)
+    saved = None if doc.get("saved_fidelity") is None else _fidelity(doc, "saved_fidelity")
+    return _capture(side, (), "", combined_status(_fidelity(doc, "fidelity"), saved), None)
 
 
 def _check_entry(e: ManifestEntry, side: ArtifactSidecar) -> None:
@@ -727,7 +746,7 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
         unknown += side.snapshot.unknown
         merged = e.capture.get("merged", [])
         captures.append(_capture(side, e.members, e.weights_from,
-                                 e.fidelity_ok and e.saved_ok is not False,
+                                 combined_status(e.fidelity, e.saved),
                                  doc.environment,
                                  tuple(m for m in merged if type(m) is int)
                                  if isinstance(merged, list) else ()))

@@ -27,6 +27,7 @@ from ._json import loads, read_bool, read_int, read_list, read_mapping, read_str
 from ._version import __version__
 from .artifact import ArtifactError, SavedArtifact, sidecar_path
 from .records import Capture, CaptureFailure, Notice, Problem
+from .verify import fidelity_status
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_SCHEMA", "ManifestDoc", "ManifestEntry", "SavedManifest",
            "read_manifest", "save_all"]
@@ -52,28 +53,38 @@ class _Report(Protocol):
     def settings(self) -> dict[str, Any]: ...
     @property
     def ok(self) -> bool: ...
+    @property
+    def distributed(self) -> dict[str, Any] | None: ...
+    @property
+    def options(self) -> Any: ...
 
 
 @attrs.frozen
 class SavedManifest:
     """What ``report.save_all(directory)`` wrote.
 
-    ``saved``: one :class:`ctxreplay.SavedArtifact` per capture written;
-    ``not_saved``: ``(scope, variant, reason)`` of each capture that could
-    not be written as a ``.pt2`` (a backend other than ``torch.export``:
-    ``backend_not_savable``), recorded in the manifest with that reason.
-    Open the directory again with :func:`ctxreplay.load`.
+    ``saved``: one :class:`ctxreplay.SavedArtifact` per capture written by
+    this process; ``not_saved``: ``(scope, variant, reason)`` of each
+    capture that could not be written as a ``.pt2`` (a backend other than
+    ``torch.export``: ``backend_not_savable``; in a distributed report, a
+    capture whose rank is not in the group now: ``not_on_this_rank``),
+    recorded in the manifest with that reason.  ``elsewhere``: in a
+    distributed report, ``(scope, variant, rank, saved file ok)`` of the
+    captures the other ranks wrote.  Open the directory again with
+    :func:`ctxreplay.load`.
     """
 
     directory: Path
     manifest: Path
     saved: tuple[SavedArtifact, ...]
     not_saved: tuple[tuple[str, int, str], ...]
+    elsewhere: tuple[tuple[str, int, int, bool], ...] = ()
 
     @property
     def ok(self) -> bool:
         """Every capture was written and its file reproduces the live call."""
-        return not self.not_saved and all(s.fidelity.ok for s in self.saved)
+        return not self.not_saved and all(s.fidelity.ok for s in self.saved) and \
+            all(e[3] for e in self.elsewhere)
 
 
 def _file_stem(index: int, scope: str, variant: int) -> str:
@@ -84,28 +95,55 @@ def _file_stem(index: int, scope: str, variant: int) -> str:
 def save_all(report: _Report, directory: str | os.PathLike[str], *,
              verify: bool = True) -> SavedManifest:
     """Write every capture of ``report`` and ``manifest.json`` into ``directory``
-    (created if missing).  See :meth:`ctxreplay.CaptureReport.save_all`."""
+    (created if missing).  See :meth:`ctxreplay.CaptureReport.save_all`.
+
+    A distributed report: each rank writes the captures it holds (its
+    ``Capture.rank``), the ranks exchange what they wrote, and the group's
+    first rank writes the manifest; every rank must call it (as with
+    ``finalize()``), and ``directory`` must be one every rank sees."""
     root = Path(os.fspath(directory))
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"save_all: {str(root)!r} exists and is not a directory")
     root.mkdir(parents=True, exist_ok=True)
-    entries: list[dict[str, Any]] = []
+    group = _Group.of(report)
+    entries: dict[int, dict[str, Any]] = {}
     saved: list[SavedArtifact] = []
-    not_saved: list[tuple[str, int, str]] = []
     for i, c in enumerate(report.captures):
-        entry: dict[str, Any] = {"capture": c.to_json(), "artifact": None, "sidecar": None,
-                                 "lowered": None, "saved_fidelity": None, "not_saved": None}
-        try:
-            # Capture.save, so whatever wraps it (an audit) applies here too
-            result = c.save(root / f"{_file_stem(i, c.scope, c.variant)}.pt2", verify=verify)
-        except ArtifactError as exc:
-            entry["not_saved"] = exc.reason
-            not_saved.append((c.scope, c.variant, exc.reason))
+        if group is not None and c.rank is not None and c.rank != group.rank:
+            continue  # the rank that holds it writes it
+        entry: dict[str, Any] = {"artifact": None, "sidecar": None, "lowered": None,
+                                 "saved_fidelity": None, "not_saved": None}
+        if report.distributed and c.rank is not None and group is None and c.artifact is None:
+            entry["not_saved"] = "not_on_this_rank"
         else:
-            saved.append(result)
-            entry.update(artifact=result.path.name, sidecar=result.sidecar.name,
-                         lowered=result.lowered, saved_fidelity=result.fidelity.to_json())
-        entries.append(entry)
+            try:
+                # Capture.save, so whatever wraps it (an audit) applies here too
+                result = c.save(root / f"{_file_stem(i, c.scope, c.variant)}.pt2",
+                                verify=verify)
+            except ArtifactError as exc:
+                entry["not_saved"] = exc.reason
+            else:
+                saved.append(result)
+                entry.update(artifact=result.path.name, sidecar=result.sidecar.name,
+                             lowered=result.lowered, saved_fidelity=result.fidelity.to_json())
+        entries[i] = entry
+    elsewhere: list[tuple[str, int, int, bool]] = []
+    if group is not None:
+        mine = dict(entries)
+        for rank, theirs in group.gather(mine):
+            for i, entry in theirs.items():
+                if rank != group.rank:
+                    c = report.captures[i]
+                    entries[i] = entry
+                    ok = entry["not_saved"] is None and bool(entry["saved_fidelity"]["ok"])
+                    elsewhere.append((c.scope, c.variant, rank, ok))
+    not_saved = [(c.scope, c.variant, entries[i]["not_saved"] or "not_on_this_rank")
+                 for i, c in enumerate(report.captures)
+                 if i not in entries or entries[i]["not_saved"] is not None]
+    captures = [{"capture": c.to_json(),
+                 **entries.get(i, {"artifact": None, "sidecar": None, "lowered": None,
+                                   "saved_fidelity": None, "not_saved": "not_on_this_rank"})}
+                for i, c in enumerate(report.captures)]
     doc = {
         "schema": MANIFEST_SCHEMA,
         "ctxreplay": __version__,
@@ -113,14 +151,50 @@ def save_all(report: _Report, directory: str | os.PathLike[str], *,
         "ok": report.ok,
         "probes": list(report.probes),
         "settings": dict(report.settings),
-        "captures": entries,
+        "captures": captures,
         "failures": [f.to_json() for f in report.failures],
         "problems": [p.to_json() for p in report.problems],
         "notices": [n.to_json() for n in report.notices],
     }
+    if report.distributed:
+        doc["distributed"] = dict(report.distributed)
     target = root / MANIFEST_NAME
-    write_manifest(target, doc)
-    return SavedManifest(root, target, tuple(saved), tuple(not_saved))
+    if group is None or group.first:
+        write_manifest(target, doc)
+    if group is not None:
+        group.gather(None)  # no rank returns before the manifest is there
+    return SavedManifest(root, target, tuple(saved), tuple(not_saved), tuple(elsewhere))
+
+
+class _Group:
+    """The process group of a distributed report, while it is still up."""
+
+    def __init__(self, group: Any, rank: int, ranks: list[int]) -> None:
+        self.group, self.rank, self.ranks = group, rank, ranks
+        self.first = rank == ranks[0]
+
+    @classmethod
+    def of(cls, report: _Report) -> _Group | None:
+        info = report.distributed
+        if not info:
+            return None
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        ranks = [int(r) for r in info.get("group_ranks", [])]
+        if dist.get_rank() not in ranks:
+            return None
+        options = report.options
+        group = getattr(options, "group", None) or dist.group.WORLD
+        return cls(group, dist.get_rank(), ranks)
+
+    def gather(self, obj: Any) -> list[tuple[int, Any]]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(out, obj, group=self.group)
+        return list(zip(self.ranks, out))
 
 
 def write_manifest(path: Path, doc: Mapping[str, Any]) -> None:
@@ -147,11 +221,13 @@ class ManifestEntry:
     fingerprint: str
     embedded: tuple[str, ...]
     ambient_only: tuple[str, ...]
-    fidelity_ok: bool
+    #: ``Fidelity.status`` of the live check
+    fidelity: str
     artifact: str | None
     sidecar: str | None
     lowered: bool | None
-    saved_ok: bool | None
+    #: ``Fidelity.status`` of the saved file's check (``None``: not saved)
+    saved: str | None
     not_saved: str | None
     #: the capture's record (``Capture.to_json()``), validated where used
     capture: Mapping[str, Any] = attrs.field(repr=False)
@@ -182,7 +258,7 @@ class ManifestDoc:
 
 
 _TOP_KEYS = {"schema", "ctxreplay", "environment", "ok", "probes", "settings", "captures",
-             "failures", "problems", "notices"}
+             "failures", "problems", "notices", "distributed"}
 _ENTRY_KEYS = {"capture", "artifact", "sidecar", "lowered", "saved_fidelity", "not_saved"}
 
 
@@ -198,11 +274,6 @@ def _file_name(value: object, path: str) -> str | None:
     if Path(name).name != name or name in ("", ".", ".."):
         raise ValueError(f"{path}: {name!r} must be a bare file name")
     return name
-
-
-def _fidelity_ok(value: object, path: str) -> bool:
-    doc = read_mapping(value, path, required={"ok"})
-    return read_bool(doc["ok"], f"{path}.ok")
 
 
 def _entry(value: object, i: int) -> ManifestEntry:
@@ -221,8 +292,8 @@ def _entry(value: object, i: int) -> ManifestEntry:
                          "not_saved reason")
     if artifact is not None and side != sidecar_path(artifact).name:
         raise ValueError(f"{where}.sidecar: expected {sidecar_path(artifact).name!r}")
-    saved_ok = None if doc["saved_fidelity"] is None else \
-        _fidelity_ok(doc["saved_fidelity"], f"{where}.saved_fidelity")
+    saved = None if doc["saved_fidelity"] is None else \
+        fidelity_status(doc["saved_fidelity"], f"{where}.saved_fidelity")
     return ManifestEntry(
         index=i,
         scope=read_str(cap["scope"], f"{cw}.scope", max_len=4096),
@@ -234,11 +305,11 @@ def _entry(value: object, i: int) -> ManifestEntry:
         fingerprint=read_str(cap["fingerprint"], f"{cw}.fingerprint"),
         embedded=_names(cap["embedded"], f"{cw}.embedded"),
         ambient_only=_names(cap["ambient_only"], f"{cw}.ambient_only"),
-        fidelity_ok=_fidelity_ok(cap["fidelity"], f"{cw}.fidelity"),
+        fidelity=fidelity_status(cap["fidelity"], f"{cw}.fidelity"),
         artifact=artifact, sidecar=side,
         lowered=None if doc["lowered"] is None else read_bool(doc["lowered"],
                                                               f"{where}.lowered"),
-        saved_ok=saved_ok, not_saved=not_saved, capture=cap)
+        saved=saved, not_saved=not_saved, capture=cap)
 
 
 def _failure(value: object, i: int) -> tuple[str, int, str, str]:
@@ -258,7 +329,7 @@ def read_manifest(path: str | os.PathLike[str], data: Any = None) -> ManifestDoc
         target = target / MANIFEST_NAME
     if data is None:
         data = loads(target.read_bytes(), "$", source=str(target))
-    doc = read_mapping(data, "$", keys=_TOP_KEYS, required=_TOP_KEYS - {"notices"})
+    doc = read_mapping(data, "$", keys=_TOP_KEYS, required=_TOP_KEYS - {"notices", "distributed"})
     schema = read_str(doc["schema"], "$.schema")
     if schema != MANIFEST_SCHEMA:
         raise ValueError(f"$.schema: unsupported schema {schema!r}; expected "

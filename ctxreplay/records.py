@@ -131,6 +131,8 @@ class VariantRequest:
     #: capture and checks put every view in that mode, whatever the model is
     #: in by finalize()
     training: tuple[tuple[str, bool], ...] = ()
+    #: ``targets.identity_digest`` of the members' identity when it ran
+    identity: str = ""
 
     @property
     def traced(self) -> MemberCall:
@@ -198,6 +200,11 @@ class Capture:
     graph_digest: str = ""
     #: per op of ``ops``, a digest of its non-tensor arguments
     op_args: tuple[str, ...] = attrs.field(repr=False, default=())
+    #: ``(member, digest)``: each member's identity (class, shapes, training,
+    #: plain attributes; ``targets.identity_digest``) when it ran the variant,
+    #: and the attributes left out of it: what ``install`` holds a member to
+    identities: tuple[tuple[str, str], ...] = ()
+    ignore_attributes: tuple[str, ...] = ()
 
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact as a ``.pt2`` that ``torch.export.load`` reads back,
@@ -229,6 +236,8 @@ class Capture:
             "rank_calls": [list(r) for r in self.rank_calls],
             "collective": self.collective,
             "graph_digest": self.graph_digest,
+            "identities": [list(i) for i in self.identities],
+            "ignore_attributes": list(self.ignore_attributes),
             "backend": self.backend,
             "binding": self.binding,
             "constants": list(self.constants),

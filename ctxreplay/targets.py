@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import difflib
 import enum
+import hashlib
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,8 +16,11 @@ from torch import nn
 # torch's lazy modules hold these until their first forward
 _Uninitialized: type = getattr(nn.parameter, "UninitializedTensorMixin", type(None))
 
-__all__ = ["describe_identity_change", "identity_of", "resolve_targets", "structure_key",
-           "training_of"]
+__all__ = ["describe_identity_change", "identity_digest", "identity_of", "resolve_targets",
+           "structure_key", "training_of"]
+
+#: an object's address in a repr: never part of what is compared across processes
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -97,6 +102,12 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
                           if t is not None),
                     tuple(attrs_)))
     return tuple(out)
+
+
+def identity_digest(identity: tuple[Any, ...]) -> str:
+    """A short digest of an ``identity_of`` value, equal in every process for
+    equal state (object addresses left out).  Metadata only."""
+    return hashlib.sha256(ADDRESS.sub("", repr(identity)).encode()).hexdigest()[:16]
 
 
 def training_of(identity: tuple[Any, ...]) -> tuple[tuple[str, bool], ...]:

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import torch
 
-from ._json import dtype_name
+from ._json import dtype_name, read_bool, read_list, read_mapping
 from .compare import SpecMismatch, compare_specs, symbolic_dims
 from .probe import ContextProbe
 from .signature import SeqSpec, Spec, TensorSpec, flatten_spec, spec_of, tensor_values
@@ -90,11 +90,59 @@ class Fidelity:
     mismatches: tuple[Mismatch, ...] = ()
     checked: tuple[str, ...] = ()
     members: int = 0
+    #: when ``ok`` is False and the capture has ``ambient_only`` states: the
+    #: same checks run again with those states re-established around the
+    #: artifact, as the guard of a loaded capture requires (``None``: not run)
+    ok_with_needs: bool | None = None
+
+    @property
+    def status(self) -> str:
+        """``"ok"``; ``"ok_with_needs"`` (reproduces the call only where its
+        ``ambient_only`` states are re-established); ``"failed"``; or
+        ``"unchecked"`` (``verify="off"``, or a file saved unverified)."""
+        return _status(self.ok, bool(self.checked), self.ok_with_needs)
 
     def to_json(self) -> dict[str, Any]:
         return {"level": self.level, "ok": self.ok, "checked": list(self.checked),
-                "members": self.members,
+                "members": self.members, "ok_with_needs": self.ok_with_needs,
+                "status": self.status,
                 "mismatches": [m.to_json() for m in self.mismatches]}
+
+
+#: what ``Fidelity.status`` can say
+FIDELITY_STATUSES = ("ok", "ok_with_needs", "failed", "unchecked")
+
+
+def _status(ok: bool, checked: bool, ok_with_needs: bool | None) -> str:
+    if not checked:
+        return "unchecked"
+    if ok:
+        return "ok"
+    return "ok_with_needs" if ok_with_needs else "failed"
+
+
+def combined_status(live: str, saved: str | None) -> str:
+    """One status for a capture checked live and (``saved``) as its file:
+    failed if either failed, unchecked if the live check did not run."""
+    both = (live,) if saved is None else (live, saved)
+    if "failed" in both:
+        return "failed"
+    if live == "unchecked":
+        return "unchecked"
+    return "ok_with_needs" if "ok_with_needs" in both else "ok"
+
+
+def fidelity_status(value: object, path: str) -> str:
+    """``Fidelity.status`` of a fidelity record in a document, read strictly
+    (a record without ``checked`` is taken as checked)."""
+    doc = read_mapping(value, path, required={"ok"})
+    ok = read_bool(doc["ok"], f"{path}.ok")
+    checked = True
+    if "checked" in doc:
+        checked = bool(read_list(doc["checked"], f"{path}.checked"))
+    needs = doc.get("ok_with_needs")
+    return _status(ok, checked, None if needs is None else
+                   read_bool(needs, f"{path}.ok_with_needs"))
 
 
 def is_neutral(probe: ContextProbe[Any], state: Any) -> bool:
@@ -124,7 +172,8 @@ def hint_for(snapshot: ContextSnapshot, carried: Iterable[str]) -> str | None:
 
 @contextmanager
 def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[Any]] = (),
-                   *, full: bool = False, only_neutral: bool = False) -> Iterator[None]:
+                   *, full: bool = False, only_neutral: bool = False,
+                   needs: Iterable[str] = ()) -> Iterator[None]:
     """The state a fresh process has -- every probe of ``snapshot`` and of
     ``baseline`` at its ``neutral_state()`` (a probe that does not know it is
     left as it is) -- plus, from ``snapshot``, what no artifact can carry:
@@ -135,7 +184,11 @@ def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[An
     shows whether it carries what it can carry.  ``full=True`` replays the
     whole snapshot instead (the live call's context); ``only_neutral=True``
     nothing of it (the state a capture starts from, whatever the caller of
-    ``finalize()`` has active).  Restores exactly on exit."""
+    ``finalize()`` has active).  ``needs``: probes whose whole state is
+    replayed, not only its *around* part -- a capture's ``ambient_only``,
+    which a loaded capture's guard requires to hold where it runs.
+    Restores exactly on exit."""
+    needed = set(needs)
     probes: dict[str, ContextProbe[Any]] = {p.name: p for p in baseline}
     probes.update(zip(snapshot.names, snapshot.probes))
     with ExitStack() as stack:
@@ -148,7 +201,10 @@ def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[An
         elif full:
             stack.enter_context(snapshot.replay())
         else:
-            for probe, state in zip(snapshot.probes, snapshot.states):
+            for name, probe, state in zip(snapshot.names, snapshot.probes, snapshot.states):
+                if name in needed:
+                    stack.enter_context(probe.replay(state))
+                    continue
                 if probe.pinnable:
                     continue
                 around = probe.split_replay(state)[1]

@@ -188,3 +188,19 @@ def probes_differ(rank: int, world: int, port: int, out: str) -> None:
         result = {"error": str(exc), "ranks": list(exc.ranks)}
     Path(out, f"{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def save_all(rank: int, world: int, port: int, out: str) -> None:
+    _setup(rank, world, port)
+    model = Stack().eval()
+    with ctxreplay.capture_with(model, targets="repeated", backend="export",
+                                verify="execute") as session:
+        _live(model, rank)
+    report = session.finalize()
+    saved = report.save_all(Path(out, "saved"))
+    Path(out, f"{rank}.json").write_text(json.dumps({
+        "report": _doc(report), "ok": saved.ok,
+        "wrote": sorted(s.path.name for s in saved.saved),
+        "elsewhere": [list(e) for e in saved.elsewhere],
+        "manifest_there": saved.manifest.is_file()}))
+    dist.destroy_process_group()

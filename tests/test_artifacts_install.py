@@ -18,6 +18,7 @@ from test_artifacts_manifest import manifests_are_metadata_only  # noqa: F401
 from torch import nn
 
 import ctxreplay
+from ctxreplay.loading import bind_weights
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")]
 
@@ -118,7 +119,7 @@ def test_each_member_runs_with_its_own_live_weights(net: Net) -> None:
             net.blocks[1].lin.weight.mul_(-2.0)
         # replaced by a new tensor: re-bound (torch's registration hooks)
         net.blocks[2].lin.weight = nn.Parameter(torch.randn(16, 16))
-        net.blocks[2].norm = nn.LayerNorm(16, eps=1e-5)
+        net.blocks[2].norm = nn.LayerNorm(16, eps=1e-5).eval()
         Block.eager_calls = 0
         got = _eager(net, x)
         assert Block.eager_calls == 0
@@ -162,6 +163,47 @@ def test_a_training_flag_changed_after_install_is_a_miss(net: Net) -> None:
         Block.eager_calls = 0
         _eager(net, x)
         assert Block.eager_calls == 3 and handle.stats().reasons == {"training": 3}
+
+
+@pytest.mark.parametrize("kind", ["report", "loaded"])
+def test_a_member_changed_before_install_is_an_identity_miss(net: Net, tmp_path: Path,
+                                                             kind: str) -> None:
+    x = torch.rand(2, 16)
+    report = captured(net, x)
+    source: Any = report
+    if kind == "loaded":
+        report.save_all(tmp_path / "saved")
+        source = ctxreplay.load(tmp_path / "saved")
+    net.blocks[1].norm.eps = 0.5  # a plain attribute the program has baked in
+    (c,) = report.captures
+    # the program run with that member's weights no longer computes what it does
+    program = bind_weights(c.artifact, net.blocks[1], c.binding)
+    h = torch.rand(2, 16)
+    assert not torch.equal(_eager(program, h), _eager(net.blocks[1], h))
+    expected = _eager(net, x)
+    with ctxreplay.install(net, source) as handle:
+        assert torch.equal(_eager(net, x), expected)
+        stats = handle.stats()
+        assert stats.hits == {"blocks.0#0": 2} and stats.reasons == {"identity": 1}
+        assert stats.unusable == {"blocks.0#0@blocks.1": "identity"}
+        # a submodule replaced after install by one in train mode: not the
+        # member the capture was made from (dropout, batch norm would differ)
+        net.blocks[2].norm = nn.LayerNorm(16)
+        assert torch.equal(_eager(net, x), _eager_uninstalled(net, x, handle))
+        assert handle.stats().unusable["blocks.0#0@blocks.2"] == "identity"
+
+
+def _eager_uninstalled(model: nn.Module, x: torch.Tensor,
+                       handle: ctxreplay.InstallHandle) -> torch.Tensor:
+    """``model``'s eager output, dispatch switched off for the call."""
+    slots = handle._slots
+    for s in slots:
+        s.off = True
+    try:
+        return _eager(model, x)
+    finally:
+        for s in slots:
+            s.off = False
 
 
 def test_compile_is_applied_once_per_member(net: Net) -> None:
@@ -208,7 +250,7 @@ def test_a_failing_compiler_warns_and_leaves_the_member_eager(net: Net, where: s
 def test_weights_that_do_not_fit_are_a_structure_miss(net: Net) -> None:
     report = captured(net, torch.rand(2, 16))
     torch.manual_seed(1)
-    wide = Net(dim=16)
+    wide = Net(dim=16).eval()
     wide.blocks[1].lin = nn.Linear(16, 16, bias=False)  # same names but one
     x = torch.rand(2, 16)
     expected = _eager(wide, x)

@@ -128,7 +128,7 @@ def test_load_a_manifest_directory(saved_dir: Path) -> None:
     assert loaded.environment["torch"] == str(torch.__version__)
     for cap in loaded:
         assert cap.members == ("blocks.0", "blocks.1") and cap.weights_from == "blocks.0"
-        assert cap.fidelity_ok and cap.binding == "native"
+        assert cap.fidelity == "ok" and cap.binding == "native"
         assert "autocast" in cap.embedded and "grad_mode" in cap.ambient_only
         args, kwargs = cap.example_inputs()
         with torch.inference_mode():

@@ -92,6 +92,34 @@ def test_every_variant_once_across_ranks_one_merged_report(tmp_path: Path, world
     assert max(dist_info["assigned"]) <= -(-len(union) // world) + 2
 
 
+def test_save_all_on_every_rank_writes_each_capture_once_and_one_manifest(
+        tmp_path: Path) -> None:
+    results = _run(cases.save_all, 2, tmp_path)
+    report = results[0]["report"]
+    assert report["ok"] and all(r["ok"] and r["manifest_there"] for r in results)
+    owners = [c["rank"] for c in report["captures"]]
+    assert set(owners) == {0, 1}  # both ranks hold captures
+    from metadata_check import assert_metadata_only
+
+    assert_metadata_only(json.loads((tmp_path / "saved" / "manifest.json").read_text()))
+    loaded = ctxreplay.load(tmp_path / "saved")
+    assert isinstance(loaded, ctxreplay.LoadedManifest)
+    assert [(c.scope, c.variant) for c in loaded.captures] == [
+        (c["scope"], c["variant"]) for c in report["captures"]]
+    assert loaded.not_saved == ()
+    for rank, r in enumerate(results):
+        # each rank wrote exactly the captures it holds, and heard of the others
+        mine = [i for i, o in enumerate(owners) if o == rank]
+        assert r["wrote"] == sorted(loaded.captures[i].path.name for i in mine)
+        assert sorted((e[0], e[1], e[2]) for e in r["elsewhere"]) == sorted(
+            (c["scope"], c["variant"], c["rank"]) for c in report["captures"]
+            if c["rank"] != rank)
+    for cap in loaded.captures:
+        assert cap.fidelity == "ok" and cap.path.is_file()
+        args, kwargs = cap.example_inputs()
+        assert cap.module()(*args, **kwargs).shape[-1] == 8
+
+
 def test_a_graph_with_an_all_reduce_runs_on_every_rank_and_its_verdict_is_right(
         tmp_path: Path) -> None:
     results = _run(cases.collective, 2, tmp_path)
@@ -160,7 +188,8 @@ def test_the_torchrun_example_runs_under_torchrun(tmp_path: Path) -> None:
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", str(_port()), str(script), str(tmp_path)],
         capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-2000:]
+    # the first lines say why a rank died; the last what torchrun made of it
+    assert done.returncode == 0, (done.stdout[-1000:], done.stderr[:3000], done.stderr[-1500:])
     docs = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in (0, 1)]
     for d in docs:
         d.pop("seconds")
