@@ -39,7 +39,7 @@ from ._copies import is_ours
 from ._frozen import freeze_constants
 from .records import RetainedCall
 from .signature import NotRealError, call_key, call_spec, spec_of, tensor_values
-from .snapshot import ContextSnapshot, Observer, ProbeObservationError
+from .snapshot import ContextSnapshot, Observer, ProbeObservationError, call
 from .targets import _Uninitialized, identity_of
 from .variants import MemberVariant, Scope
 
@@ -181,10 +181,8 @@ class _Member:
             if cache is not None and cache[0].check():
                 snap = cache[1]
                 try:
-                    for getter, expected in cache[2]:
-                        if getter() != expected:
-                            snap = obs.refresh()
-                            break
+                    if list(map(call, cache[2])) != cache[3]:
+                        snap = obs.refresh()
                 except ProbeObservationError:
                     raise
                 except Exception:  # a watched getter that raises: the state changed
