@@ -32,11 +32,30 @@ class DistributedState:
 
 
 _SINGLE = DistributedState()
+ABSENT = object()
 
 
 def _initialized() -> bool:
     dist = torch.distributed
     return bool(dist.is_available() and dist.is_initialized())
+
+
+def _world_initialized() -> Callable[[], bool] | None:
+    """``is_initialized()`` read where it reads (``_world._default_pg``) at a
+    fraction of its cost, where this torch keeps the default group there."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(getattr(c10d, "_world", None), "_default_pg", ABSENT) is ABSENT:
+        return None
+
+    def initialized() -> bool:
+        return c10d._world._default_pg is not None
+    return initialized
+
+
+_initialized_fast = _world_initialized()
 
 
 @register_probe
@@ -74,7 +93,9 @@ class DistributedProbe(ContextProbe[DistributedState]):
 
     def watch_forward(self, state: DistributedState
                       ) -> tuple[tuple[Callable[[], object], object], ...]:
-        checks: list[tuple[Callable[[], object], object]] = [(_initialized, state.initialized)]
+        checks: list[tuple[Callable[[], object], object]] = [
+            (_initialized if _initialized_fast is None else _initialized_fast,
+             state.initialized)]
         if self._degrees is not None and state.initialized:
             get = self._degrees
             checks.append((lambda: tuple(sorted((str(k), int(v))
