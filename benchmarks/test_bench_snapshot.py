@@ -76,10 +76,10 @@ def _session_check(model: torch.nn.Module
     model(torch.zeros(2, 4))
     cache = observer.cache
     assert cache is not None
-    guard, getters, expected = cache[0], cache[2], cache[3]
+    guard_check, getters, expected = cache[0], cache[2], cache[3]
 
     def check() -> bool:
-        return bool(guard.check() and list(map(call, getters)) == expected)
+        return bool(guard_check() and list(map(call, getters)) == expected)
     assert check()
     return check, session
 

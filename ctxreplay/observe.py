@@ -178,16 +178,14 @@ class _Member:
             shared = self.shared
             obs = shared.observer
             cache = obs.cache
-            if cache is not None and cache[0].check():
-                snap = cache[1]
-                try:
-                    if list(map(call, cache[2])) != cache[3]:
-                        snap = obs.refresh()
-                except ProbeObservationError:
-                    raise
-                except Exception:  # a watched getter that raises: the state changed
+            try:  # one expression: each statement costs here
+                if cache is not None and cache[0]() and list(map(call, cache[2])) == cache[3]:
+                    snap = cache[1]
+                else:
                     snap = obs.refresh()
-            else:
+            except ProbeObservationError:
+                raise
+            except Exception:  # a watched getter that raises: the state changed
                 snap = obs.refresh()
             if not shared.active and obs.forward_changed():
                 snap = obs.refresh()  # called outside the model: check those flags here
@@ -211,7 +209,7 @@ class _Member:
             return self.orig(*args, **kwargs)
         if mv is not None:
             next(mv.counter)
-            if self.shared.profile:
+            if shared.profile:
                 with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
                     return self.orig(*args, **kwargs)
             return self.orig(*args, **kwargs)

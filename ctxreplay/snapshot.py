@@ -396,9 +396,10 @@ class Observer:
 
     The last snapshot is reused while torch's ``GlobalStateGuard`` still holds
     and every probe's ``watch`` getter still returns what it returned (the
-    cache tuple is ``(guard, snapshot, per-call getters, the list of what
-    they returned, per-forward checks)``: ``list(map(call, getters)) ==
-    expected`` runs the check in C).  ``watch_forward`` getters are checked by ``forward_changed``
+    cache tuple is ``(guard.check, snapshot, per-call getters, the list of
+    what they returned, per-forward checks)``: ``list(map(call, getters)) ==
+    expected`` runs the check in C).  ``watch_forward`` getters are checked
+    by ``forward_changed``
     -- once per call of the observed model -- or, with ``per_call=True``,
     with the others on every call.  Identical states give the identical
     snapshot object, so variant keys hash and compare by identity.  A probe
@@ -415,7 +416,7 @@ class Observer:
 
     def __call__(self) -> ContextSnapshot:
         cache = self.cache
-        if cache is not None and cache[0].check():
+        if cache is not None and cache[0]():
             try:
                 if list(map(call, cache[2])) == cache[3]:
                     return cache[1]
@@ -445,8 +446,8 @@ class Observer:
             forward = tuple(c for p, s in pairs for c in _watch(p, s, True))
             if self.per_call:
                 every, forward = every + forward, ()
-            self.cache = (guard, snap, tuple(g for g, _ in every), [e for _, e in every],
-                          forward)
+            self.cache = (guard.check, snap, tuple(g for g, _ in every),
+                          [e for _, e in every], forward)
         return snap
 
     def forward_changed(self) -> bool:
