@@ -51,6 +51,7 @@ class CaptureSession:
         if not isinstance(module, nn.Module):
             raise TypeError(f"capture_with: expected an nn.Module, got {type(module).__name__}")
         self.options = options
+        """Every setting of the session, validated (``capture_with``'s arguments)."""
         self._observer = Observer(options.probes, per_call=options.watch == "call")
         self._observation = Observation(
             module, resolve_targets(module, targets), observer=self._observer,
@@ -66,10 +67,12 @@ class CaptureSession:
     # -- attributes kept from the first release -----------------------------
     @property
     def probes(self) -> tuple[ContextProbe[Any], ...]:
+        """The probes observed, sorted by name."""
         return self.options.probes
 
     @property
     def backend(self) -> Backend:
+        """The backend ``finalize()`` captures with."""
         return self.options.backend
 
     @property
@@ -84,6 +87,7 @@ class CaptureSession:
 
     @property
     def closed(self) -> bool:
+        """Whether observation has stopped (``close()``, the ``with`` exit or ``finalize()``)."""
         return self._state != "open"
 
     @property
@@ -122,6 +126,16 @@ class CaptureSession:
         An interrupted finalize (Ctrl-C) keeps what it captured: calling it
         again captures the rest.  Once it completed, calling it again raises
         :class:`SessionError` (the report is ``session.report``).
+
+        Args:
+            strict: raise instead of returning a report that is not ok.
+            explain: work out which probes changed each graph while the live
+                states are held.
+            progress: ``progress(done, total, variant)`` after each variant.
+
+        Raises:
+            FidelityError: with ``strict=True``, when the report is not ok.
+            SessionError: ``finalize()`` already completed.
         """
         if self._report is not None:
             raise SessionError("finalize() already completed for this session: it detached "
@@ -336,7 +350,8 @@ def _describe_targets(targets: object) -> str:
 
 
 def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]] | None = None,
-                 targets: Targets = None, backend: str | Backend = "auto",
+                 targets: str | Sequence[str] | Callable[[str, nn.Module], bool] | None = None,
+                 backend: str | Backend = "auto",
                  replay: str = "embedded", verify: str = "signature", max_variants: int = 8,
                  max_scopes: int = 64, profile_ranges: bool = False,
                  capture_timeout: float | None = None, pin_factories: bool = True,
@@ -377,10 +392,6 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             per-backend float32 precision) once per call of ``module``;
             ``"call"`` checks them on every block call (slower).
         retain_bytes: memory cap for ``verify="values"`` copies.
-
-    Calls that run inside a ``torch.compile``d region are not observed: they
-    are counted, and the report says so (``not_observed``).  Capture before
-    compiling.
         ignore_attributes: attribute names left out of a member's identity
             (e.g. a step counter the forward increments).
         group: a ``torch.distributed`` process group.  When one is given, or
@@ -391,11 +402,16 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             also bounds how long it waits for the other ranks.
 
     Returns:
-        The open :class:`CaptureSession`.
+        The open :class:`CaptureSession`: use it as a context manager, then
+        call ``finalize()``.
 
     Raises:
         ValueError: an unknown option value, probe or target name.
         TypeError: ``module`` is not an ``nn.Module``.
+
+    Calls that run inside a ``torch.compile``d region are not observed: they
+    are counted, and the report says so (``not_observed``).  Capture before
+    compiling.
     """
     options = CaptureOptions(
         probes=resolve_probes(probes), backend=get_backend(backend),
