@@ -42,10 +42,10 @@ def main(out: Path) -> None:
     torch.manual_seed(0)  # the same weights on every rank
     model = Model().eval()
 
-    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
-            for batch in (1, 2 + rank):  # each rank sees one shape of its own
-                model(torch.rand(batch, 16))
+    session = ctxreplay.capture_with(model, targets="repeated", verify="execute")
+    with session, torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        for batch in (1, 2 + rank):  # each rank sees one shape of its own
+            model(torch.rand(batch, 16))
 
     report = session.finalize()  # a collective: every rank calls it
     for c in report.captures:
