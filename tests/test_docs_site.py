@@ -141,18 +141,41 @@ def code_blocks(page: Node) -> list[Node]:
     return [pre for pre in _content(page).find_all("pre") if "mermaid" not in pre.classes]
 
 
-def test_guide_code_fits_the_column(site: Path) -> None:
+def long_code_lines(built: dict[str, Node]) -> tuple[int, list[str]]:
+    """(code lines seen, those longer than ``MAX_CODE_LINE``) on these pages."""
     too_long = []
     seen = 0
-    for name, path in guide_pages(site).items():
-        for pre in code_blocks(parse(path)):
+    for name, page in built.items():
+        for pre in code_blocks(page):
             for line in pre.text().splitlines():
                 seen += 1
                 if len(line) > MAX_CODE_LINE:
                     too_long.append(f"{name}: {len(line)} chars: {line[:60]}...")
+    return seen, too_long
+
+
+def test_guide_code_fits_the_column(site: Path) -> None:
+    seen, too_long = long_code_lines({k: parse(v) for k, v in guide_pages(site).items()})
     assert seen > 500, "no code found: the page structure changed under this test"
     assert not too_long, (f"{len(too_long)} guide-page code lines are longer than "
                           f"{MAX_CODE_LINE} characters:\n  " + "\n  ".join(too_long))
+
+
+def _fixture_page(body: str, tmp_path: Path) -> Node:
+    path = tmp_path / "page.html"
+    path.write_text(f"<html><body><article>{body}</article></body></html>",
+                    encoding="utf-8")
+    return parse(path)
+
+
+def test_the_line_check_fails_on_a_long_line(tmp_path: Path) -> None:
+    fits = "x" * MAX_CODE_LINE
+    page = _fixture_page(
+        f'<pre><code>{fits}\n{fits}y</code></pre>'
+        f'<pre class="mermaid"><code>{"m" * 200}</code></pre>', tmp_path)
+    seen, too_long = long_code_lines({"fixture": page})
+    assert seen == 2  # the Mermaid source is a picture, not code
+    assert too_long == [f"fixture: {MAX_CODE_LINE + 1} chars: {'x' * 60}..."]
 
 
 #: pages that explain a flow with a picture
@@ -174,8 +197,12 @@ def test_the_flows_have_pictures(site: Path) -> None:
 # -- the API page --------------------------------------------------------------------
 
 def _api_objects(site: Path) -> dict[str, tuple[Node, Node]]:
-    """Object id (``ctxreplay.Capture.scope``) -> (heading, its contents)."""
-    api = parse(site / "api" / "index.html")
+    """Object id (``ctxreplay.Capture.scope``) -> (the object's element, its
+    contents)."""
+    return api_objects(parse(site / "api" / "index.html"))
+
+
+def api_objects(api: Node) -> dict[str, tuple[Node, Node]]:
     out: dict[str, tuple[Node, Node]] = {}
     for obj in api.iter():
         if "doc-object" not in obj.classes:
@@ -185,7 +212,7 @@ def _api_objects(site: Path) -> dict[str, tuple[Node, Node]]:
         contents = next((c for c in obj.children if isinstance(c, Node)
                          and "doc-contents" in c.classes), None)
         if heading is not None and contents is not None and heading.attrs.get("id"):
-            out[heading.attrs["id"]] = (heading, contents)
+            out[heading.attrs["id"]] = (obj, contents)
     return out
 
 
@@ -225,10 +252,27 @@ def test_every_public_name_is_described(site: Path) -> None:
         assert _description(objects[paths[0]][1]), f"{paths[0]}: no description"
 
 
+def undescribed(objects: dict[str, tuple[Node, Node]]) -> list[str]:
+    return [ident for ident, (_, contents) in objects.items() if not _description(contents)]
+
+
+def test_the_description_check_fails_on_an_empty_entry(tmp_path: Path) -> None:
+    def entry(ident: str, text: str, children: str = "") -> str:
+        return (f'<div class="doc doc-object"><h3 id="{ident}" class="doc doc-heading">'
+                f'{ident}</h3><div class="doc doc-contents">{text}'
+                f'<div class="doc doc-children">{children}</div></div></div>')
+    page = _fixture_page(entry("m.Described", "<p>Says what it is.</p>",
+                               entry("m.Described.empty", "")), tmp_path)
+    objects = api_objects(page)
+    assert set(objects) == {"m.Described", "m.Described.empty"}
+    # a member's text is not its parent's, and an empty member is found
+    assert undescribed(objects) == ["m.Described.empty"]
+
+
 def test_every_object_on_the_api_page_is_described(site: Path) -> None:
     objects = _api_objects(site)
     assert len(objects) > 300, "the API page lost its members"
-    empty = [ident for ident, (_, contents) in objects.items() if not _description(contents)]
+    empty = undescribed(objects)
     assert not empty, "API entries without a description (add a docstring; for an " \
                       "attribute, a string literal right after it):\n  " + "\n  ".join(empty)
 
@@ -255,10 +299,10 @@ def test_every_public_attribute_of_the_main_records_is_described(site: Path,
 
 
 def test_capture_with_shows_real_types(site: Path) -> None:
-    heading, contents = _api_objects(site)["ctxreplay.capture_with"]
-    (signature,) = [n for n in contents.iter() if "doc-signature" in n.classes][:1] or \
-        [n for n in heading.iter() if "doc-signature" in n.classes][:1]
-    text = " ".join(signature.text().split())
+    obj, contents = _api_objects(site)["ctxreplay.capture_with"]
+    signatures = [n for n in obj.iter() if "doc-signature" in n.classes]
+    assert signatures, "capture_with: no rendered signature"
+    text = " ".join(signatures[0].text().split())
     for shown in ("probes: Sequence[str | ContextProbe[Any]] | None",
                   "targets: str | Sequence[str] | Callable[[str, Module], bool] | None",
                   "backend: str | Backend", "-> CaptureSession"):
@@ -304,10 +348,15 @@ def _sections(page: Node) -> dict[str, list[Node]]:
     return out
 
 
-def test_every_reason_code_is_explained(site: Path) -> None:
-    sections = _sections(parse(site / "troubleshooting" / "index.html"))
-    for section, codes in CODES.items():
-        assert section in sections, f"troubleshooting: no section #{section}"
+def unexplained_codes(page: Node, codes: dict[str, tuple[str, ...]]) -> list[str]:
+    """Codes that the page's section does not explain in a table row of the
+    code, its cause and what to do."""
+    sections = _sections(page)
+    missing = []
+    for section, wanted in codes.items():
+        if section not in sections:
+            missing.append(f"no section #{section}")
+            continue
         explained: dict[str, list[str]] = {}
         for element in sections[section]:
             for tr in element.find_all("tr"):
@@ -317,10 +366,65 @@ def test_every_reason_code_is_explained(site: Path) -> None:
                     if first:
                         explained[first[0].text()] = [" ".join(c.text().split())
                                                       for c in cells[1:]]
-        for code in codes:
-            assert code in explained, f"troubleshooting #{section}: {code!r} is not explained"
-            assert all(len(cell) > 3 for cell in explained[code]), (
-                f"troubleshooting #{section}: {code!r} needs a cause and what to do")
+        for code in wanted:
+            if code not in explained:
+                missing.append(f"#{section}: {code!r} is not explained")
+            elif not all(len(cell) > 3 for cell in explained[code]):
+                missing.append(f"#{section}: {code!r} needs a cause and what to do")
+    return missing
+
+
+def test_every_reason_code_is_explained(site: Path) -> None:
+    missing = unexplained_codes(parse(site / "troubleshooting" / "index.html"), CODES)
+    assert not missing, "troubleshooting:\n  " + "\n  ".join(missing)
+
+
+def test_the_code_check_fails_on_a_missing_or_bare_code(tmp_path: Path) -> None:
+    page = _fixture_page(
+        '<h2 id="codes">Codes</h2><table><tr><th>code</th><th>cause</th><th>do</th></tr>'
+        "<tr><td><code>known</code></td><td>A cause.</td><td>What to do.</td></tr>"
+        "<tr><td><code>bare</code></td><td>A cause.</td><td></td></tr></table>",
+        tmp_path)
+    assert unexplained_codes(page, {"codes": ("known",)}) == []
+    assert unexplained_codes(page, {"codes": ("known", "bare", "new_code"),
+                                    "elsewhere": ("x",)}) == [
+        "#codes: 'bare' needs a cause and what to do",
+        "#codes: 'new_code' is not explained",
+        "no section #elsewhere"]
+
+
+#: a module-level constant with one of these names lists codes the package
+#: reports (``FAILURE_REASONS``, ``MISS_REASONS``, ``FIDELITY_STATUSES``, ...)
+CODE_CONSTANT = re.compile(r"(?:^|_)(?:REASONS|STATUSES|ERRORS|KINDS|FIELDS)$|^PROBLEMS$|^NOTICES$")
+
+
+def code_constants() -> dict[str, tuple[str, ...]]:
+    """``module.NAME`` -> its codes, for every code constant in the package."""
+    import pkgutil
+
+    out: dict[str, tuple[str, ...]] = {}
+    for info in pkgutil.walk_packages(ctxreplay.__path__, "ctxreplay."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if (not name.startswith("_") and CODE_CONSTANT.search(name)
+                    and isinstance(value, (tuple, dict))):
+                codes = tuple(value)
+                if codes and all(isinstance(c, str) for c in codes):
+                    out[f"{info.name}.{name}"] = codes
+    return out
+
+
+def test_every_code_constant_is_on_the_troubleshooting_page() -> None:
+    # CODES says which section explains which constant; a constant a new
+    # module adds must be placed there too, or this fails
+    found = code_constants()
+    assert {"ctxreplay.records.FAILURE_REASONS", "ctxreplay.dispatch.MISS_REASONS",
+            "ctxreplay.verify.FIDELITY_STATUSES", "ctxreplay.records.PROBLEMS",
+            "ctxreplay.manifest.NOT_SAVED_REASONS"} <= set(found)
+    covered = {code for codes in CODES.values() for code in codes}
+    left_out = {name: sorted(set(codes) - covered) for name, codes in found.items()
+                if set(codes) - covered}
+    assert not left_out, f"codes no troubleshooting section is checked for: {left_out}"
 
 
 def test_reason_code_constants_are_not_empty() -> None:
