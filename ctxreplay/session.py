@@ -384,8 +384,14 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             and make the report not ok (``variant_limit``).
         max_scopes: structures observed; more are counted (``scope_limit``).
         profile_ranges: wrap each observed call in a
-            ``torch.profiler.record_function`` range named after its variant.
-        capture_timeout: seconds one capture may take (``None``: no limit).
+            ``torch.profiler.record_function`` range named after its variant
+            (``"ctxreplay:blocks.0#1"``), so a profiler trace shows which
+            variant every block call was; off by default (it costs a range
+            per call).
+        capture_timeout: seconds one variant's capture may take (``None``: no
+            limit; must be > 0).  A capture that takes longer is a
+            ``CaptureFailure`` with reason ``timeout`` and the next variant is
+            captured; its thread is abandoned, not killed.
         pin_factories: write the replayed default dtype and device into
             factory calls of the graph, so the artifact carries them.
         watch: ``"forward"`` checks numerics-only flags (cuDNN, TF32,
@@ -410,8 +416,16 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         TypeError: ``module`` is not an ``nn.Module``.
 
     Calls that run inside a ``torch.compile``d region are not observed: they
-    are counted, and the report says so (``not_observed``).  Capture before
-    compiling.
+    are counted, and the report is not ok (problem ``not_observed``).  Pass
+    the uncompiled module and compile afterwards.
+
+    Example:
+        ```python
+        with ctxreplay.capture_with(model, targets="repeated") as session:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)                  # live: observed, cheaply
+        report = session.finalize()       # captured now, under the replayed context
+        ```
     """
     options = CaptureOptions(
         probes=resolve_probes(probes), backend=get_backend(backend),
