@@ -18,6 +18,7 @@ temporary directory and checks the HTML a reader gets:
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -316,6 +317,41 @@ def test_capture_with_shows_real_types(site: Path) -> None:
     for param in inspect.signature(ctxreplay.capture_with).parameters:
         assert param in documented, f"capture_with: parameter {param!r} has no row"
         assert len(" ".join(documented[param].text().split())) > len(param) + 10, param
+
+
+def returns_tables(page: Node) -> list[Node]:
+    """The tables that follow a ``Returns:`` section title."""
+    out = []
+    for parent in page.iter():
+        kids = [c for c in parent.children if isinstance(c, Node)]
+        for title, table in itertools.pairwise(kids):
+            if title.text().strip() == "Returns:" and table.tag == "table" and any(
+                    "doc-section-title" in n.classes for n in title.iter()):
+                out.append(table)
+    return out
+
+
+def split_returns(page: Node) -> list[list[str]]:
+    """Returns tables whose description runs over several rows: a paragraph
+    griffe read as one return value per line."""
+    out = []
+    for table in returns_tables(page):
+        rows = [" ".join(tr.find_all("td")[-1].text().split())
+                for tr in table.find_all("tr") if tr.find_all("td")]
+        if len(rows) > 1:
+            out.append(rows)
+    return out
+
+
+def test_returns_are_one_description(site: Path, tmp_path: Path) -> None:
+    api = parse(site / "api" / "index.html")
+    assert len(returns_tables(api)) >= 3, "the API page lost its Returns: sections"
+    assert not split_returns(api)
+    title = '<p><span class="doc-section-title">Returns:</span></p>'
+    split = _fixture_page(f"{title}<table><tr><th>Type</th><th>Description</th></tr>"
+                          "<tr><td>A</td><td>The open A: use it, then</td></tr>"
+                          "<tr><td>A</td><td>call it.</td></tr></table>", tmp_path)
+    assert split_returns(split) == [["The open A: use it, then", "call it."]]
 
 
 # -- troubleshooting ---------------------------------------------------------------
