@@ -490,6 +490,25 @@ def test_search_splits_identifiers_at_dots(site: Path) -> None:
     assert "ambient_only" in tokens, "search cannot find ambient_only on Concepts"
 
 
+#: guide pages that must link into the API reference
+LINKED_PAGES = ("quickstart", "concepts", "artifacts", "troubleshooting", "writing-probes")
+
+
+def api_links(page: Node) -> set[str]:
+    """The API entries a page links to (``ctxreplay.Capture.fidelity``)."""
+    return {a.attrs["href"].split("#", 1)[1] for a in _content(page).find_all("a")
+            if "api/#ctxreplay." in a.attrs.get("href", "")}
+
+
+def test_guides_link_into_the_api(site: Path) -> None:
+    built = pages(site)
+    objects = _api_objects(site)
+    for name in LINKED_PAGES:
+        links = api_links(parse(built[name]))
+        assert links, f"{name}: no link into the API reference"
+        assert links <= set(objects), f"{name}: links to missing entries {links - set(objects)}"
+
+
 def test_quickstart_shows_how_to_install(site: Path) -> None:
     quickstart = parse(pages(site)["quickstart"])
     assert any("pip install ctxreplay" in pre.text() for pre in code_blocks(quickstart))
