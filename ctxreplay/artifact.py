@@ -326,7 +326,8 @@ class ArtifactSidecar:
 
     def example_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh ``(args, kwargs)`` for ``program.module()``: floats uniform in
-        [0, 1), integers zero (DESIGN.md fact 11).  A flattened capture takes
+        [0, 1), integers zero, bools false -- values inside the domains of the ops
+        tried (``binary_cross_entropy``, embeddings).  A flattened capture takes
         its tensor leaves positionally.  Raises :class:`ArtifactError` when the
         signature holds a value JSON cannot rebuild."""
         if self.binding == "flattened":

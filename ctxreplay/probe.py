@@ -78,9 +78,10 @@ class ContextProbe(abc.ABC, Generic[S]):
 
         Called once per newly observed state, never per call; the getters run
         on every call, so make them zero-argument C-level functions where
-        possible.  A ``guarded`` probe lists only what the guard is blind to
-        (DESIGN.md fact 12); the default for an unguarded probe is its whole
-        observation.
+        possible.  A ``guarded`` probe lists only what torch's
+        ``GlobalStateGuard`` is blind to (the default device, cuDNN flags,
+        ``high`` vs ``medium`` matmul precision, ...); the default for an
+        unguarded probe is its whole observation.
         """
         return () if self.guarded else ((self.observe, state),)
 

@@ -509,6 +509,13 @@ def test_guides_link_into_the_api(site: Path) -> None:
         assert links <= set(objects), f"{name}: links to missing entries {links - set(objects)}"
 
 
+def test_the_site_cites_only_what_it_holds(site: Path) -> None:
+    # DESIGN.md is the maintainers' notes, not part of the repository
+    cited = [name for name, path in pages(site).items()
+             if "DESIGN.md" in _content(parse(path)).text()]
+    assert not cited, f"pages citing DESIGN.md, which a reader cannot open: {cited}"
+
+
 def test_quickstart_shows_how_to_install(site: Path) -> None:
     quickstart = parse(pages(site)["quickstart"])
     assert any("pip install ctxreplay" in pre.text() for pre in code_blocks(quickstart))
