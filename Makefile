@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.ctxreplay-$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))
 
-.PHONY: setup demo test lint typecheck bench docs clean
+.PHONY: setup demo test lint typecheck bench docs docs-shots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test: setup
 # The documentation site (into site/, git-ignored); every API page comes from docstrings.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# A PNG per page of the built site (headless Chromium, 1280 px wide) into
+# build/docs-shots/, for a person to look at; not part of `make test`.
+# Needs Chromium (Debian: apt-get install -y chromium); SHOTS_ARGS=--tiles
+# adds each whole page, cut into 2000-px tiles (with Pillow).
+docs-shots: docs
+	$(PY) docs/shots.py site build/docs-shots $(SHOTS_ARGS)
 
 bench: setup
 	$(PY) -m pytest -q -p no:cacheprovider benchmarks --benchmark-only -s

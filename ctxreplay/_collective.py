@@ -62,6 +62,7 @@ class DistributedError(RuntimeError):
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+        """The ranks that are missing or disagree (empty when not known)."""
 
 
 def active_group(group: Any) -> Any:

@@ -36,11 +36,16 @@ from .specjson import (
 )
 from .verify import Fidelity, Mismatch, flat_tensor_spec, neutral_replay
 
-__all__ = ["SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar", "SavableCapture",
-           "SavedArtifact", "artifact_inputs", "load_sidecar", "read_sidecar", "save_capture",
-           "sidecar_path", "warn_unknown"]
+__all__ = ["ARTIFACT_ERRORS", "SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar",
+           "SavableCapture", "SavedArtifact", "artifact_inputs", "load_sidecar", "read_sidecar",
+           "save_capture", "sidecar_path", "warn_unknown"]
 
 SIDECAR_SCHEMA = "ctxreplay.artifact/1"
+
+#: every ``ArtifactError.reason``: saving needs a ``torch.export`` artifact;
+#: ``torch.export.save`` refused the program; a loaded capture's inputs or
+#: outputs cannot be rebuilt from its sidecar
+ARTIFACT_ERRORS = ("backend_not_savable", "serialize_failed", "not_rebuildable")
 
 
 class SavableCapture(Protocol):
@@ -75,13 +80,16 @@ class SavableCapture(Protocol):
 class ArtifactError(RuntimeError):
     """A capture could not be saved (or a saved one could not be used).
 
-    ``reason`` is a code: ``backend_not_savable``, ``no_artifact``,
-    ``serialize_failed`` or ``not_rebuildable``.
+    Args:
+        message: what went wrong, in words.
+        reason: a code, one of ``ARTIFACT_ERRORS``: ``backend_not_savable``,
+            ``serialize_failed`` or ``not_rebuildable``.
     """
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+        """One of ``ARTIFACT_ERRORS``."""
 
 
 @attrs.frozen
@@ -94,9 +102,14 @@ class SavedArtifact:
     """
 
     path: Path
+    """The ``.pt2`` written (``torch.export.load`` reads it)."""
     sidecar: Path
+    """The metadata-only sidecar written beside it, ``<path>.json``."""
     lowered: bool
+    """Whether the program was lowered (``run_decompositions``) before saving, because
+    ``torch.export.save`` refused its context wrappers."""
     fidelity: Fidelity
+    """The check of the file itself (level ``saved``)."""
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
@@ -265,30 +278,47 @@ class ArtifactSidecar:
     """
 
     path: Path
+    """The sidecar file."""
     artifact: Path
+    """The ``.pt2`` it describes."""
     scope: str
+    """The capture's variant table."""
     variant: int
+    """The capture's variant number."""
     backend: str
+    """The backend that captured it."""
     binding: str
+    """How the program takes its inputs: ``native`` or ``flattened``."""
     fingerprint: str
+    """The capture's fingerprint."""
     torch_version: str
+    """The torch version the file was written with."""
     lowered: bool
+    """Whether the saved program was lowered to explicit casts."""
     embedded: tuple[str, ...]
+    """Probes whose state the program carries itself."""
     ambient_only: tuple[str, ...]
+    """Probes whose non-neutral state must be re-established around the program."""
     snapshot: ContextSnapshot
+    """The context the capture was replayed under (states that JSON cannot carry are unresolved)."""
     inputs: tuple[tuple[str, TensorSpec], ...]
+    """``(path, TensorSpec)`` of each tensor leaf of the captured call."""
     outputs: tuple[TensorSpec, ...] | None
+    """The live call's output leaves (``None``: not recorded)."""
     document: Mapping[str, Any] = attrs.field(repr=False)
+    """The sidecar's JSON document, as read."""
     _args: tuple[_Node, ...] = attrs.field(repr=False, alias="args")
     _kwargs: tuple[tuple[str, _Node], ...] = attrs.field(repr=False, alias="kwargs")
-    #: the blocks the capture stands for and the one whose weights the file
-    #: holds (empty in a sidecar written before they were recorded)
     members: tuple[str, ...] = ()
+    """The blocks the capture stands for (empty in a sidecar written before they were
+    recorded)."""
     weights_from: str = ""
-    #: ``(member, identity digest)`` and the attributes left out of it
-    #: (``Capture.identities``; empty in older sidecars)
+    """The member whose weights the file holds."""
     identities: tuple[tuple[str, str], ...] = ()
+    """``(member, identity digest)`` of each member (``Capture.identities``; empty in older
+    sidecars)."""
     ignore_attributes: tuple[str, ...] = ()
+    """Attributes left out of the members' identities."""
 
     def load_program(self) -> Any:
         """``torch.export.load`` of the artifact beside this sidecar."""
@@ -296,7 +326,8 @@ class ArtifactSidecar:
 
     def example_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh ``(args, kwargs)`` for ``program.module()``: floats uniform in
-        [0, 1), integers zero (DESIGN.md fact 11).  A flattened capture takes
+        [0, 1), integers zero, bools false -- values inside the domains of the ops
+        tried (``binary_cross_entropy``, embeddings).  A flattened capture takes
         its tensor leaves positionally.  Raises :class:`ArtifactError` when the
         signature holds a value JSON cannot rebuild."""
         if self.binding == "flattened":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,11 +19,17 @@ __all__ = ["main"]
 def _probes(_: argparse.Namespace) -> int:
     from . import available_probes
 
+    # descriptions wrap under themselves at the terminal's width (88 when
+    # stdout is not a terminal)
+    width = max(60, shutil.get_terminal_size((88, 24)).columns)
     for name, info in available_probes().items():
         flags = ["default" if info.default else "opt-in", info.origin]
         if info.distribution:
             flags.append(info.distribution)
-        print(f"{name:20s} [{', '.join(flags)}] {info.description}")
+        print(textwrap.fill(info.description or "-", width=width,
+                            initial_indent=f"{name:20s} [{', '.join(flags)}] ",
+                            subsequent_indent=" " * 21, break_on_hyphens=False,
+                            break_long_words=False))
         if info.error:
             print(f"{'':20s} ERROR: {info.error}")
     return 0

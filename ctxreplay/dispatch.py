@@ -56,12 +56,18 @@ from .signature import (
 from .snapshot import ContextSnapshot, Observer, UnknownProbe, UnknownState, Unresolved
 from .targets import identity_digest, identity_of
 
-__all__ = ["OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
+__all__ = ["MISS_REASONS", "OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
 
 #: ``object_args``: calls whose arguments hold Python objects (a KV cache, a
 #: dataclass) run eagerly -- a forward may change such an object in Python,
 #: which no graph records -- unless ``"dispatch"`` says they do not
 OBJECT_POLICIES = ("eager", "dispatch")
+
+#: every key of ``DispatchStats.reasons``: why a call ran eagerly
+MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
+                "environment", "fidelity", "unknown_probe", "live_state", "structure",
+                "not_rebuildable", "backend_not_dispatchable", "compile_failed",
+                "observe_error")
 
 _TensorGuards: Any
 try:  # checks dtype, shape, stride, device, requires_grad and dispatch keys in C
@@ -94,17 +100,24 @@ class DispatchStats:
     capture, and why).  ``compiled``: labels compiled so far (per member)."""
 
     hits: dict[str, int]
+    """``scope#variant`` -> calls that ran that capture's program."""
     misses: dict[str, int]
+    """Member -> calls that ran eagerly."""
     reasons: dict[str, int]
+    """Reason code (one of ``MISS_REASONS``) -> eager calls for that reason."""
     unusable: dict[str, str]
+    """``scope#variant`` -> why that capture cannot be used here (a reason code)."""
     compiled: tuple[str, ...] = ()
+    """Labels of the programs compiled so far (per member)."""
 
     @property
     def total_hits(self) -> int:
+        """All hits."""
         return sum(self.hits.values())
 
     @property
     def total_misses(self) -> int:
+        """All misses."""
         return sum(self.misses.values())
 
 
@@ -405,7 +418,10 @@ class InstallHandle:
     def __init__(self, model: nn.Module, entries: list[_Entry],
                  compile: Callable[[nn.Module], Callable[..., Any]] | None) -> None:
         self.model = model
+        """The model whose members dispatch to captures."""
         self.compile = compile
+        """The compiler applied to each member's program on its first hit (``None``: run the
+        programs as they are)."""
         self._entries = entries
         self._slots: list[_Slot] = []
         self._built: dict[tuple[int, str], nn.Module | None] = {}
@@ -416,7 +432,9 @@ class InstallHandle:
         self._observers: tuple[Observer, ...] = ()
         self._root: _Root | None = None
         self.active = 0  # calls of the model in progress
+        """Calls of the model in progress."""
         self.removed = False
+        """Whether ``remove()`` has run."""
 
     def _watch(self) -> None:
         """Re-bind a member whose parameter, buffer or submodule is replaced
@@ -535,29 +553,44 @@ class InstallHandle:
         self.remove()
 
 
-def install(model: nn.Module, source: object, *,
+def install(model: nn.Module,
+            source: CaptureReport | LoadedManifest | Capture | LoadedCapture
+            | Iterable[CaptureReport | LoadedManifest | Capture | LoadedCapture], *,
             compile: Callable[[nn.Module], Callable[..., Any]] | None = None,
             ignore: Iterable[str] = (), object_args: str = "eager") -> InstallHandle:
     """Route each captured member's calls to the capture whose key matches.
 
-    ``source``: a ``CaptureReport``, what :func:`ctxreplay.load` returns, a
-    ``Capture``, or an iterable of them.  For every member a capture lists,
-    ``model.<member>``'s calls are matched by member, input signature and
-    context (the probes' states of the live call the capture was made from);
-    a match runs the capture's program with that member's own weights, any
-    other call runs eagerly (a miss, counted with its reason in
-    ``handle.stats()``).  Without ``compile`` the outputs are those of the
-    program (bit-identical to eager for the models tried); ``compile``:
-    ``torch.compile`` or any callable ``GraphModule -> callable`` (a
-    kernel-discovery tool's compiler), applied once per member on its first
-    hit -- a compiler that fails warns and leaves that member eager.
+    For every member a capture lists, ``model.<member>``'s calls are matched
+    by member, input signature and context (the probes' states of the live
+    call the capture was made from); a match runs the capture's program with
+    that member's own weights, any other call runs eagerly (a miss, counted
+    with its reason in ``handle.stats()``).  Without ``compile`` the outputs
+    are those of the program (bit-identical to eager for the models tried).
 
-    ``ignore``: probe names left out of the context key (you vouch for
-    them: e.g. a framework's forward context this process cannot compare).
-    ``object_args``: ``"eager"`` (default) runs calls whose arguments hold
-    Python objects (a KV cache) eagerly, since a forward may update such an
-    object in Python where no graph records it; ``"dispatch"`` dispatches
-    them too.  Members that are not in ``model`` raise ``ValueError``.
+    Args:
+        model: the live model the captures were made from.
+        source: a ``CaptureReport``, what :func:`ctxreplay.load` returns, a
+            ``Capture``, or an iterable of them.
+        compile: ``torch.compile`` or any callable ``GraphModule -> callable``
+            (a kernel-discovery tool's compiler), applied once per member on
+            its first hit; a compiler that fails warns and leaves that member
+            eager.
+        ignore: probe names left out of the context key (you vouch for them:
+            e.g. a framework's forward context this process cannot compare).
+        object_args: ``"eager"`` (default) runs calls whose arguments hold
+            Python objects (a KV cache) eagerly, since a forward may update
+            such an object in Python where no graph records it;
+            ``"dispatch"`` dispatches them too.
+
+    Returns:
+        An :class:`InstallHandle`: ``stats()`` counts hits and misses,
+        ``remove()`` (or the ``with`` exit) restores the model exactly.
+
+    Raises:
+        ValueError: a member that is not in ``model``, or an unknown
+            ``object_args``.
+        TypeError: ``model`` is not an ``nn.Module``, ``source`` is none of
+            the above, or ``compile`` is not callable.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"install: expected an nn.Module, got {type(model).__name__}")

@@ -25,8 +25,8 @@ from .signature import Spec, TensorSpec, flatten_spec
 from .snapshot import ContextSnapshot
 from .verify import is_neutral
 
-__all__ = ["STATUSES", "CaptureExplanation", "Explanation", "ProbeEffect", "compare_ops",
-           "explain_capture", "explain_captures"]
+__all__ = ["EFFECT_REASONS", "STATUSES", "CaptureExplanation", "Explanation", "ProbeEffect",
+           "compare_ops", "explain_capture", "explain_captures"]
 
 #: ``changed``: leaving the probe out changes the graph; ``no effect``: it does
 #: not; ``neutral``: its state is what a fresh process has, so leaving it out
@@ -35,6 +35,12 @@ __all__ = ["STATUSES", "CaptureExplanation", "Explanation", "ProbeEffect", "comp
 #: ``unavailable``: the capture's context can no longer be replayed (live
 #: states released by ``finalize()``; explain with ``finalize(explain=True)``).
 STATUSES = ("changed", "no effect", "neutral", "failed", "unavailable")
+
+#: ``ProbeEffect.reason`` of an ``unavailable`` or ``failed`` effect besides a
+#: ``CaptureFailure`` reason of the recapture: the context's live states were
+#: released; the capture's backend is not one explain can rebuild; no module
+#: of the model is the capture's member
+EFFECT_REASONS = ("replay_released", "backend_unavailable", "module_not_found")
 
 
 @attrs.frozen
@@ -50,16 +56,29 @@ class ProbeEffect:
     """
 
     probe: str
+    """The probe whose replay was left out."""
     state: str
+    """Its state in the capture's context, in words."""
     status: str
+    """One of ``STATUSES``: ``changed``, ``no effect``, ``neutral``, ``failed`` or
+    ``unavailable``."""
     changed: int = 0
+    """Nodes that differ: ``retyped + added + removed + constants``."""
     retyped: int = 0
+    """Nodes with the same op but another result dtype."""
     added: int = 0
+    """Nodes only in the graph captured without the probe."""
     removed: int = 0
+    """Nodes only in the faithful graph."""
     outputs: tuple[str, ...] = ()
+    """The graph's output dtypes without the probe, when they differ from the faithful ones."""
     live_outputs: tuple[str, ...] = ()
+    """The faithful graph's output dtypes, when ``outputs`` differ from them."""
     reason: str | None = None
+    """Why a ``failed`` or ``unavailable`` effect has no comparison: a ``CaptureFailure`` reason of
+    the recapture, or one of ``EFFECT_REASONS``."""
     constants: int = 0
+    """Nodes with the same op whose non-tensor arguments differ (a scale, a dim, a flag)."""
 
     def describe(self) -> str:
         """One line for the table."""
@@ -80,6 +99,7 @@ class ProbeEffect:
         return text
 
     def to_json(self) -> dict[str, Any]:
+        """Metadata only."""
         return {"probe": self.probe, "state": self.state, "status": self.status,
                 "changed": self.changed, "retyped": self.retyped, "added": self.added,
                 "removed": self.removed, "constants": self.constants,
@@ -111,8 +131,11 @@ class CaptureExplanation:
     """The probe effects of one capture."""
 
     scope: str
+    """The capture's variant table."""
     variant: int
+    """The capture's variant number."""
     effects: tuple[ProbeEffect, ...]
+    """One effect per probe of the capture's snapshot."""
 
     @property
     def changing(self) -> tuple[str, ...]:
@@ -132,6 +155,7 @@ class Explanation:
     """Probe effects for every capture of a report; ``table()`` renders them."""
 
     captures: tuple[CaptureExplanation, ...]
+    """One explanation per capture, in report order."""
 
     def __getitem__(self, key: tuple[str, int]) -> CaptureExplanation:
         for c in self.captures:
@@ -156,6 +180,7 @@ class Explanation:
         return self.table()
 
     def to_json(self) -> list[dict[str, Any]]:
+        """Metadata only: one entry per capture, with its effects."""
         return [{"scope": c.scope, "variant": c.variant,
                  "effects": [e.to_json() for e in c.effects]} for c in self.captures]
 

@@ -54,12 +54,18 @@ from .snapshot import (
 from .specjson import resolve_opaque, spec_from_json
 from .verify import combined_status, fidelity_status, is_neutral
 
-__all__ = ["EXPECTED_FILES", "GUARD_MODES", "Difference", "GuardError", "GuardWarning",
-           "GuardedCapture", "LoadedCapture", "LoadedManifest", "Needs", "WeightsError",
-           "bind_weights", "check_needs", "detect", "load", "merge_differences",
-           "needs_from_document", "needs_of", "state_differences", "static_differences"]
+__all__ = ["DIFFERENCE_KINDS", "ENVIRONMENT_FIELDS", "EXPECTED_FILES", "GUARD_MODES", "Difference",
+           "GuardError", "GuardWarning", "GuardedCapture", "LoadedCapture", "LoadedManifest",
+           "Needs", "WeightsError", "bind_weights", "check_needs", "detect", "load",
+           "merge_differences", "needs_from_document", "needs_of", "state_differences",
+           "static_differences"]
 
 GUARD_MODES = ("raise", "warn", "fallback")
+
+#: ``Difference.kind``: a probe's state, the environment, or the fidelity check
+DIFFERENCE_KINDS = ("state", "environment", "fidelity")
+#: ``Difference.field`` of an ``environment`` difference
+ENVIRONMENT_FIELDS = ("torch", "device", "capability", "autocast_policy")
 
 #: what ``load`` and the command line accept, in words
 EXPECTED_FILES = ("a manifest directory or its manifest.json (report.save_all), a .pt2 "
@@ -81,10 +87,16 @@ class Difference:
     the ``scope#variant`` labels it concerns.  ``str()`` is one line."""
 
     field: str
+    """What differs: a probe's name, an environment field (``torch``, ``device``, ``capability``,
+    ``autocast_policy``) or ``fidelity``."""
     needed: str
+    """What the capture needs, in words."""
     found: str
+    """What this process has now, in words."""
     kind: str = "state"
+    """One of ``DIFFERENCE_KINDS``: ``state``, ``environment`` or ``fidelity``."""
     captures: tuple[str, ...] = ()
+    """The ``scope#variant`` labels it concerns."""
 
     @property
     def text(self) -> str:
@@ -119,7 +131,9 @@ class GuardError(RuntimeError):
 
     def __init__(self, label: str, differences: tuple[Difference, ...]) -> None:
         self.label = label
+        """The ``scope#variant`` of the guarded capture."""
         self.differences = differences
+        """What differs, one ``Difference`` each."""
         super().__init__(f"{label}: this process differs from what the capture needs, so it "
                          "would not reproduce its live call:\n  "
                          + "\n  ".join(d.text for d in differences))
@@ -383,24 +397,31 @@ class LoadedCapture:
     """
 
     path: Path
+    """The ``.pt2`` file."""
     sidecar: ArtifactSidecar = attrs.field(repr=False)
+    """Its sidecar, read back."""
     members: tuple[str, ...]
+    """The blocks the capture stands for."""
     weights_from: str
-    #: ``Fidelity.status`` of the live check and the saved file's check
-    #: together: ``"ok"``, ``"ok_with_needs"`` (reproduces where its
-    #: ``ambient_only`` states hold), ``"failed"`` or ``"unchecked"``
+    """The member whose weights the program holds."""
     fidelity: str
-    #: versions, device and autocast op policy it was made with
+    """``Fidelity.status`` of the live check and the saved file's check together: ``"ok"``,
+    ``"ok_with_needs"`` (reproduces where its ``ambient_only`` states hold), ``"failed"`` or
+    ``"unchecked"``."""
     environment: Mapping[str, Any] = attrs.field(repr=False)
+    """Versions, device and autocast op policy it was made with."""
     merged: tuple[int, ...] = ()
+    """Variants merged into this capture (``Capture.merged``)."""
     _cache: dict[str, Any] = attrs.field(factory=dict, repr=False, alias="cache")
 
     @property
     def scope(self) -> str:
+        """The capture's variant table."""
         return self.sidecar.scope
 
     @property
     def variant(self) -> int:
+        """The capture's variant number."""
         return self.sidecar.variant
 
     @property
@@ -410,10 +431,12 @@ class LoadedCapture:
 
     @property
     def binding(self) -> str:
+        """How the program takes its inputs: ``native`` or ``flattened``."""
         return self.sidecar.binding
 
     @property
     def fingerprint(self) -> str:
+        """The capture's fingerprint."""
         return self.sidecar.fingerprint
 
     @property
@@ -423,10 +446,13 @@ class LoadedCapture:
 
     @property
     def embedded(self) -> tuple[str, ...]:
+        """Probes whose state the program carries itself."""
         return self.sidecar.embedded
 
     @property
     def ambient_only(self) -> tuple[str, ...]:
+        """Probes whose non-neutral state must be re-established around each call (``check()`` says
+        whether it holds; ``replay()`` establishes it)."""
         return self.sidecar.ambient_only
 
     @property
@@ -436,6 +462,7 @@ class LoadedCapture:
 
     @property
     def ignore_attributes(self) -> tuple[str, ...]:
+        """Attributes left out of the members' identities."""
         return self.sidecar.ignore_attributes
 
     @property
@@ -481,8 +508,14 @@ class LoadedCapture:
 
     def module(self, weights: Weights = None) -> nn.Module:
         """The program as a module: with its own weights (``weights_from``'s),
-        or with ``weights`` -- a member module or its state dict (see
-        :func:`bind_weights`; :class:`WeightsError` when they do not fit)."""
+        or with another member's.
+
+        Args:
+            weights: a member module or its state dict (``None``: the
+                program's own weights).
+
+        Raises:
+            WeightsError: the weights do not fit the program."""
         return bind_weights(self.program, weights, self.binding)
 
     def example_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -492,7 +525,9 @@ class LoadedCapture:
     def check(self, *, ignore: Iterable[str] = ()) -> tuple[Difference, ...]:
         """What differs between now and what this capture needs, one
         :class:`Difference` per probe or field (empty when all holds).
-        ``ignore``: probe names not to check (you vouch for them)."""
+
+        Args:
+            ignore: probe names not to check (you vouch for them)."""
         return check_needs(self.needs, ignore)
 
     @contextmanager
@@ -523,12 +558,17 @@ class LoadedCapture:
     def guarded(self, *, on_mismatch: str = "raise",
                 fallback: Callable[..., Any] | None = None, weights: Weights = None,
                 ignore: Iterable[str] = ()) -> GuardedCapture:
-        """A callable that runs the program (with ``weights``, see ``module``)
-        after checking, on each call, that the process still holds what the
-        capture needs.  On a difference: ``on_mismatch="raise"``
-        (:class:`GuardError` listing it), ``"warn"`` (:class:`GuardWarning`
-        once per distinct state, then run) or ``"fallback"`` (call
-        ``fallback`` with the same arguments instead)."""
+        """A callable that runs the program after checking, on each call,
+        that the process still holds what the capture needs.
+
+        Args:
+            on_mismatch: on a difference, ``"raise"`` (:class:`GuardError`
+                listing it), ``"warn"`` (:class:`GuardWarning` once per
+                distinct state, then run) or ``"fallback"`` (call
+                ``fallback`` with the same arguments instead).
+            fallback: what to call instead, for ``on_mismatch="fallback"``.
+            weights: a member module or its state dict, as for ``module()``.
+            ignore: probe names not to check (you vouch for them)."""
         return GuardedCapture(self.needs, self.module(weights), on_mismatch=on_mismatch,
                               fallback=fallback, ignore=ignore)
 
@@ -552,11 +592,13 @@ class GuardedCapture:
         self._needs, self._run, self._mode, self._fallback = needs, run, on_mismatch, fallback
         self._label = needs.label
         self.ignore = tuple(ignore)
+        """Probe names the guard leaves out."""
         self._static = tuple(static_differences(needs, self.ignore))
         self._observer = Observer(needs.observable(self.ignore), per_call=True)
         self._ok: ContextSnapshot | None = None
         self._verdicts: dict[ContextSnapshot, tuple[Difference, ...]] = {}
         self.mismatches = 0
+        """Calls that found a difference so far."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -609,18 +651,29 @@ class LoadedManifest:
     name that this process does not have."""
 
     path: Path
+    """The ``manifest.json``."""
     ctxreplay_version: str
+    """The ctxreplay version that wrote it."""
     environment: Mapping[str, Any] = attrs.field(repr=False)
+    """Versions, device and autocast op policy it was made with."""
     ok: bool
+    """Whether the report was ok when it was saved."""
     probes: tuple[str, ...]
+    """The probes the session observed."""
     captures: tuple[LoadedCapture, ...]
+    """Every saved capture."""
     not_saved: tuple[tuple[str, str], ...] = ()
+    """``(scope#variant, reason)`` of captures the report had that were not written."""
     failures: tuple[tuple[str, int, str, str], ...] = ()
+    """``(scope, variant, backend, reason)`` of variants that failed to capture."""
     problems: tuple[str, ...] = ()
+    """The report's problem codes."""
     unknown_probes: tuple[str, ...] = ()
+    """Probes the files name that this process does not have."""
 
     @property
     def directory(self) -> Path:
+        """The directory the manifest is in."""
         return self.path.parent
 
     def __iter__(self) -> Iterator[LoadedCapture]:
@@ -779,6 +832,19 @@ def load(path: str | os.PathLike[str], *,
     naming them; ``probes`` supplies instances for names the registry does
     not hold (a framework's forward-context probe).  Programs are loaded on
     first use.
+
+    Args:
+        path: a manifest directory or its ``manifest.json``, a ``.pt2`` or
+            its ``.pt2.json`` sidecar.
+        probes: probe instances for names the registry does not hold.
+
+    Returns:
+        A :class:`LoadedManifest` for a manifest, a :class:`LoadedCapture`
+        for one saved capture.
+
+    Raises:
+        ValueError: a malformed document (naming its JSON path) or a file of
+            another kind.
     """
     kind, target, data = detect(path)
     if kind == "manifest":

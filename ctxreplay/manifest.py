@@ -29,11 +29,15 @@ from .artifact import ArtifactError, SavedArtifact, sidecar_path
 from .records import Capture, CaptureFailure, Notice, Problem
 from .verify import fidelity_status
 
-__all__ = ["MANIFEST_NAME", "MANIFEST_SCHEMA", "ManifestDoc", "ManifestEntry", "SavedManifest",
-           "read_manifest", "save_all"]
+__all__ = ["MANIFEST_NAME", "MANIFEST_SCHEMA", "NOT_SAVED_REASONS", "ManifestDoc", "ManifestEntry",
+           "SavedManifest", "read_manifest", "save_all"]
 
 MANIFEST_SCHEMA = "ctxreplay.manifest/1"
 MANIFEST_NAME = "manifest.json"
+
+#: why ``save_all`` listed a capture as not saved: ``Capture.save`` refused it
+#: (an ``ArtifactError`` reason), or another rank holds its artifact
+NOT_SAVED_REASONS = ("backend_not_savable", "serialize_failed", "not_on_this_rank")
 
 
 class _Report(Protocol):
@@ -75,10 +79,17 @@ class SavedManifest:
     """
 
     directory: Path
+    """The directory written into."""
     manifest: Path
+    """Its ``manifest.json``."""
     saved: tuple[SavedArtifact, ...]
+    """One ``SavedArtifact`` per capture this process wrote."""
     not_saved: tuple[tuple[str, int, str], ...]
+    """``(scope, variant, reason)`` of each capture not written (a reason of
+    ``NOT_SAVED_REASONS``)."""
     elsewhere: tuple[tuple[str, int, int, bool], ...] = ()
+    """In a distributed report: ``(scope, variant, rank, saved file ok)`` of the captures the other
+    ranks wrote."""
 
     @property
     def ok(self) -> bool:

@@ -42,12 +42,23 @@ class ContextProbe(abc.ABC, Generic[S]):
     """
 
     name: str = ""
+    """The registry key (an instance may override it)."""
     description: str = ""
+    """One line for ``ctxreplay probes``."""
     default: ClassVar[bool] = False
+    """Part of the default set used when ``probes=None``."""
     traceable: ClassVar[bool] = False
+    """``replay()`` may be entered inside a traced callable and the tracer records it (as
+    ``torch.export`` records ``torch.autocast``), so the artifact carries the state;
+    ``split_replay`` handles partial cases."""
     portable: ClassVar[bool] = True
+    """``encode`` / ``decode`` carry the state through JSON."""
     guarded: ClassVar[bool] = False
+    """Every part of the state ``watch`` does not list is covered by torch's global-state guard, so
+    a snapshot may be reused while that guard holds."""
     pinnable: ClassVar[bool] = False
+    """The state only sets defaults of factory ops, which the engine's pinning pass writes into the
+    graph, so an artifact carries it."""
 
     @abc.abstractmethod
     def observe(self) -> S:
@@ -67,9 +78,10 @@ class ContextProbe(abc.ABC, Generic[S]):
 
         Called once per newly observed state, never per call; the getters run
         on every call, so make them zero-argument C-level functions where
-        possible.  A ``guarded`` probe lists only what the guard is blind to
-        (DESIGN.md fact 12); the default for an unguarded probe is its whole
-        observation.
+        possible.  A ``guarded`` probe lists only what torch's
+        ``GlobalStateGuard`` is blind to (the default device, cuDNN flags,
+        ``high`` vs ``medium`` matmul precision, ...); the default for an
+        unguarded probe is its whole observation.
         """
         return () if self.guarded else ((self.observe, state),)
 

@@ -17,6 +17,7 @@ import torch
 from . import artifact as _artifact
 from .artifact import SavedArtifact
 from .backends import Backend
+from .backends.base import BACKEND_REASONS
 from .materialize import BINDINGS
 from .probe import ContextProbe
 from .signature import CallSpec, Spec
@@ -24,12 +25,19 @@ from .snapshot import ContextSnapshot
 from .specjson import call_to_json, spec_to_json
 from .verify import LEVELS, Fidelity
 
-__all__ = ["NOTICES", "PROBLEMS", "REPLAY_MODES", "WATCH_MODES", "Capture", "CaptureFailure",
-           "CaptureOptions", "MemberCall", "Notice", "Problem", "RetainedCall",
+__all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "REPLAY_MODES", "WATCH_MODES", "Capture",
+           "CaptureFailure", "CaptureOptions", "MemberCall", "Notice", "Problem", "RetainedCall",
            "VariantRequest"]
 
 REPLAY_MODES = ("embedded", "ambient", "off")
 WATCH_MODES = ("forward", "call")
+
+#: every ``CaptureFailure.reason`` the package gives: a built-in backend's
+#: codes, then the engine's own (a custom backend may add its
+#: ``BackendError.reason``)
+FAILURE_REASONS = (*BACKEND_REASONS, "replay_failed", "timeout", "no_artifact", "bad_artifact",
+                   "materialize_failed", "verify_failed", "module_released",
+                   "isolation_failed", "internal_error", "interrupted", "state_leak")
 
 #: report-level reasons ``ok`` is False although no capture failed
 PROBLEMS = {
@@ -164,47 +172,85 @@ class Capture:
     artifact itself; ``ambient_only`` ones must be re-established around it
     wherever it runs."""
 
+    # (Each field's docstring is the string after it: the API page shows it.)
     scope: str
+    """The variant table it belongs to: the first member's qualified name
+    (``"blocks.0"``), or the module's class name for a whole-module capture."""
     members: tuple[str, ...]
+    """Qualified names of the blocks that ran this variant."""
     variant: int
+    """Its number within ``scope`` (``scope#variant`` labels it)."""
     signature: CallSpec
+    """The input signature it was captured for: shape, stride, dtype, device
+    and ``requires_grad`` of every tensor argument, Python scalars by value."""
     outputs: Spec | None
+    """The specs of what the live call returned (``None``: not known)."""
     graph_outputs: Spec | None
+    """The specs the captured graph's metadata gives for its outputs."""
     snapshot: ContextSnapshot
+    """The ambient state the variant ran under, one state per probe."""
     calls: int
+    """Live calls this capture stands for, over all its members."""
     backend: str
+    """The backend that produced the artifact (``"export"``, ``"dynamo"``,
+    ``"symbolic"`` or a custom backend's name)."""
     artifact: Any = attrs.field(repr=False)
+    """The captured program: a ``torch.export.ExportedProgram`` for the
+    export backend, a ``GraphModule`` for the others; ``None`` on a rank that
+    did not capture it."""
     fidelity: Fidelity
+    """How it was checked against the live calls, and what disagreed."""
     fingerprint: str
+    """A digest of ops, input signature, context and backend: equal
+    fingerprints, the same capture."""
     embedded: tuple[str, ...]
+    """Probes whose state the artifact carries itself (embedded replay)."""
     ambient_only: tuple[str, ...]
+    """Probes with a non-neutral state the artifact does not carry: whoever
+    runs it must re-establish these (``snapshot.replay()`` does)."""
     binding: str = attrs.field(validator=attrs.validators.in_(BINDINGS))
+    """How the artifact takes its inputs: ``"native"`` (the module's own
+    arguments) or ``"flattened"`` (the call's tensor leaves, positionally)."""
     constants: tuple[str, ...]
+    """Argument paths bound into the graph as constants (objects torch's
+    pytree does not know, such as a KV cache)."""
     attempts: tuple[tuple[str, str, str], ...]
+    """``(backend, reason code, exception type)`` of each backend that failed
+    before the one that succeeded (``backend="auto"``)."""
     seconds: float
+    """Wall time of this capture, check included."""
     ops: tuple[tuple[str, str | None], ...] = attrs.field(repr=False, default=())
+    """``(op, result dtype)`` of every call node of the graph, subgraphs
+    included."""
     member_calls: tuple[tuple[str, int], ...] = ()
+    """``(member, calls)``: each member's share of ``calls``."""
     weights_from: str = ""
-    #: variants of other member identities whose graphs turned out identical
-    #: to this one's, merged into this record (their members are listed here)
+    """The member whose parameters and buffers the artifact holds; run it for
+    another member with that member's weights."""
     merged: tuple[int, ...] = ()
-    #: in a distributed finalize: the rank that captured it (holds the artifact)
+    """Variants of other member identities whose graphs turned out identical
+    to this one's, merged into this record (their members are listed here)."""
     rank: int | None = None
-    #: ranks that observed it, and each one's calls
+    """In a distributed finalize: the rank that captured it (and holds the
+    artifact); ``None`` in a single process."""
     observed_on: tuple[int, ...] = ()
+    """In a distributed finalize: the ranks that observed it."""
     rank_calls: tuple[tuple[int, int], ...] = ()
-    #: its graph holds collectives: executing it waits for the other ranks
+    """In a distributed finalize: ``(rank, calls)`` for each observing rank."""
     collective: bool = False
-    #: a digest of the graph's code (nested graphs and constants included):
-    #: equal digests, equal computation for the same inputs and weights
+    """Its graph holds collectives: executing it waits for the other ranks."""
     graph_digest: str = ""
-    #: per op of ``ops``, a digest of its non-tensor arguments
+    """A digest of the graph's code (nested graphs and constants included):
+    equal digests, equal computation for the same inputs and weights."""
     op_args: tuple[str, ...] = attrs.field(repr=False, default=())
-    #: ``(member, digest)``: each member's identity (class, shapes, training,
-    #: plain attributes; ``targets.identity_digest``) when it ran the variant,
-    #: and the attributes left out of it: what ``install`` holds a member to
+    """Per op of ``ops``, a digest of its non-tensor arguments."""
     identities: tuple[tuple[str, str], ...] = ()
+    """``(member, digest)``: each member's identity (class, shapes,
+    ``training``, plain attributes) when it ran the variant -- what
+    ``install`` holds a member to."""
     ignore_attributes: tuple[str, ...] = ()
+    """Attributes left out of the members' identities (``capture_with(...,
+    ignore_attributes=...)``)."""
 
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact as a ``.pt2`` that ``torch.export.load`` reads back,
@@ -217,6 +263,13 @@ class Capture:
         ``verify`` loads the file back, runs it on fresh inputs from a
         neutral state and compares with the live call: the result is the
         returned ``SavedArtifact.fidelity`` (also stored in the sidecar).
+
+        Args:
+            path: where to write the ``.pt2``; the sidecar goes beside it.
+            verify: load the file back and check it against the live call.
+
+        Raises:
+            ArtifactError: ``backend_not_savable`` or ``serialize_failed``.
         """
         # looked up on the module, so a wrapper installed there (an audit) applies
         return _artifact.save_capture(self, path, verify=verify)
@@ -268,11 +321,10 @@ class CaptureFailure:
     ``data_dependent_control_flow``, ``dynamic_python_control_flow``,
     ``data_dependent_output_shape``, or a custom backend's
     ``BackendError.reason``); ``replay_failed`` (a probe's replay raised
-    entering, inside the trace or restoring); ``replay_released`` (a live
-    probe state was released by ``finalize()`` before this recapture);
-    ``timeout`` (``capture_timeout`` passed; the capture thread is
-    abandoned); ``no_artifact`` / ``bad_artifact`` (the backend returned
-    ``None``, or something its own accessors fail on);
+    entering, inside the trace or restoring); ``timeout``
+    (``capture_timeout`` passed; the capture thread is abandoned);
+    ``no_artifact`` / ``bad_artifact`` (the backend returned ``None``, or
+    something its own accessors fail on);
     ``materialize_failed``, ``verify_failed``, ``module_released``,
     ``isolation_failed``, ``internal_error``; ``interrupted`` (a Ctrl-C
     stopped ``finalize()`` before this variant; those captured before it are
@@ -280,17 +332,28 @@ class CaptureFailure:
     variant captured, but afterwards the ambient state differed from the
     state ``finalize()`` began with -- the engine put it back; ``context``
     names each probe as ``"was -> left"`` (and ``torch_global_state`` what
-    only torch's guard saw, not put back).
+    only torch's guard saw, not put back).  ``FAILURE_REASONS`` lists them
+    all; the Troubleshooting page says what to do about each.
     """
 
     scope: str
+    """The variant table of the variant that failed."""
     variant: int
+    """The variant's number within ``scope``."""
     backend: str
+    """The backend that was asked (``"auto"`` when it tried several)."""
     reason: str
+    """A reason code: one of ``FAILURE_REASONS``, or a custom backend's."""
     exc_type: str
+    """The type name of the exception behind it (``"-"`` when none)."""
     attempts: tuple[tuple[str, str, str], ...] = ()
+    """``(backend, reason code, exception type)`` of each backend tried."""
     context: dict[str, str] = attrs.field(factory=dict)
+    """Details by name, in words: for ``state_leak`` each probe that leaked
+    as ``"was -> left"``; for ``replay_failed`` of a mode, its types."""
     message: str = ""
+    """The first line of the exception's message (capped, tensor reprs cut);
+    on the record only, never in JSON."""
 
     def to_json(self) -> dict[str, Any]:
         """Metadata only: ``message`` stays out (an exception's text can quote
@@ -309,22 +372,30 @@ class Problem:
     Its JSON is structured (names and counts); ``message`` says it in words."""
 
     reason: str = attrs.field(validator=attrs.validators.in_(PROBLEMS))
+    """A key of ``PROBLEMS``."""
     scope: str | None = None
+    """The variant table it concerns (``None``: the whole session)."""
     variants: int = 0
+    """Variants not covered."""
     calls: int = 0
+    """Calls not covered."""
     names: tuple[str, ...] = ()
-    #: for ``variant_limit`` / ``scope_limit``: the limit that was hit
+    """What it concerns: members, compiled regions, attributes or probes."""
     limit: int | None = None
-    #: ``False``: ``variants`` is a lower bound (bookkeeping stays bounded)
+    """For ``variant_limit`` / ``scope_limit``: the limit that was hit."""
     exact: bool = True
-    #: in a distributed finalize: the rank it was seen on
+    """``False``: the counts are lower bounds (bookkeeping stays bounded, and
+    calls of a block compiled after ``capture_with`` are not countable)."""
     rank: int | None = None
+    """In a distributed finalize: the rank it was seen on."""
 
     @property
     def message(self) -> str:
+        """The problem in words, with what to do."""
         return str(_PROBLEM_TEXT[self.reason](self))
 
     def to_json(self) -> dict[str, Any]:
+        """Metadata only."""
         return {"reason": self.reason, "scope": self.scope, "variants": self.variants,
                 "calls": self.calls, "names": list(self.names), "limit": self.limit,
                 "exact": self.exact, "rank": self.rank}
@@ -391,17 +462,24 @@ class Notice:
     probe whose key is finer than the graphs it separates."""
 
     reason: str = attrs.field(validator=attrs.validators.in_(NOTICES))
+    """A key of ``NOTICES``."""
     scope: str | None = None
+    """The variant table it concerns."""
     probe: str | None = None
+    """The probe it concerns."""
     count: int = 0
+    """How many captures or variants show it."""
     names: tuple[str, ...] = ()
+    """What it concerns, by name."""
 
     @property
     def message(self) -> str:
+        """The notice in words."""
         where = ", ".join(x for x in (self.scope, self.probe and f"probe {self.probe!r}") if x)
         return (f"{where}: " if where else "") + NOTICES[self.reason] + \
             (f" ({self.count}x)" if self.count else "")
 
     def to_json(self) -> dict[str, Any]:
+        """Metadata only."""
         return {"reason": self.reason, "scope": self.scope, "probe": self.probe,
                 "count": self.count, "names": list(self.names)}

@@ -49,11 +49,17 @@ class ProbeInfo:
     """What ``available_probes()`` says about one name."""
 
     name: str
+    """The registry key."""
     description: str
+    """The probe's one-line description."""
     default: bool
+    """Whether it is in the default set."""
     origin: Origin
+    """``builtin``, ``entry_point`` or ``runtime`` (registered by ``register_probe``)."""
     distribution: str | None = None
+    """For an entry point: the distribution that provides it."""
     error: str | None = None  # set when an entry point failed to load
+    """Set when its entry point failed to load: what went wrong."""
 
     @property
     def loaded(self) -> bool:
@@ -93,8 +99,16 @@ def register_probe(probe: Any = None, *, replace: bool = False) -> Any:
     """Register a probe class (instantiated with no arguments) or instance.
 
     Usable as ``@register_probe`` or ``@register_probe(replace=True)`` on a
-    class.  A name already taken is refused unless ``replace=True``.  Returns
-    its argument, so the decorated class stays a class.
+    class.
+
+    Args:
+        probe: a ``ContextProbe`` subclass or instance (omitted when used as
+            ``@register_probe(replace=True)``).
+        replace: replace a probe already registered under the same name
+            (otherwise that is refused).
+
+    Returns:
+        Its argument, so a decorated class stays a class.
     """
     if probe is None:
         return lambda p: register_probe(p, replace=replace)

@@ -19,6 +19,8 @@ from .verify import Mismatch
 if TYPE_CHECKING:
     from torch import nn
 
+    from .backends import Backend
+
 __all__ = ["REPORT_SCHEMA", "CaptureReport", "FidelityError"]
 
 REPORT_SCHEMA = "ctxreplay.report/1"
@@ -34,32 +36,32 @@ class CaptureReport:
     errors, calls in compiled regions, a session that captured nothing...).
     """
 
-    #: every captured variant
     captures: tuple[Capture, ...]
-    #: variants that could not be captured (a reason code each)
+    """Every captured variant."""
     failures: tuple[CaptureFailure, ...]
-    #: names of the probes observed
+    """Variants that could not be captured (a reason code each)."""
     probes: tuple[str, ...]
-    #: the session's options as JSON (``options.to_json()``)
+    """Names of the probes observed."""
     settings: dict[str, Any]
-    #: counts: ``variants`` and ``variant_calls`` past ``max_variants``,
-    #: ``scopes`` (structures) past ``max_scopes``
+    """The session's options as JSON (``options.to_json()``)."""
     dropped: dict[str, int]
-    #: ``(where, what, count)`` of observation errors
+    """Counts: ``variants`` and ``variant_calls`` past ``max_variants``, ``scopes`` (structures)
+    past ``max_scopes``."""
     observation_errors: tuple[tuple[str, str, int], ...] = ()
-    #: seconds ``finalize()`` took
+    """``(where, what, count)`` of observation errors."""
     seconds: float = 0.0
-    #: why the report is not ok although no capture failed (reason codes)
+    """Seconds ``finalize()`` took."""
     problems: tuple[Problem, ...] = ()
-    #: suspicious though not wrong (``ok`` is unaffected)
+    """Why the report is not ok although no capture failed (reason codes)."""
     notices: tuple[Notice, ...] = ()
-    #: the session's options (``None`` for a report built by hand)
+    """Suspicious though not wrong (``ok`` is unaffected)."""
     options: CaptureOptions | None = attrs.field(default=None, repr=False)
-    #: ``verify="values"``: the byte cap, bytes held, variants not retained
+    """The session's options (``None`` for a report built by hand)."""
     retained: dict[str, int] | None = None
-    #: a distributed finalize: world size, the group's ranks, backend, each
-    #: rank's finalize seconds and number of captures (``None``: one process)
+    """``verify="values"``: the byte cap, bytes held, variants not retained."""
     distributed: dict[str, Any] | None = None
+    """A distributed finalize: world size, the group's ranks, backend, each rank's finalize seconds
+    and number of captures (``None``: one process)."""
     _explanations: dict[tuple[str, int], CaptureExplanation] = attrs.field(
         factory=dict, repr=False, alias="explanations")
 
@@ -80,7 +82,7 @@ class CaptureReport:
             for m in c.fidelity.mismatches:
                 yield c, m
 
-    def explain(self, model: nn.Module, *, backend: object = None,
+    def explain(self, model: nn.Module, *, backend: str | Backend | None = None,
                 include_neutral: bool = False) -> Explanation:
         """Which probes changed each captured graph.
 
@@ -93,8 +95,13 @@ class CaptureReport:
         under each capture's ``explain`` key.  Live probe states (a forward
         context) are released by ``finalize()``: pass ``explain=True`` to
         ``finalize`` to explain while they are held; here such captures say
-        ``unavailable``.  ``backend``: ``None`` reuses each capture's backend
-        (a custom backend must be passed again).
+        ``unavailable``.
+
+        Args:
+            model: the module that was passed to ``capture_with``.
+            backend: ``None`` reuses each capture's backend (a custom backend
+                must be passed again).
+            include_neutral: recapture probes in their neutral state too.
         """
         options = self.options
         if options is None:
@@ -184,3 +191,4 @@ class FidelityError(AssertionError):
         lines += [f"{p.reason}: {p.message}" for p in report.problems]
         super().__init__("capture does not match the live call:\n  " + "\n  ".join(lines))
         self.report = report
+        """The report that was not ok."""

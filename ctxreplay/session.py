@@ -51,6 +51,7 @@ class CaptureSession:
         if not isinstance(module, nn.Module):
             raise TypeError(f"capture_with: expected an nn.Module, got {type(module).__name__}")
         self.options = options
+        """Every setting of the session, validated (``capture_with``'s arguments)."""
         self._observer = Observer(options.probes, per_call=options.watch == "call")
         self._observation = Observation(
             module, resolve_targets(module, targets), observer=self._observer,
@@ -66,10 +67,12 @@ class CaptureSession:
     # -- attributes kept from the first release -----------------------------
     @property
     def probes(self) -> tuple[ContextProbe[Any], ...]:
+        """The probes observed, sorted by name."""
         return self.options.probes
 
     @property
     def backend(self) -> Backend:
+        """The backend ``finalize()`` captures with."""
         return self.options.backend
 
     @property
@@ -84,6 +87,7 @@ class CaptureSession:
 
     @property
     def closed(self) -> bool:
+        """Whether observation has stopped (``close()``, the ``with`` exit or ``finalize()``)."""
         return self._state != "open"
 
     @property
@@ -122,6 +126,16 @@ class CaptureSession:
         An interrupted finalize (Ctrl-C) keeps what it captured: calling it
         again captures the rest.  Once it completed, calling it again raises
         :class:`SessionError` (the report is ``session.report``).
+
+        Args:
+            strict: raise instead of returning a report that is not ok.
+            explain: work out which probes changed each graph while the live
+                states are held.
+            progress: ``progress(done, total, variant)`` after each variant.
+
+        Raises:
+            FidelityError: with ``strict=True``, when the report is not ok.
+            SessionError: ``finalize()`` already completed.
         """
         if self._report is not None:
             raise SessionError("finalize() already completed for this session: it detached "
@@ -336,7 +350,8 @@ def _describe_targets(targets: object) -> str:
 
 
 def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]] | None = None,
-                 targets: Targets = None, backend: str | Backend = "auto",
+                 targets: str | Sequence[str] | Callable[[str, nn.Module], bool] | None = None,
+                 backend: str | Backend = "auto",
                  replay: str = "embedded", verify: str = "signature", max_variants: int = 8,
                  max_scopes: int = 64, profile_ranges: bool = False,
                  capture_timeout: float | None = None, pin_factories: bool = True,
@@ -369,18 +384,20 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             and make the report not ok (``variant_limit``).
         max_scopes: structures observed; more are counted (``scope_limit``).
         profile_ranges: wrap each observed call in a
-            ``torch.profiler.record_function`` range named after its variant.
-        capture_timeout: seconds one capture may take (``None``: no limit).
+            ``torch.profiler.record_function`` range named after its variant
+            (``"ctxreplay:blocks.0#1"``), so a profiler trace shows which
+            variant every block call was; off by default (it costs a range
+            per call).
+        capture_timeout: seconds one variant's capture may take (``None``: no
+            limit; must be > 0).  A capture that takes longer is a
+            ``CaptureFailure`` with reason ``timeout`` and the next variant is
+            captured; its thread is abandoned, not killed.
         pin_factories: write the replayed default dtype and device into
             factory calls of the graph, so the artifact carries them.
         watch: ``"forward"`` checks numerics-only flags (cuDNN, TF32,
             per-backend float32 precision) once per call of ``module``;
             ``"call"`` checks them on every block call (slower).
         retain_bytes: memory cap for ``verify="values"`` copies.
-
-    Calls that run inside a ``torch.compile``d region are not observed: they
-    are counted, and the report says so (``not_observed``).  Capture before
-    compiling.
         ignore_attributes: attribute names left out of a member's identity
             (e.g. a step counter the forward increments).
         group: a ``torch.distributed`` process group.  When one is given, or
@@ -391,11 +408,24 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             also bounds how long it waits for the other ranks.
 
     Returns:
-        The open :class:`CaptureSession`.
+        The open :class:`CaptureSession`: use it as a context manager, then
+        call ``finalize()``.
 
     Raises:
         ValueError: an unknown option value, probe or target name.
         TypeError: ``module`` is not an ``nn.Module``.
+
+    Calls that run inside a ``torch.compile``d region are not observed: they
+    are counted, and the report is not ok (problem ``not_observed``).  Pass
+    the uncompiled module and compile afterwards.
+
+    Example:
+        ```python
+        with ctxreplay.capture_with(model, targets="repeated") as session:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)                  # live: observed, cheaply
+        report = session.finalize()       # captured now, under the replayed context
+        ```
     """
     options = CaptureOptions(
         probes=resolve_probes(probes), backend=get_backend(backend),

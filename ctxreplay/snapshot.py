@@ -86,8 +86,11 @@ class ProbeDiff:
     """One probe whose state differs between two snapshots (``None``: absent)."""
 
     probe: str
+    """The probe's name."""
     left: str | None
+    """Its state in the first snapshot, in words (``None``: absent there)."""
     right: str | None
+    """Its state in the other snapshot, in words (``None``: absent there)."""
 
 
 @attrs.frozen(cache_hash=True)
@@ -99,8 +102,11 @@ class ContextSnapshot:
     """
 
     names: tuple[str, ...]
+    """The probes' names, sorted (the replay order)."""
     states: tuple[Any, ...]
+    """One state per probe, in the order of ``names``."""
     probes: tuple[ContextProbe[Any], ...] = attrs.field(eq=False, repr=False)
+    """The probe objects, in the order of ``names``."""
 
     def __attrs_post_init__(self) -> None:
         if not (len(self.names) == len(self.states) == len(self.probes)):
@@ -375,7 +381,9 @@ class ProbeObservationError(RuntimeError):
         super().__init__(f"probe {probe!r} could not observe the current state: "
                          f"{type(exc).__name__}: {exc}")
         self.probe = probe
+        """The probe that raised."""
         self.exc_type = type(exc).__name__
+        """The type name of what it raised."""
 
 
 _Checks = tuple[tuple[Any, Any], ...]

@@ -5,7 +5,7 @@ test produced (observe inside a context it set up, then pass the observed
 states in).  ``leak_check()`` is a context manager that fails when the global
 torch state on exit differs from the state on entry; ``global_state()`` is the
 comparable tuple it uses for the parts torch's own ``GlobalStateGuard`` does
-not see (DESIGN.md fact 12).
+not see (the default device, inference mode, cuDNN flags, ...).
 
 A test suite can make the leak oracle automatic with a fixture::
 

@@ -46,20 +46,33 @@ class Mismatch:
     state the artifact does not carry."""
 
     path: str
+    """Where in the output it is: ``out`` for the whole output, ``out[0]``, ``out['k']`` for a
+    leaf."""
     field: str
+    """What disagrees: ``dtype``, ``shape``, ``stride``, ``device``, ``requires_grad``,
+    ``structure``, ``values``, ``graph`` (no output metadata) or ``execution`` (the artifact did not
+    run)."""
     live: str
+    """What the live call had, in words."""
     captured: str
+    """What the capture has, in words."""
     level: str
+    """The check that found it: ``signature``, ``execute``, ``values`` or ``saved``."""
     hint: str | None = None
+    """Probes whose non-neutral state the artifact does not carry, when one of them may explain it
+    (``None``: no such probe)."""
     members: tuple[str, ...] = ()
+    """The members whose calls show it (empty for a capture of a single module)."""
 
     @classmethod
     def of(cls, m: SpecMismatch, level: str, hint: str | None,
            member: str | None = None) -> Mismatch:
+        """A mismatch found by ``level`` from a spec comparison's finding."""
         return cls(m.path, m.field, m.live, m.captured, level, hint,
                    () if member is None else (member,))
 
     def to_json(self) -> dict[str, Any]:
+        """Metadata only."""
         out = attrs.asdict(self)
         out["members"] = list(self.members)
         return out
@@ -86,14 +99,21 @@ class Fidelity:
 
 
     level: str
+    """The verification level asked for (``capture_with(verify=...)``)."""
     ok: bool
+    """True when no check that ran found a mismatch in any member: the artifact alone reproduces
+    the live calls.  Also True when no check ran (``verify="off"``): ``status`` then says
+    ``"unchecked"``."""
     mismatches: tuple[Mismatch, ...] = ()
+    """Every disagreement found, merged across members."""
     checked: tuple[str, ...] = ()
+    """The checks that ran (``signature``, ``execute``, ``values``); empty when none did."""
     members: int = 0
-    #: when ``ok`` is False and the capture has ``ambient_only`` states: the
-    #: same checks run again with those states re-established around the
-    #: artifact, as the guard of a loaded capture requires (``None``: not run)
+    """How many members' calls were checked."""
     ok_with_needs: bool | None = None
+    """When ``ok`` is False and the capture has ``ambient_only`` states: the same checks run again
+    with those states re-established around the artifact, as the guard of a loaded capture requires
+    (``None``: not run)."""
 
     @property
     def status(self) -> str:
@@ -103,6 +123,7 @@ class Fidelity:
         return _status(self.ok, bool(self.checked), self.ok_with_needs)
 
     def to_json(self) -> dict[str, Any]:
+        """Metadata only (``status`` included)."""
         return {"level": self.level, "ok": self.ok, "checked": list(self.checked),
                 "members": self.members, "ok_with_needs": self.ok_with_needs,
                 "status": self.status,

@@ -42,8 +42,8 @@ def main(out: Path) -> None:
     torch.manual_seed(0)  # the same weights on every rank
     model = Model().eval()
 
-    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session, \
-            torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+    session = ctxreplay.capture_with(model, targets="repeated", verify="execute")
+    with session, torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
         for batch in (1, 2 + rank):  # each rank sees one shape of its own
             model(torch.rand(batch, 16))
 
@@ -53,7 +53,8 @@ def main(out: Path) -> None:
             print(f"{c.scope}#{c.variant}: captured on rank {c.rank}, "
                   f"observed on {list(c.observed_on)}, {c.calls} calls")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"report-{rank}.json").write_text(json.dumps(report.to_json(), sort_keys=True))
+    doc = json.dumps(report.to_json(), sort_keys=True)
+    (out / f"report-{rank}.json").write_text(doc)
     dist.destroy_process_group()
 
 

@@ -67,6 +67,18 @@ def test_probes_lists_the_default_probes(capsys: pytest.CaptureFixture[str]) -> 
     assert re.search(r"^autocast\s+\[default, builtin\]", out, re.M)
 
 
+def test_probes_fits_the_terminal(capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "88")
+    assert main(["probes"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 88
+    # a wrapped description continues under itself, every word kept
+    words = " ".join(out.split())
+    for info in ctxreplay.available_probes().values():
+        assert " ".join(info.description.split()) in words
+
+
 def test_snapshot_json_is_a_snapshot_document(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["snapshot", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

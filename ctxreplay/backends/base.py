@@ -11,8 +11,8 @@ import torch
 
 from ..signature import SeqSpec, Spec, spec_of
 
-__all__ = ["Adapter", "Backend", "BackendError", "classify_exception", "exception_message",
-           "share_tensors_copy"]
+__all__ = ["BACKEND_REASONS", "Adapter", "Backend", "BackendError", "classify_exception",
+           "exception_message", "share_tensors_copy"]
 
 
 class BackendError(RuntimeError):
@@ -22,8 +22,11 @@ class BackendError(RuntimeError):
                  attempts: tuple[tuple[str, str, str], ...] = ()) -> None:
         super().__init__(f"{reason} ({exc_type})")
         self.reason = reason
+        """The failure's reason code."""
         self.exc_type = exc_type
+        """The type name of the exception behind it."""
         self.attempts = attempts
+        """``(backend, reason code, exception type)`` of each backend tried."""
 
 
 class Backend(abc.ABC):
@@ -31,8 +34,9 @@ class Backend(abc.ABC):
     methods as ``capture_with(..., backend=obj)``."""
 
     name: str = "custom"
-    #: whether the artifact records contexts entered inside the callable
+    """The name reports give it (``Capture.backend``)."""
     records_embedded: bool = True
+    """Whether the artifact records contexts entered inside the callable."""
 
     @abc.abstractmethod
     def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
@@ -136,6 +140,9 @@ _REASONS = (
     ("UserError", "unsupported_graph"),
     ("TorchRuntimeError", "trace_error"),
 )
+
+#: every code ``classify_exception`` gives (a built-in backend's failure reasons)
+BACKEND_REASONS = tuple(dict.fromkeys([*(code for _, code in _REASONS), "trace_error"]))
 
 
 def classify_exception(exc: BaseException) -> str:

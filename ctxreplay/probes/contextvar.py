@@ -17,7 +17,16 @@ _MISSING = object()
 class ContextVarProbe(LiveValueProbe):
     """``ContextVarProbe(var)``: observes ``var.get()``, replays with
     ``var.set()`` / ``var.reset()``.  An unset variable (or one holding
-    ``None``) is the unset state."""
+    ``None``) is the unset state.
+
+    Args:
+        var: the variable to observe.
+        name: the registry key (default ``contextvar_<var.name>``).
+        key: maps a value to the hashable identity used in variant keys
+            (default: the object's identity), as for ``ForwardContextProbe``.
+        traceable: enter the replay inside the traced callable.
+        max_held: values kept for replay at most.
+    """
 
     description = "the value of a contextvars.ContextVar"
 
@@ -26,6 +35,7 @@ class ContextVarProbe(LiveValueProbe):
                  traceable: bool = False, max_held: int = 64) -> None:
         super().__init__(key=key, traceable=traceable, max_held=max_held)
         self.var = var
+        """The ``ContextVar`` observed."""
         self.name = name or f"contextvar_{var.name}"
 
     def read(self) -> Any:

@@ -70,6 +70,10 @@ class DistributedProbe(ContextProbe[DistributedState]):
     distributed mode cannot be entered for a capture -- so ``replay`` changes
     nothing; captures happen on a rank of the same job.  Neutral in a single
     process.
+
+    Args:
+        degrees: returns the framework's parallel degrees by name (``None``:
+            none are recorded).
     """
 
     name = "distributed"

@@ -125,11 +125,27 @@ class LiveValueProbe(ContextProbe[LiveState]):
 class ForwardContextProbe(LiveValueProbe):
     """``ForwardContextProbe(get_forward_context, set_forward_context)``.
 
-    ``getter()`` returns the current context (``None`` or raising means
-    unset); ``setter(ctx)`` returns a context manager making ``ctx`` current.
-    Adapt a setter that takes several arguments with a lambda.  Not in the
+    A framework's forward context (the vLLM / FastVideo pattern).  Not in the
     default set: instantiate it with your functions and pass it in ``probes=``
-    or register it.
+    or register it.  The state is a key, never the object; the first object
+    seen for a key is kept for replay and dropped by ``clear()``.
+
+    Args:
+        getter: returns the current context (``None``, or raising
+            ``AssertionError``, ``LookupError``, ``RuntimeError`` or
+            ``AttributeError``, means unset).
+        setter: ``setter(ctx)`` returns a context manager making ``ctx``
+            current; adapt a setter that takes several arguments with a
+            lambda.
+        name: the registry key (and the entry-point name, when packaged).
+        key: maps a context to the hashable identity used in variant keys
+            (default: the object's identity).  Pass the fields the traced
+            graph depends on when the framework builds a new context every
+            step, or every step becomes a new variant.
+        traceable: enter the replay inside the traced callable (only when a
+            tracer records it; most forwards *read* the context, and tracing
+            bakes what they read into the graph).
+        max_held: context objects kept for replay at most.
     """
 
     description = "a framework's forward context, via a getter and a setter"

@@ -36,13 +36,14 @@ def _observe(ctx: ForwardContext) -> object:
 def test_the_probe_is_registered_through_its_entry_point() -> None:
     assert ctxreplay.get_probe("example_forward_context") is probe
     info = ctxreplay.available_probes()["example_forward_context"]
-    assert (info.origin, info.distribution) == ("entry_point", "ctxreplay-example-probe")
+    assert info.origin == "entry_point"
+    assert info.distribution == "ctxreplay-example-probe"
 
 
 def test_check_probe() -> None:
     unset = probe.observe()
-    states = [_observe(ForwardContext("flash", 0.5)), _observe(ForwardContext("sdpa", 2.0))]
-    check_probe(probe, states, neutral=unset)
+    flash, sdpa = ForwardContext("flash", 0.5), ForwardContext("sdpa", 2.0)
+    check_probe(probe, [_observe(flash), _observe(sdpa)], neutral=unset)
 
 
 def test_equal_contexts_share_a_state() -> None:
@@ -61,7 +62,8 @@ def test_a_replayed_context_reproduces_the_live_forward() -> None:
     x = torch.rand(2, 4)
     with set_forward_context(ForwardContext("flash", scale=3.0)):
         live = model(x)
-        snap = ctxreplay.snapshot(["example_forward_context", *ctxreplay.default_probes()])
+        snap = ctxreplay.snapshot(["example_forward_context",
+                                   *ctxreplay.default_probes()])
 
     # Later, outside the live forward: the context is gone ...
     with pytest.raises(AssertionError, match="forward context is not set"):
@@ -76,7 +78,8 @@ def test_a_replayed_context_reproduces_the_live_forward() -> None:
     # Live states are not portable: the document marks them.
     doc = snap.to_json()
     assert doc["probes"]["example_forward_context"]["portable"] is False
-    assert ctxreplay.ContextSnapshot.from_json(doc).unresolved == ("example_forward_context",)
+    unresolved = ctxreplay.ContextSnapshot.from_json(doc).unresolved
+    assert unresolved == ("example_forward_context",)
 
     probe.clear()
     with pytest.raises(LookupError), snap.replay():
