@@ -2,11 +2,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# the extras installed into $(VENV); the matrix needs only the suite's (test, models)
+EXTRAS ?= dev,docs,models
+# releases `make test-matrix` runs the suite on, each in its own .venv-torch-<version>
+TORCH_MATRIX ?= 2.7.0 2.9.1 2.11.0 2.13.0 2.14.1
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.ctxreplay-$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))
+comma := ,
+STAMP := $(VENV)/.ctxreplay-$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))-$(subst $(comma),_,$(EXTRAS))
 
-.PHONY: setup demo test lint typecheck bench docs clean
+.PHONY: setup demo pytest test test-matrix lint typecheck bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +21,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml examples/ctxreplay_example_probe/pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,docs,models]" "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
 	$(PIP) install -q -e examples/ctxreplay_example_probe "$(TORCH_SPEC)"
 	touch $(STAMP)
 
@@ -25,11 +30,24 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/ctxreplay demo
 
-test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests examples/ctxreplay_example_probe/tests benchmarks --benchmark-disable
+# the suite: the one pytest command that `make test` and `make test-matrix` both run
+PYTEST_ARGS := -q -p no:cacheprovider tests examples/ctxreplay_example_probe/tests benchmarks --benchmark-disable
+PYTEST_EXTRA ?=
+
+pytest: setup
+	$(PY) -m pytest $(PYTEST_ARGS) $(PYTEST_EXTRA)
+
+test: pytest
 	$(PY) -m mypy --strict ctxreplay
-	$(PY) -m ruff check ctxreplay tests benchmarks examples
+	$(PY) -m ruff check ctxreplay tests benchmarks examples scripts
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
+
+# The suite (pytest) and `ctxreplay demo` on every release in TORCH_MATRIX, each in
+# its own venv .venv-torch-<version> made by `make setup`; one table at the end, also
+# written to matrix-results.md.  Each standard torch build is several GB: this is
+# not part of `make test` or CI.  e.g. make test-matrix TORCH_MATRIX='2.7.0 2.14.1'
+test-matrix:
+	$(PYTHON) scripts/torch_matrix.py --make "$(MAKE)" --out matrix-results.md $(TORCH_MATRIX)
 
 # The documentation site (into site/, git-ignored); every API page comes from docstrings.
 docs: setup
