@@ -1,0 +1,304 @@
+"""What the installed torch can do: the one place that knows torch versions.
+
+Every behaviour of torch that ctxreplay depends on and that changed between
+the releases it supports is a field of :data:`CAPS`, computed once at import.
+A field is found by *feature detection* where torch lets it be seen cheaply
+(``hasattr``, a getter's return type, a tiny probe of a C++ object that
+sets and restores one thread-local flag); it comes from the version only
+where seeing it would need a trace (``torch.export`` or Dynamo: hundreds of
+milliseconds and a large import, too much for ``import ctxreplay``).
+``tests/test_torchcaps.py`` checks every field, version-derived ones
+included, against the real behaviour of the installed torch, so this module
+cannot claim what torch does not do.
+
+Engine code asks ``CAPS.<field>``; it never compares ``torch.__version__``.
+
+This module imports only torch and the standard library (no other ctxreplay
+module), so any layer may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+__all__ = ["CAPS", "SDP_GETTERS", "TorchCaps", "parse_version"]
+
+#: the scaled-dot-product-attention backend getters ctxreplay may read, in
+#: ``torch._C`` (``torch.backends.cuda.sdp_kernel`` / ``sdpa_kernel`` state)
+SDP_GETTERS = (
+    "_get_flash_sdp_enabled",
+    "_get_mem_efficient_sdp_enabled",
+    "_get_math_sdp_enabled",
+    "_get_cudnn_sdp_enabled",
+    "_get_overrideable_sdp_enabled",
+    "_get_sdp_priority_order",
+)
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"2.7.0+cu126"`` -> ``(2, 7, 0)``; a pre-release (``2.10.0.dev2025...``,
+    ``2.10.0a0``) counts as its release.  Unparseable: ``(0, 0, 0)``."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if m is None:
+        return (0, 0, 0)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchCaps:
+    """The capabilities of one torch build (see each field's comment)."""
+
+    #: ``torch.__version__`` as (major, minor, patch); for reports and for the
+    #: version-derived fields below, never compared anywhere else
+    version: tuple[int, int, int]
+
+    # -- GlobalStateGuard (torch._C._dynamo.guards) ----------------------------
+    #: ``torch._C._dynamo.guards.GlobalStateGuard`` imports (all supported
+    #: releases have it; a stripped build may not)
+    global_state_guard: bool
+    #: ``GlobalStateGuard().check()`` turns false when autocast's enabled flag
+    #: (``torch.set_autocast_enabled("cpu", ...)``) or its cache flag
+    #: (``torch.set_autocast_cache_enabled``) changes.  Detected by flipping
+    #: each flag and restoring it.  The guard's C++ state gained the autocast
+    #: fields in torch 2.7 (DESIGN.md fact 12); before that a snapshot cache
+    #: built on the guard must watch both flags itself.
+    guard_sees_autocast_flags: bool
+    #: ``GlobalStateGuard().check()`` turns false when the autocast dtype of a
+    #: device whose autocast is *enabled* changes (``torch.set_autocast_dtype``;
+    #: reason ``autocast`` on 2.7-2.9, ``autocast(cpu)_dtype`` on 2.13).  The
+    #: dtype of a disabled device is not seen -- it has no effect on what runs.
+    #: Detected by enabling CPU autocast, flipping its dtype and restoring
+    #: both.  True on every release measured (2.7-2.14): a snapshot cache on
+    #: the guard need not watch the dtypes of enabled devices itself.
+    guard_sees_autocast_dtype: bool
+    #: ``torch._C._dynamo.guards.TensorGuards(*tensors, dynamic_dims_sizes=
+    #: [[sizes]], dynamic_dims_strides=[[strides]])`` constructs and its
+    #: ``.check(*tensors)`` is true for the same tensors and false when the
+    #: dtype, a size, a stride, the device or ``requires_grad`` differs.
+    #: Detected with a 2x3 tensor against one changed tensor per property.
+    #: Note: the check also compares the tensor's dispatch keys as modified by
+    #: the thread-local include/exclude sets at construction vs at check time
+    #: (``LocalState``), so a guard built outside autocast / ``no_grad`` /
+    #: ``inference_mode`` fails inside it (see ``tensor_guards_see_local_state``).
+    tensor_guards: bool
+    #: a TensorGuards built with CPU autocast off fails ``check`` on the same
+    #: tensor with CPU autocast on (the TLS dispatch-key sets are part of the
+    #: check).  Detected with a probe; true on every release measured.
+    tensor_guards_see_local_state: bool
+
+    # -- torch.export --------------------------------------------------------
+    #: non-strict ``torch.export.export`` records an autocast entered *inside*
+    #: ``forward`` (``higher_order.wrap_with_autocast``): the program computes
+    #: in the autocast dtype with no ambient state (DESIGN.md fact 3).  Before
+    #: torch 2.6 (pytorch PR 137495, "Fix autocast for non-strict export",
+    #: which made ``autocast.__enter__``/``__exit__`` dispatch to
+    #: ``PreDispatchTorchFunctionMode``) it is silently dropped.  From the
+    #: version: seeing it needs an export.
+    export_records_inner_autocast: bool
+    #: ``torch.autocast.__exit__`` (``torch/amp/autocast_mode.py``) returns
+    #: ``mode.__torch_function__(torch.amp._exit_autocast, (), ())`` -- a
+    #: truthy value -- while a ``PreDispatchTorchFunctionMode`` is active
+    #: (non-strict export), so an exception raised inside the ``with`` block
+    #: (a probe's replay error, say) is swallowed.  Same code as the field
+    #: above (2.6); fixed by pytorch PR 159565, in 2.9.0 (``__exit__`` calls
+    #: the mode and returns False).  Measured true on 2.7.0, false on 2.9.1.
+    #: A wrapper that must see the error re-raises it itself when this is true.
+    autocast_exit_swallows_errors: bool
+
+    # -- Dynamo (torch._dynamo.export, backend="dynamo") ----------------------
+    #: Dynamo inlines a ``@contextlib.contextmanager`` generator entered in
+    #: the traced code (``torch._dynamo.config.enable_trace_contextlib``,
+    #: ``ContextlibContextManagerVariable``): from torch 2.7; before, the
+    #: capture wrapper's ``with inside():`` is an unsupported graph break,
+    #: which ``torch._dynamo.export`` refuses.  From the version.
+    dynamo_traces_contextmanager: bool
+    #: Dynamo exports a module whose ``forward`` is an *instance attribute*
+    #: (``module.forward = wrapper``, how ctxreplay swaps in its capture
+    #: wrapper) and traces through it: from torch 2.10.  From the version.
+    dynamo_traces_instance_forward: bool
+    #: Dynamo traces ``contextlib.ExitStack`` (``enter_context`` / ``close``)
+    #: inside the traced code: from torch 2.11.  From the version.
+    dynamo_traces_exitstack: bool
+
+    # -- torch.compiler --------------------------------------------------------
+    #: ``torch.compiler.is_dynamo_compiling`` exists (true only while Dynamo
+    #: traces; ``torch.compiler.is_compiling`` is also true under export's
+    #: non-strict tracing).  hasattr.
+    is_dynamo_compiling: bool
+    #: ``torch.compiler.is_exporting`` exists.  hasattr.
+    is_exporting: bool
+
+    # -- precision and attention backends ---------------------------------------
+    #: the per-backend precision API: ``torch._C._get_fp32_precision_getter`` /
+    #: ``_set_fp32_precision_setter`` (``torch.backends.cuda.matmul.fp32_precision``,
+    #: cudnn conv/rnn, mkldnn; torch >= 2.9).  Setting it makes
+    #: ``torch.get_float32_matmul_precision()`` raise (DESIGN.md fact 16).  hasattr.
+    fp32_precision_api: bool
+    #: ``torch._C._get_cublas_allow_{fp16,bf16}_reduced_precision_reduction()``
+    #: returns ``(allow_reduced_precision, allow_splitk)`` and the setters take
+    #: both (torch >= 2.9), instead of one bool.  Detected from the getter's
+    #: return type.
+    cublas_reduced_precision_pair: bool
+    #: which of :data:`SDP_GETTERS` ``torch._C`` has (all six on 2.7-2.14)
+    sdp_getters: frozenset[str]
+
+    # -- autocast ------------------------------------------------------------
+    #: ``torch._C._is_any_autocast_enabled`` exists (the probe's fast path)
+    is_any_autocast_enabled: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe: for reports, ``ctxreplay`` diagnostics and test output."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, frozenset):
+                v = sorted(v)
+            elif isinstance(v, tuple):
+                v = ".".join(map(str, v))
+            out[f.name] = v
+        return out
+
+
+# -- detection -----------------------------------------------------------------
+
+def _global_state_guard() -> Any:
+    try:
+        from torch._C._dynamo.guards import GlobalStateGuard
+    except ImportError:  # pragma: no cover - stripped torch
+        return None
+    return GlobalStateGuard
+
+
+def _guard_sees(guard_cls: Any, flip: Any, restore: Any) -> bool:
+    """Whether a guard taken before ``flip()`` fails after it (restored after)."""
+    guard = guard_cls()
+    flip()
+    try:
+        return not bool(guard.check())
+    finally:
+        restore()
+
+
+def _guard_sees_autocast_flags(guard_cls: Any) -> bool:
+    if guard_cls is None:
+        return False
+    enabled = torch.is_autocast_enabled("cpu")
+    cache = torch.is_autocast_cache_enabled()
+    sees_enabled = _guard_sees(guard_cls,
+                               lambda: torch.set_autocast_enabled("cpu", not enabled),
+                               lambda: torch.set_autocast_enabled("cpu", enabled))
+    sees_cache = _guard_sees(guard_cls,
+                             lambda: torch.set_autocast_cache_enabled(not cache),
+                             lambda: torch.set_autocast_cache_enabled(cache))
+    return sees_enabled and sees_cache
+
+
+def _guard_sees_autocast_dtype(guard_cls: Any) -> bool:
+    if guard_cls is None:
+        return False
+    enabled = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu")
+    other = torch.float16 if dtype != torch.float16 else torch.bfloat16
+    torch.set_autocast_enabled("cpu", True)
+    try:
+        return _guard_sees(guard_cls,
+                           lambda: torch.set_autocast_dtype("cpu", other),
+                           lambda: torch.set_autocast_dtype("cpu", dtype))
+    finally:
+        torch.set_autocast_enabled("cpu", enabled)
+
+
+def _tensor_guards_cls() -> Any:
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:  # pragma: no cover - stripped torch
+        return None
+    return TensorGuards
+
+
+def _make_tensor_guard(cls: Any, *tensors: torch.Tensor) -> Any:
+    return cls(*tensors,
+               dynamic_dims_sizes=[list(t.size()) for t in tensors],
+               dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+
+def _tensor_guards() -> bool:
+    cls = _tensor_guards_cls()
+    if cls is None:
+        return False
+    try:
+        guard = _make_tensor_guard(cls, torch.zeros(2, 3))
+        same = bool(guard.check(torch.ones(2, 3)))
+        others = (
+            torch.zeros(2, 3, dtype=torch.float64),  # dtype
+            torch.zeros(2, 4),                       # size
+            torch.zeros(3, 2).t(),                   # stride
+            torch.zeros(2, 3, device="meta"),        # device
+            torch.zeros(2, 3).requires_grad_(True),  # requires_grad
+        )
+        return same and not any(bool(guard.check(o)) for o in others)
+    except Exception:  # a signature this torch does not take
+        return False
+
+
+def _tensor_guards_see_local_state() -> bool:
+    cls = _tensor_guards_cls()
+    if cls is None:
+        return False
+    try:
+        x = torch.zeros(2, 3)
+        guard = _make_tensor_guard(cls, x)
+        before = torch.is_autocast_enabled("cpu")
+        torch.set_autocast_enabled("cpu", not before)
+        try:
+            differs = not bool(guard.check(x))
+        finally:
+            torch.set_autocast_enabled("cpu", before)
+        return differs and bool(guard.check(x))
+    except Exception:
+        return False
+
+
+def _returns_pair(name: str) -> bool:
+    get = getattr(torch._C, name, None)
+    if get is None:
+        return False
+    try:
+        return isinstance(get(), tuple)
+    except Exception:  # pragma: no cover - a getter that needs a device
+        return False
+
+
+def _detect() -> TorchCaps:
+    v = parse_version(str(torch.__version__))
+    guard_cls = _global_state_guard()
+    records_inner = v >= (2, 6)
+    return TorchCaps(
+        version=v,
+        global_state_guard=guard_cls is not None,
+        guard_sees_autocast_flags=_guard_sees_autocast_flags(guard_cls),
+        guard_sees_autocast_dtype=_guard_sees_autocast_dtype(guard_cls),
+        tensor_guards=_tensor_guards(),
+        tensor_guards_see_local_state=_tensor_guards_see_local_state(),
+        export_records_inner_autocast=records_inner,
+        autocast_exit_swallows_errors=records_inner and v < (2, 9),
+        dynamo_traces_contextmanager=v >= (2, 7),
+        dynamo_traces_instance_forward=v >= (2, 10),
+        dynamo_traces_exitstack=v >= (2, 11),
+        is_dynamo_compiling=hasattr(torch.compiler, "is_dynamo_compiling"),
+        is_exporting=hasattr(torch.compiler, "is_exporting"),
+        fp32_precision_api=(hasattr(torch._C, "_get_fp32_precision_getter")
+                            and hasattr(torch._C, "_set_fp32_precision_setter")),
+        cublas_reduced_precision_pair=_returns_pair(
+            "_get_cublas_allow_fp16_reduced_precision_reduction"),
+        sdp_getters=frozenset(n for n in SDP_GETTERS if hasattr(torch._C, n)),
+        is_any_autocast_enabled=hasattr(torch._C, "_is_any_autocast_enabled"),
+    )
+
+
+#: the installed torch's capabilities, computed once at import
+CAPS: TorchCaps = _detect()
