@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# packages pinned beside torch and installed with it (the matrix: the paired
+# torchvision of a CUDA build, e.g. TORCH_EXTRA='torchvision==0.22.0')
+TORCH_EXTRA ?=
 # the extras installed into $(VENV); the matrix needs only the suite's (test, models)
 EXTRAS ?= dev,docs,models
 # releases `make test-matrix` runs the suite on, each in its own .venv-torch-<version>
@@ -9,7 +12,9 @@ TORCH_MATRIX ?= 2.7.0 2.9.1 2.11.0 2.13.0 2.14.1
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 comma := ,
-STAMP := $(VENV)/.ctxreplay-$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))-$(subst $(comma),_,$(EXTRAS))
+space := $(subst ,, )
+SPECS := $(TORCH_SPEC) $(TORCH_EXTRA)
+STAMP := $(VENV)/.ctxreplay-$(subst $(space),+,$(strip $(subst =,_,$(subst >,_,$(subst <,_,$(SPECS))))))-$(subst $(comma),_,$(EXTRAS))
 
 .PHONY: setup demo pytest test test-matrix lint typecheck bench docs clean
 
@@ -20,9 +25,9 @@ $(PY):
 # CUDA build; TORCH_SPEC overrides it (e.g. make test TORCH_SPEC='torch==2.9.1').
 $(STAMP): $(PY) pyproject.toml examples/ctxreplay_example_probe/pyproject.toml
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
-	$(PIP) install -q -e examples/ctxreplay_example_probe "$(TORCH_SPEC)"
+	$(PIP) install -q $(foreach s,$(SPECS),"$(s)")
+	$(PIP) install -q -e ".[$(EXTRAS)]" $(foreach s,$(SPECS),"$(s)")
+	$(PIP) install -q -e examples/ctxreplay_example_probe $(foreach s,$(SPECS),"$(s)")
 	touch $(STAMP)
 
 setup: $(STAMP)

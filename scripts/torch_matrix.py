@@ -4,8 +4,9 @@
 For every version X given on the command line:
 
 1. ``make setup VENV=.venv-torch-X TORCH_SPEC=torch==X EXTRAS=test,models``
-   (the Makefile's own setup, so a matrix venv is built exactly like ``.venv``;
-   a venv whose stamp is current is not touched);
+   and ``TORCH_EXTRA=torchvision==<its pair>`` (the Makefile's own setup, so a
+   matrix venv is built exactly like ``.venv``; a venv whose stamp is current
+   is not touched);
 2. ``make pytest ...`` -- the very pytest command ``make test`` runs -- with
    ``--junitxml`` into ``matrix-logs/X/junit.xml``;
 3. ``make demo ...`` (``ctxreplay demo``), keeping its exit code.
@@ -34,6 +35,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = "test,models"  # what the suite needs; no docs or lint tools
+
+#: the torchvision release built against each torch release, installed beside
+#: it so that tests/test_models.py's torchvision test runs.  None for 2.13.0:
+#: this machine's 2.13.0 is the CPU build from local disk, and no PyPI
+#: torchvision loads beside a CPU-only torch wheel (a platform limit the test
+#: skips with that reason).  A release not listed gets no torchvision.
+PAIRED_TORCHVISION: dict[str, str | None] = {
+    "2.7.0": "0.22.0",
+    "2.9.1": "0.24.1",
+    "2.11.0": "0.26.0",
+    "2.13.0": None,
+    "2.14.1": "0.29.1",
+}
 
 
 @dataclass
@@ -94,6 +108,9 @@ def run_version(version: str, make: str, logs: Path, min_free_gb: float) -> Resu
     venv = f".venv-torch-{version}"
     logs.mkdir(parents=True, exist_ok=True)
     common = [f"VENV={venv}", f"TORCH_SPEC=torch=={version}", f"EXTRAS={EXTRAS}"]
+    tv = PAIRED_TORCHVISION.get(version)
+    if tv is not None:
+        common.append(f"TORCH_EXTRA=torchvision=={tv}")
     free = shutil.disk_usage(ROOT).free / 2**30
     if not (ROOT / venv).exists() and free < min_free_gb:
         r.note = f"not built: {free:.1f} GB free < {min_free_gb} GB"
