@@ -110,18 +110,27 @@ class TorchCaps:
     autocast_exit_swallows_errors: bool
 
     # -- Dynamo (torch._dynamo.export, backend="dynamo") ----------------------
-    #: Dynamo inlines a ``@contextlib.contextmanager`` generator entered in
-    #: the traced code (``torch._dynamo.config.enable_trace_contextlib``,
-    #: ``ContextlibContextManagerVariable``): from torch 2.7; before, the
-    #: capture wrapper's ``with inside():`` is an unsupported graph break,
-    #: which ``torch._dynamo.export`` refuses.  From the version.
+    #: Dynamo inlines a ``@contextlib.contextmanager`` generator entered with
+    #: ``with`` in the traced code (``ContextlibContextManagerVariable``): from
+    #: torch 2.7 (measured: works on 2.7.0, also for a generator function
+    #: made in a closure and for explicit ``__enter__``/``__exit__`` calls;
+    #: before 2.7 per issue 16).  From the version.
     dynamo_traces_contextmanager: bool
     #: Dynamo exports a module whose ``forward`` is an *instance attribute*
     #: (``module.forward = wrapper``, how ctxreplay swaps in its capture
-    #: wrapper) and traces through it: from torch 2.10.  From the version.
+    #: wrapper) and traces through it: from torch 2.10 (issue 16).  Measured:
+    #: ``torch._dynamo.export`` raises ``UserError`` "Cannot export model which
+    #: references tensors that are neither buffers/parameters/constants nor are
+    #: direct inputs" on 2.7.0 and 2.9.1, works on 2.11.0.  From the version.
     dynamo_traces_instance_forward: bool
-    #: Dynamo traces ``contextlib.ExitStack`` (``enter_context`` / ``close``)
-    #: inside the traced code: from torch 2.11.  From the version.
+    #: Dynamo traces ``contextlib.ExitStack`` with generator contexts entered
+    #: by ``enter_context`` (what ctxreplay's replay composes): from torch 2.11
+    #: -- up to 2.9.1 ``torch/_dynamo/variables/user_defined.py`` lists
+    #: ``contextlib.ExitStack`` among the "unsupported contextlib.* API"s, and
+    #: 2.11.0 no longer does (2.10 not measured).  Even on 2.11-2.14 torch's
+    #: own context objects (``torch.autocast``, ``torch.no_grad``) passed to
+    #: ``enter_context`` directly are refused: wrap them in a generator.  From
+    #: the version.
     dynamo_traces_exitstack: bool
 
     # -- torch.compiler --------------------------------------------------------
