@@ -20,12 +20,14 @@ module), so any layer may import it.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from typing import Any
 
 import torch
 
-__all__ = ["CAPS", "SDP_GETTERS", "TorchCaps", "parse_version"]
+__all__ = ["CAPS", "SDP_GETTERS", "GlobalStateGuard", "TensorGuards", "TorchCaps",
+           "parse_version"]
 
 #: the scaled-dot-product-attention backend getters ctxreplay may read, in
 #: ``torch._C`` (``torch.backends.cuda.sdp_kernel`` / ``sdpa_kernel`` state)
@@ -174,12 +176,19 @@ class TorchCaps:
 
 # -- detection -----------------------------------------------------------------
 
-def _global_state_guard() -> Any:
+def _guards_attr(name: str) -> Any:
+    """``torch._C._dynamo.guards.<name>``, or None.  Imported by name: torch
+    2.7's type stubs have no ``torch._C._dynamo.guards`` (mypy --strict
+    against them reports import-not-found), later ones do."""
     try:
-        from torch._C._dynamo.guards import GlobalStateGuard
+        guards = importlib.import_module("torch._C._dynamo.guards")
     except ImportError:  # pragma: no cover - stripped torch
         return None
-    return GlobalStateGuard
+    return getattr(guards, name, None)
+
+
+def _global_state_guard() -> Any:
+    return _guards_attr("GlobalStateGuard")
 
 
 def _guard_sees(guard_cls: Any, flip: Any, restore: Any) -> bool:
@@ -222,11 +231,7 @@ def _guard_sees_autocast_dtype(guard_cls: Any) -> bool:
 
 
 def _tensor_guards_cls() -> Any:
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-    except ImportError:  # pragma: no cover - stripped torch
-        return None
-    return TensorGuards
+    return _guards_attr("TensorGuards")
 
 
 def _make_tensor_guard(cls: Any, *tensors: torch.Tensor) -> Any:
@@ -311,3 +316,9 @@ def _detect() -> TorchCaps:
 
 #: the installed torch's capabilities, computed once at import
 CAPS: TorchCaps = _detect()
+
+#: ``torch._C._dynamo.guards.GlobalStateGuard`` / ``TensorGuards`` (None where
+#: missing), typed ``Any``: importing them from here keeps ``mypy --strict``
+#: clean against every torch's stubs (2.7's lack the module)
+GlobalStateGuard: Any = _global_state_guard()
+TensorGuards: Any = _tensor_guards_cls()

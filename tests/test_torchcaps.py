@@ -85,11 +85,22 @@ def _guard() -> Any:
 
 def test_global_state_guard() -> None:
     try:
-        from torch._C._dynamo.guards import GlobalStateGuard  # noqa: F401
+        from torch._C._dynamo.guards import GlobalStateGuard
     except ImportError:
         assert not CAPS.global_state_guard
+        assert _torchcaps.GlobalStateGuard is None
     else:
         assert CAPS.global_state_guard
+        assert _torchcaps.GlobalStateGuard is GlobalStateGuard
+
+
+def test_tensor_guards_class() -> None:
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:
+        assert _torchcaps.TensorGuards is None
+    else:
+        assert _torchcaps.TensorGuards is TensorGuards
 
 
 @pytest.mark.skipif(not CAPS.global_state_guard, reason="no GlobalStateGuard in this torch")
