@@ -9,7 +9,11 @@ For every version X given on the command line:
    is not touched);
 2. ``make pytest ...`` -- the very pytest command ``make test`` runs -- with
    ``--junitxml`` into ``matrix-logs/X/junit.xml``;
-3. ``make demo ...`` (``ctxreplay demo``), keeping its exit code.
+3. ``make demo ...`` (``ctxreplay demo``), keeping its exit code;
+4. ``mypy --strict ctxreplay`` against that venv's torch (the mypy of the dev
+   venv, ``.venv``, with ``--python-executable``; nothing installed in the
+   matrix venv), counting its errors: ``make test TORCH_SPEC=torch==X`` runs
+   it too, and torch's type stubs differ by release.  "-" without ``.venv``.
 
 A failing step never stops the run: the next version goes on.  At the end one
 table (torch, passed, failed, skipped, xfailed, errors, demo exit code, minutes)
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,6 +66,7 @@ class Result:
     skipped: int = 0
     xfailed: int = 0
     errors: int = 0
+    mypy_errors: int | None = None
     seconds: float = 0.0
     installed: str = "?"
     note: str = ""
@@ -102,7 +108,16 @@ def _parse_junit(path: Path, r: Result) -> None:
             r.passed += 1
 
 
-def run_version(version: str, make: str, logs: Path, min_free_gb: float) -> Result:
+def _mypy(mypy: Path, py: Path, log: Path) -> int | None:
+    if not mypy.exists():
+        return None
+    _run([str(mypy), "--strict", "--python-executable", str(py), "ctxreplay"], log)
+    m = re.search(r"Found (\d+) errors?", log.read_text())
+    return int(m.group(1)) if m else 0
+
+
+def run_version(version: str, make: str, logs: Path, min_free_gb: float,
+                mypy: Path) -> Result:
     r = Result(version)
     t0 = time.monotonic()
     venv = f".venv-torch-{version}"
@@ -138,19 +153,22 @@ def run_version(version: str, make: str, logs: Path, min_free_gb: float) -> Resu
     print(f"== torch {r.installed}: demo", flush=True)
     r.demo_rc = _run([*make.split(), "--no-print-directory", "demo", *common],
                      logs / "demo.log")
+    print(f"== torch {r.installed}: mypy", flush=True)
+    r.mypy_errors = _mypy(mypy, py, logs / "mypy.log")
     r.seconds = time.monotonic() - t0
     return r
 
 
 def table(results: list[Result]) -> str:
     cols = ("torch", "passed", "failed", "skipped", "xfailed", "errors", "pytest exit",
-            "demo exit", "minutes", "note")
+            "demo exit", "mypy errors", "minutes", "note")
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         rows.append(f"| {r.installed if r.installed != '?' else r.torch} | {r.passed} | {r.failed}"
                     f" | {r.skipped} | {r.xfailed} | {r.errors}"
                     f" | {'-' if r.pytest_rc is None else r.pytest_rc}"
                     f" | {'-' if r.demo_rc is None else r.demo_rc}"
+                    f" | {'-' if r.mypy_errors is None else r.mypy_errors}"
                     f" | {r.seconds / 60:.1f} | {r.note} |")
     return "\n".join(rows)
 
@@ -175,10 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="matrix-results.md")
     ap.add_argument("--logs", default="matrix-logs")
     ap.add_argument("--min-free-gb", type=float, default=8.0)
+    ap.add_argument("--mypy", default=".venv/bin/mypy",
+                    help="the mypy run against each venv's torch (skipped if missing)")
     ns = ap.parse_args(argv)
     results = []
     for v in ns.versions:
-        results.append(run_version(v, ns.make, ROOT / ns.logs / v, ns.min_free_gb))
+        results.append(run_version(v, ns.make, ROOT / ns.logs / v, ns.min_free_gb,
+                                   ROOT / ns.mypy))
         print(table(results[-1:]).splitlines()[-1], flush=True)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     text = (f"# torch matrix ({stamp}, Python {sys.version.split()[0]})\n\n"
@@ -186,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     (ROOT / ns.out).write_text(text)
     print("\n" + table(results))
     print(f"\nwritten to {ns.out}; logs in {ns.logs}/<version>/")
-    ok = all(r.pytest_rc == 0 and r.demo_rc == 0 for r in results)
+    ok = all(r.pytest_rc == 0 and r.demo_rc == 0 and not r.mypy_errors for r in results)
     return 0 if ok else 1
 
 
