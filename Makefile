@@ -45,6 +45,7 @@ pytest: setup
 test: pytest
 	$(PY) -m mypy --strict ctxreplay
 	$(PY) -m ruff check ctxreplay tests benchmarks examples scripts
+	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
 
 # The suite (pytest) and `ctxreplay demo` on every release in TORCH_MATRIX, each in

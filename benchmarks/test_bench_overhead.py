@@ -99,8 +99,10 @@ def setup() -> Iterator[Setup]:
     finally:
         report = s.close()
         torch.set_num_threads(threads)
-    # whatever the session saw was one variant, captured faithfully
-    assert len(report.captures) <= 1 and report.ok, report.failures
+    # whatever the session saw was one variant, captured faithfully (a test
+    # that ran only the other configurations observed nothing)
+    assert len(report.captures) <= 1, report.failures
+    assert report.ok or [p.reason for p in report.problems] == ["nothing_observed"]
     assert all(c.calls % N_BLOCKS == 0 for c in report.captures)
 
 

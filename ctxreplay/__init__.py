@@ -7,11 +7,26 @@ and replay it when the graph is captured later.
 from __future__ import annotations
 
 from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
+from ._collective import DistributedError
+from ._version import __version__ as __version__
 from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sidecar
 from .backends import Backend, BackendError
+from .dispatch import DispatchStats, InstallHandle, install
 from .explain import CaptureExplanation, Explanation, ProbeEffect
+from .loading import (
+    Difference,
+    GuardedCapture,
+    GuardError,
+    GuardWarning,
+    LoadedCapture,
+    LoadedManifest,
+    WeightsError,
+    load,
+)
+from .manifest import SavedManifest
 from .probe import ContextProbe, NotPortableError
-from .probes import ContextVarProbe, ForwardContextProbe
+from .probes import ContextVarProbe, DistributedProbe, ForwardContextProbe
+from .records import Capture, CaptureFailure, Notice, Problem
 from .registry import (
     ProbeInfo,
     ProbeRegistrationWarning,
@@ -22,11 +37,16 @@ from .registry import (
     register_probe,
     unregister_probe,
 )
-from .report import Capture, CaptureFailure, CaptureReport, Fidelity, FidelityError, Mismatch
-from .session import CaptureSession, capture_with
-from .snapshot import ContextSnapshot, ProbeDiff, snapshot
-
-__version__ = "0.1.0"
+from .report import CaptureReport, FidelityError
+from .session import CaptureSession, SessionError, capture_with
+from .snapshot import (
+    ContextSnapshot,
+    ProbeDiff,
+    ProbeObservationError,
+    UnknownProbeWarning,
+    snapshot,
+)
+from .verify import Fidelity, Mismatch
 
 __all__ = [
     "ArtifactError",
@@ -36,6 +56,19 @@ __all__ = [
     "ProbeEffect",
     "SavedArtifact",
     "load_sidecar",
+    "Difference",
+    "DispatchStats",
+    "GuardError",
+    "GuardWarning",
+    "GuardedCapture",
+    "InstallHandle",
+    "LoadedCapture",
+    "LoadedManifest",
+    "SavedManifest",
+    "UnknownProbeWarning",
+    "WeightsError",
+    "install",
+    "load",
     "Backend",
     "BackendError",
     "Capture",
@@ -45,10 +78,16 @@ __all__ = [
     "Fidelity",
     "FidelityError",
     "Mismatch",
+    "Notice",
+    "Problem",
+    "ProbeObservationError",
+    "SessionError",
     "capture_with",
     "ContextProbe",
     "ContextSnapshot",
     "ContextVarProbe",
+    "DistributedError",
+    "DistributedProbe",
     "ForwardContextProbe",
     "NotPortableError",
     "ProbeDiff",

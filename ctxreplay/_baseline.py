@@ -18,6 +18,7 @@ from typing import Any
 
 from .probe import ContextProbe
 from .registry import resolve_probes
+from .snapshot import describe_state
 
 __all__ = ["Baseline"]
 
@@ -83,7 +84,7 @@ class Baseline:
                     continue
             except Exception:
                 continue
-            changed[p.name] = f"{_describe(p, state)} -> {_describe(p, now)}"
+            changed[p.name] = f"{describe_state(p, state)} -> {describe_state(p, now)}"
             try:
                 cm = p.replay(state)
                 cm.__enter__()
@@ -98,10 +99,3 @@ class Baseline:
             changed["torch_global_state"] = str(guard.reason()).strip()[:120] or "changed"
             self._guard = _GlobalStateGuard()
         return changed
-
-
-def _describe(probe: ContextProbe[Any], state: Any) -> str:
-    try:
-        return str(probe.describe(state))[:120]
-    except Exception as exc:
-        return f"<undescribable: {type(exc).__name__}>"

@@ -1,20 +1,19 @@
 """Copies of mutable constant arguments, so a capture sees what the live call saw.
 
 A call's non-tensor arguments are kept as constants (``ConstSpec``).  Some are
-mutable objects that the forward itself changes: a Hugging Face
-``DynamicCache`` is empty when a decoder layer is first called and holds that
-layer's keys and values afterwards.  Kept by reference, the constant would be
-captured in the state the *end* of the live forward left it in -- and every
-trace and every verification run would mutate it further.  So such a
+mutable objects that the forward itself changes: a small config dict a
+block updates, a list it appends to.  Kept by reference, the constant would
+be captured in the state the *end* of the live forward left it in -- and
+every trace and every verification run would mutate it further.  So such a
 constant is copied once when the variant is first observed, and copied
-again for each use at capture (each trace and each execution gets a pristine
-one).
+again for each use at capture (each trace and each execution gets a
+pristine one).  A ``torch.Generator`` passed as an argument is copied with
+its state, so capture and verification never advance the user's generator.
 
-Only small, tensor-free objects are copied.  A plain-Python object holding
-tensors deeper inside (a cache already filled by earlier steps) is described
-attribute by attribute instead -- tensor specs, not tensors -- and rebuilt
-with fresh tensors at capture.  An object holding a module or anything
-opaque stays a reference: copying it would duplicate weights.
+Objects that hold tensors anywhere inside are not constants at all:
+``spec_of`` describes them attribute by attribute and capture rebuilds them
+with fresh tensors.  An object holding a module or anything opaque stays a
+reference: copying it would duplicate weights.
 """
 
 from __future__ import annotations
@@ -35,12 +34,9 @@ from .signature import (
     PytreeSpec,
     SeqSpec,
     Spec,
-    TensorSpec,
-    spec_of,
-    tensor_leaves,
 )
 
-__all__ = ["freeze_constants"]
+__all__ = ["copy_generator", "freeze_constants"]
 
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
               torch.layout, torch.memory_format, torch.Size, frozenset, range, slice)
@@ -50,8 +46,14 @@ _ATOMIC = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType
 _HEAVY = (torch.nn.Module, torch.Tensor, types.MethodType)
 _NOT_COPIED = (*_ATOMIC, *_HEAVY, enum.Enum)
 _MAX_NODES = 256
-_MAX_DEEP_NODES = 4096
 _MAX_DEPTH = 8
+
+
+def copy_generator(g: torch.Generator) -> torch.Generator:
+    """A new generator on ``g``'s device in ``g``'s current state."""
+    out = torch.Generator(device=g.device)
+    out.set_state(g.get_state())
+    return out
 
 
 def _walk_ok(value: Any, depth: int, budget: list[int]) -> bool:
@@ -76,66 +78,19 @@ def _walk_ok(value: Any, depth: int, budget: list[int]) -> bool:
 
 
 def _mutable(value: Any) -> bool:
+    if isinstance(value, torch.Generator):
+        return True
     if isinstance(value, (*_IMMUTABLE, *_NOT_COPIED)):
         return False
     return isinstance(value, (list, dict, set)) or isinstance(
         getattr(value, "__dict__", None), dict)
 
 
-def _deep_spec(value: Any, depth: int, budget: list[int]) -> Spec | None:
-    """Describe a plain-Python object tree that holds tensors somewhere inside
-    (``None`` if it holds a module or something opaque)."""
-    budget[0] -= 1
-    if budget[0] < 0 or depth > _MAX_DEPTH:
-        return None
-    if isinstance(value, torch.Tensor):
-        return TensorSpec.of(value)
-    if isinstance(value, (*_IMMUTABLE, *_ATOMIC, enum.Enum)):
-        return spec_of(value)
-    if isinstance(value, _HEAVY):
-        return None
-    if type(value) in (list, tuple):
-        items = [_deep_spec(v, depth + 1, budget) for v in value]
-        return None if any(i is None for i in items) else SeqSpec(type(value), tuple(
-            i for i in items if i is not None))
-    if type(value) is dict:
-        if not all(isinstance(k, (str, int)) for k in value):
-            return None
-        vals = [_deep_spec(v, depth + 1, budget) for v in value.values()]
-        return None if any(v is None for v in vals) else DictSpec(dict, tuple(value), tuple(
-            v for v in vals if v is not None))
-    attrs = getattr(value, "__dict__", None)
-    if type(attrs) is dict and not callable(value) and not _slotted(type(value)):
-        vals = [_deep_spec(v, depth + 1, budget) for v in attrs.values()]
-        if any(v is None for v in vals):
-            return None
-        return ObjectSpec(type(value), tuple(attrs), tuple(v for v in vals if v is not None))
-    return None
-
-
-def _slotted(cls: type) -> bool:
-    """Whether instances keep state in slots, outside ``__dict__`` (``abc.ABC``
-    declares empty slots, which hold nothing)."""
-    for c in cls.__mro__:
-        slots = c.__dict__.get("__slots__", ())
-        if isinstance(slots, str):
-            slots = (slots,)
-        if any(name not in ("__dict__", "__weakref__") for name in slots):
-            return True
-    return False
-
-
 def _copy(spec: ConstSpec) -> Spec:
     value = spec.value
-    if not _mutable(value):
-        return spec
-    if not _walk_ok(value, 0, [_MAX_NODES]):
-        # Tensors deep inside (a cache already holding keys and values): describe
-        # the object attribute by attribute, like one holding tensors directly,
-        # so capture rebuilds it with fresh tensors of the shapes seen live.
-        deep = _deep_spec(value, 0, [_MAX_DEEP_NODES])
-        if deep is not None and any(True for _ in tensor_leaves(deep)):
-            return deep
+    if isinstance(value, torch.Generator):
+        return ConstSpec(copy_generator(value), spec.type_name, spec.key)
+    if not _mutable(value) or not _walk_ok(value, 0, [_MAX_NODES]):
         return spec
     try:
         copied = copy.deepcopy(value)
@@ -167,27 +122,23 @@ def _freeze(spec: Spec) -> Spec:
     return spec
 
 
+def _any_mutable(spec: Spec) -> bool:
+    if isinstance(spec, ConstSpec):
+        return _mutable(spec.value)
+    if isinstance(spec, SeqSpec):
+        return any(_any_mutable(s) for s in spec.items)
+    if isinstance(spec, (DictSpec, DataclassSpec, ObjectSpec)):
+        return any(_any_mutable(s) for s in spec.values)
+    if isinstance(spec, PytreeSpec):
+        return any(_any_mutable(s) for s in spec.children)
+    return False
+
+
 def freeze_constants(call: CallSpec) -> CallSpec:
-    """``call`` with every small, tensor-free mutable constant replaced by a
-    deep copy (the same spec object when there is none).  Never raises on a
-    constant: one that cannot be copied is kept as it is."""
-    if not _has_mutable(call):
+    """``call`` with every small, tensor-free mutable constant (and every
+    generator) replaced by a copy (the same spec object when there is none).
+    Never raises on a constant: one that cannot be copied is kept as it is."""
+    if not any(_any_mutable(s) for _, s in call.items()):
         return call
     return CallSpec(tuple(_freeze(a) for a in call.args),
                     tuple((k, _freeze(v)) for k, v in call.kwargs))
-
-
-def _has_mutable(call: CallSpec) -> bool:
-    def any_mutable(spec: Spec) -> bool:
-        if isinstance(spec, ConstSpec):
-            return _mutable(spec.value)
-        if isinstance(spec, SeqSpec):
-            return any(any_mutable(s) for s in spec.items)
-        if isinstance(spec, (DictSpec, DataclassSpec, ObjectSpec)):
-            return any(any_mutable(s) for s in spec.values)
-        if isinstance(spec, PytreeSpec):
-            return any(any_mutable(s) for s in spec.children)
-        return False
-
-    return any(any_mutable(a) for a in call.args) or any(any_mutable(v)
-                                                         for _, v in call.kwargs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "read_int",
     "read_list",
     "read_mapping",
+    "read_pairs",
     "read_str",
 ]
 
@@ -114,6 +115,21 @@ def read_list(value: object, path: str, *, max_len: int = 10_000) -> list[Any]:
     if len(value) > max_len:
         raise ValueError(f"{path}: list longer than {max_len}")
     return value
+
+
+def read_pairs(value: object, path: str, shape: str,
+               first: Callable[[object, str], Any], second: Callable[[object, str], Any],
+               *, max_len: int = 10_000) -> list[tuple[Any, Any]]:
+    """A list of two-element lists (``shape`` names them in errors, e.g.
+    ``"[name, spec]"``), each element read by its own reader."""
+    out = []
+    for i, item in enumerate(read_list(value, path, max_len=max_len)):
+        where = f"{path}[{i}]"
+        pair = read_list(item, where, max_len=2)
+        if len(pair) != 2:
+            raise ValueError(f"{where}: expected {shape}")
+        out.append((first(pair[0], f"{where}[0]"), second(pair[1], f"{where}[1]")))
+    return out
 
 
 def read_bool(value: object, path: str) -> bool:

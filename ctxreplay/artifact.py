@@ -11,53 +11,65 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import torch
 
-from ._frozen import freeze_constants
-from ._json import (
-    loads,
-    read_bool,
-    read_device,
-    read_dtype,
-    read_int,
-    read_list,
-    read_mapping,
-    read_str,
-)
-from .backends.builtin import has_wrapper_hops, lower_wrappers
-from .report import Fidelity, Mismatch
-from .signature import (
-    ConstSpec,
-    DictSpec,
-    SeqSpec,
-    Spec,
-    TensorSpec,
-    compare_specs,
-    materialize,
-    materialize_call,
-    materialize_leaves,
-    spec_of,
+from ._environment import full_environment
+from ._json import loads, read_bool, read_int, read_list, read_mapping, read_pairs, read_str
+from .compare import SpecMismatch, compare_specs
+from .materialize import inputs_for, materialize
+from .passes import has_wrapper_hops, lower_wrappers
+from .probe import ContextProbe
+from .signature import CallSpec, SeqSpec, Spec, TensorSpec, spec_of
+from .snapshot import ContextSnapshot, UnknownProbeWarning
+from .specjson import (
+    call_to_json,
+    resolve_opaque,
+    spec_from_json,
     spec_to_json,
+    tensor_from_json,
 )
-from .snapshot import ContextSnapshot
-from .verify import flat_tensor_spec
+from .verify import Fidelity, Mismatch, flat_tensor_spec, neutral_replay
 
-if TYPE_CHECKING:
-    from .probe import ContextProbe
-    from .report import Capture
-
-__all__ = ["SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar", "SavedArtifact",
-           "load_sidecar", "save_capture", "sidecar_path"]
+__all__ = ["SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar", "SavableCapture",
+           "SavedArtifact", "artifact_inputs", "load_sidecar", "read_sidecar", "save_capture",
+           "sidecar_path", "warn_unknown"]
 
 SIDECAR_SCHEMA = "ctxreplay.artifact/1"
 
-_SAVABLE_BACKENDS = ("export",)
-_MAX_NESTING = 64
+
+class SavableCapture(Protocol):
+    """What saving needs of a capture (``ctxreplay.Capture`` has it all)."""
+
+    @property
+    def scope(self) -> str: ...
+    @property
+    def variant(self) -> int: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def artifact(self) -> Any: ...
+    @property
+    def binding(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def embedded(self) -> tuple[str, ...]: ...
+    @property
+    def ambient_only(self) -> tuple[str, ...]: ...
+    @property
+    def snapshot(self) -> ContextSnapshot: ...
+    @property
+    def signature(self) -> CallSpec: ...
+    @property
+    def outputs(self) -> Spec | None: ...
+    @property
+    def fidelity(self) -> Fidelity: ...
 
 
 class ArtifactError(RuntimeError):
@@ -94,7 +106,7 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
 
 # -- saving ----------------------------------------------------------------------
 
-def save_capture(capture: Capture, path: str | os.PathLike[str], *,
+def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
                  verify: bool = True) -> SavedArtifact:
     """Write ``capture``'s artifact to ``path`` and its sidecar beside it.
 
@@ -117,8 +129,7 @@ def save_capture(capture: Capture, path: str | os.PathLike[str], *,
     """
     from torch.export import ExportedProgram
 
-    if capture.backend not in _SAVABLE_BACKENDS or not isinstance(capture.artifact,
-                                                                   ExportedProgram):
+    if not isinstance(capture.artifact, ExportedProgram):
         raise ArtifactError(
             f"Capture.save: {capture.scope}#{capture.variant} was captured by the "
             f"{capture.backend!r} backend, whose artifact cannot be written as a .pt2; "
@@ -144,7 +155,7 @@ def save_capture(capture: Capture, path: str | os.PathLike[str], *,
             errors.append(exc)
             continue
         written = program
-        fidelity = _check_saved(capture, target) if verify else Fidelity("saved", True, (), ())
+        fidelity = _check_saved(capture, target) if verify else Fidelity("off", True, (), ())
         if result is None or fidelity.ok:
             result = (lowered, program, fidelity)
         if fidelity.ok:
@@ -163,40 +174,62 @@ def save_capture(capture: Capture, path: str | os.PathLike[str], *,
     return SavedArtifact(target, side, lowered, fidelity)
 
 
-def artifact_inputs(capture: Capture) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def artifact_inputs(capture: SavableCapture) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Fresh inputs in the form the capture's artifact takes them."""
-    if capture.binding == "flattened":
-        return materialize_leaves(capture.signature), {}
-    return materialize_call(freeze_constants(capture.signature))
+    return inputs_for(capture.signature, capture.binding)
 
 
-def _check_saved(capture: Capture, target: Path) -> Fidelity:
-    if capture.outputs is None:
-        return Fidelity("saved", True, (), ())
+def _check_saved(capture: SavableCapture, target: Path) -> Fidelity:
+    """Run the file as a consumer would: loaded fresh, on fresh inputs, from a
+    neutral state plus only what no artifact can carry (``neutral_replay``)."""
+    if capture.outputs is None:  # no live outputs to hold the file to
+        return Fidelity("off", True, (), ())
     try:
         program = torch.export.load(target)
-        args, kwargs = artifact_inputs(capture)
-        produced = spec_of(program.module()(*args, **kwargs))
     except Exception as exc:
-        return Fidelity("saved", False, (Mismatch("out", "execution", "ran",
+        return Fidelity("saved", False, (Mismatch("out", "execution", "loaded",
                                                   type(exc).__name__, "saved"),), ("saved",))
-    found = compare_specs(flat_tensor_spec(capture.outputs), flat_tensor_spec(produced))
+    found = _run_saved(capture, program, ())
+    with_needs = None
+    if found and capture.ambient_only:
+        with_needs = not _run_saved(capture, program, capture.ambient_only)
     hint = None
     if found and capture.ambient_only:
         hint = "not carried by the artifact: " + ", ".join(capture.ambient_only)
     return Fidelity("saved", not found, tuple(Mismatch.of(m, "saved", hint) for m in found),
-                    ("saved",))
+                    ("saved",), ok_with_needs=with_needs)
 
 
-def sidecar_json(capture: Capture, artifact: Path, *, lowered: bool,
+def _run_saved(capture: SavableCapture, program: Any,
+               needs: tuple[str, ...]) -> list[SpecMismatch]:
+    try:
+        args, kwargs = artifact_inputs(capture)
+        with neutral_replay(capture.snapshot, needs=needs):
+            produced = spec_of(program.module()(*args, **kwargs))
+    except Exception as exc:
+        return [SpecMismatch("out", "execution", "ran", type(exc).__name__)]
+    assert capture.outputs is not None
+    return list(compare_specs(flat_tensor_spec(capture.outputs), flat_tensor_spec(produced)))
+
+
+def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
                  fidelity: Fidelity) -> dict[str, Any]:
-    """The sidecar document: metadata only (no tensor values, no source)."""
+    """The sidecar document: metadata only (no tensor values, no source).
+    ``members`` / ``weights_from`` (whose parameters the file holds) and the
+    ``environment`` are written where the capture has them."""
     leaves = [[p, spec_to_json(s)] for p, s in capture.signature.leaves()]
+    members = getattr(capture, "members", ())
     return {
         "schema": SIDECAR_SCHEMA,
         "artifact": artifact.name,
         "torch": str(torch.__version__),
+        "environment": full_environment(),
         "scope": capture.scope,
+        "members": list(members),
+        "weights_from": str(getattr(capture, "weights_from", "") or
+                            (members[0] if members else "")),
+        "identities": [list(i) for i in getattr(capture, "identities", ())],
+        "ignore_attributes": list(getattr(capture, "ignore_attributes", ())),
         "variant": capture.variant,
         "backend": capture.backend,
         "binding": capture.binding,
@@ -206,9 +239,7 @@ def sidecar_json(capture: Capture, artifact: Path, *, lowered: bool,
         "ambient_only": list(capture.ambient_only),
         "snapshot": capture.snapshot.to_json(),
         "context": capture.snapshot.describe(),
-        "inputs": {"args": [spec_to_json(s) for s in capture.signature.args],
-                   "kwargs": [[k, spec_to_json(s)] for k, s in capture.signature.kwargs],
-                   "leaves": leaves},
+        "inputs": {**call_to_json(capture.signature), "leaves": leaves},
         "outputs": None if capture.outputs is None else spec_to_json(capture.outputs),
         "output_leaves": None if capture.outputs is None else [
             spec_to_json(s) for s in flat_tensor_spec(capture.outputs).items],
@@ -219,18 +250,7 @@ def sidecar_json(capture: Capture, artifact: Path, *, lowered: bool,
 
 # -- loading ---------------------------------------------------------------------
 
-class _Opaque:
-    """A signature node JSON cannot rebuild (a namedtuple, a dataclass, an
-    object, a constant whose value was not recorded)."""
-
-    __slots__ = ("kind", "where")
-
-    def __init__(self, kind: str, where: str) -> None:
-        self.kind = kind
-        self.where = where
-
-
-_Node = Any  # Spec | _Opaque, nested
+_Node = Any  # Spec | Opaque, nested
 
 
 @attrs.frozen(eq=False)
@@ -261,6 +281,14 @@ class ArtifactSidecar:
     document: Mapping[str, Any] = attrs.field(repr=False)
     _args: tuple[_Node, ...] = attrs.field(repr=False, alias="args")
     _kwargs: tuple[tuple[str, _Node], ...] = attrs.field(repr=False, alias="kwargs")
+    #: the blocks the capture stands for and the one whose weights the file
+    #: holds (empty in a sidecar written before they were recorded)
+    members: tuple[str, ...] = ()
+    weights_from: str = ""
+    #: ``(member, identity digest)`` and the attributes left out of it
+    #: (``Capture.identities``; empty in older sidecars)
+    identities: tuple[tuple[str, str], ...] = ()
+    ignore_attributes: tuple[str, ...] = ()
 
     def load_program(self) -> Any:
         """``torch.export.load`` of the artifact beside this sidecar."""
@@ -277,6 +305,14 @@ class ArtifactSidecar:
         kwargs = {k: materialize(_buildable(v)) for k, v in self._kwargs}
         return args, kwargs
 
+    def signature(self) -> CallSpec:
+        """The captured call's signature, rebuilt from the document (what a
+        live call must equal to be this capture's call).  Raises
+        :class:`ArtifactError` (``not_rebuildable``) naming the first part
+        JSON does not carry fully (an object, a string constant's value)."""
+        return CallSpec(tuple(_buildable(a) for a in self._args),
+                        tuple((k, _buildable(v)) for k, v in self._kwargs))
+
     def check(self, outputs: Any) -> tuple[Mismatch, ...]:
         """Differences between ``outputs`` (of the loaded program) and the live
         call's outputs, leaf by leaf; empty when they agree."""
@@ -287,47 +323,56 @@ class ArtifactSidecar:
         return tuple(Mismatch.of(m, "saved", None) for m in found)
 
 
+class _NotRebuildable(ArtifactError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "not_rebuildable")
+
+
 def _buildable(node: _Node) -> Spec:
-    if isinstance(node, _Opaque):
-        raise ArtifactError(f"{node.where}: a {node.kind} cannot be rebuilt from the sidecar; "
-                            "build this argument yourself", "not_rebuildable")
-    if isinstance(node, SeqSpec):
-        return SeqSpec(node.kind, tuple(_buildable(s) for s in node.items))
-    if isinstance(node, DictSpec):
-        return DictSpec(node.kind, node.keys, tuple(_buildable(s) for s in node.values))
-    result: Spec = node
-    return result
+    return resolve_opaque(node, _NotRebuildable)
 
 
 _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "binding",
                  "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
-                 "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity"}
-_REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered"}
-
-
-def _read_pairs(value: object, path: str, shape: str,
-                first: Callable[[object, str], Any],
-                second: Callable[[object, str], Any]) -> list[tuple[Any, Any]]:
-    """A list of two-element lists, each element read by its own reader."""
-    out = []
-    for i, item in enumerate(read_list(value, path)):
-        where = f"{path}[{i}]"
-        pair = read_list(item, where, max_len=2)
-        if len(pair) != 2:
-            raise ValueError(f"{where}: expected {shape}")
-        out.append((first(pair[0], f"{where}[0]"), second(pair[1], f"{where}[1]")))
-    return out
+                 "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
+                 "environment", "members", "weights_from", "identities", "ignore_attributes"}
+_REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
+                             "environment", "members", "weights_from", "identities",
+                             "ignore_attributes"}
 
 
 def load_sidecar(path: str | os.PathLike[str],
-                 probes: Mapping[str, ContextProbe[Any]] | None = None) -> ArtifactSidecar:
+                 probes: Mapping[str, ContextProbe[Any]] | None = None, *,
+                 unknown: str = "opaque") -> ArtifactSidecar:
     """Read the sidecar of an artifact written by ``Capture.save``.
 
     ``path`` is the ``.pt2`` or its ``.json`` sidecar.  Every field is
     validated; malformed input raises ``ValueError`` naming the path inside
     the document.  ``probes`` supplies instances for probe names the registry
-    does not hold (as in :meth:`ContextSnapshot.from_json`).
+    does not hold (as in :meth:`ContextSnapshot.from_json`).  A probe neither
+    holds (``unknown="opaque"``, the default) loads as an opaque state that
+    cannot be replayed, with one :class:`ctxreplay.UnknownProbeWarning`
+    naming them; ``unknown="error"`` refuses it.
     """
+    side = read_sidecar(path, probes, unknown=unknown)
+    warn_unknown(side.snapshot.unknown, str(side.path.name))
+    return side
+
+
+def warn_unknown(names: tuple[str, ...] | list[str], where: str) -> None:
+    """One warning naming every unknown probe of a loaded document."""
+    if names:
+        shown = ", ".join(sorted(set(names)))
+        warnings.warn(f"{where}: probe(s) {shown} are not registered in this process; "
+                      "their states were loaded as opaque and cannot be replayed",
+                      UnknownProbeWarning, stacklevel=3)
+
+
+def read_sidecar(path: str | os.PathLike[str],
+                 probes: Mapping[str, ContextProbe[Any]] | None = None, *,
+                 unknown: str = "opaque") -> ArtifactSidecar:
+    """:func:`load_sidecar` without the warning (the caller gives one for
+    everything it loads): unknown probes are in ``snapshot.unknown``."""
     given = Path(os.fspath(path))
     side = given if given.suffix == ".json" and not given.name.endswith(".pt2") \
         else sidecar_path(given)
@@ -339,22 +384,25 @@ def load_sidecar(path: str | os.PathLike[str],
     name = read_str(doc["artifact"], "$.artifact", max_len=1024)
     if Path(name).name != name or name in ("", ".", ".."):
         raise ValueError(f"$.artifact: {name!r} must be a bare file name")
-    snap = ContextSnapshot.from_json(doc["snapshot"], probes, path="$.snapshot")
+    snap = ContextSnapshot.from_json(doc["snapshot"], probes, path="$.snapshot",
+                                     unknown=unknown)
+    if "environment" in doc:
+        read_mapping(doc["environment"], "$.environment")
     inputs = read_mapping(doc["inputs"], "$.inputs", keys={"args", "kwargs", "leaves"},
                           required={"args", "kwargs", "leaves"})
-    args = tuple(_read_spec(a, f"$.inputs.args[{i}]", 0)
+    args = tuple(spec_from_json(a, f"$.inputs.args[{i}]")
                  for i, a in enumerate(read_list(inputs["args"], "$.inputs.args")))
-    kwargs = _read_pairs(inputs["kwargs"], "$.inputs.kwargs", "[name, spec]",
+    kwargs = read_pairs(inputs["kwargs"], "$.inputs.kwargs", "[name, spec]",
                          lambda v, p: read_str(v, p),
-                         lambda v, p: _read_spec(v, p, 0))
-    leaves = _read_pairs(inputs["leaves"], "$.inputs.leaves", "[path, tensor spec]",
-                         lambda v, p: read_str(v, p, max_len=4096), _read_tensor)
+                         lambda v, p: spec_from_json(v, p))
+    leaves = read_pairs(inputs["leaves"], "$.inputs.leaves", "[path, tensor spec]",
+                         lambda v, p: read_str(v, p, max_len=4096), tensor_from_json)
     outputs = None
     if doc["output_leaves"] is not None:
-        outputs = tuple(_read_tensor(s, f"$.output_leaves[{i}]") for i, s in
+        outputs = tuple(tensor_from_json(s, f"$.output_leaves[{i}]") for i, s in
                         enumerate(read_list(doc["output_leaves"], "$.output_leaves")))
     if doc["outputs"] is not None:
-        _read_spec(doc["outputs"], "$.outputs", 0)
+        spec_from_json(doc["outputs"], "$.outputs")
     return ArtifactSidecar(
         path=side,
         artifact=side.parent / name,
@@ -371,92 +419,19 @@ def load_sidecar(path: str | os.PathLike[str],
         inputs=tuple(leaves),
         outputs=outputs,
         document=doc,
+        members=_read_names(doc.get("members", []), "$.members", max_len=4096),
+        weights_from=read_str(doc.get("weights_from", ""), "$.weights_from", max_len=4096),
+        identities=tuple(read_pairs(doc.get("identities", []), "$.identities",
+                                    "[member, digest]",
+                                    lambda v, p: read_str(v, p, max_len=4096),
+                                    lambda v, p: read_str(v, p, max_len=64))),
+        ignore_attributes=_read_names(doc.get("ignore_attributes", []),
+                                      "$.ignore_attributes"),
         args=args,
         kwargs=tuple(kwargs),
     )
 
 
-def _read_names(value: object, path: str) -> tuple[str, ...]:
-    return tuple(read_str(v, f"{path}[{i}]") for i, v in enumerate(read_list(value, path)))
-
-
-def _read_tensor(value: object, path: str) -> TensorSpec:
-    outer = read_mapping(value, path, keys={"tensor"}, required={"tensor"})
-    where = f"{path}.tensor"
-    t = read_mapping(outer["tensor"], where,
-                     keys={"shape", "stride", "dtype", "device", "requires_grad"},
-                     required={"shape", "stride", "dtype", "device", "requires_grad"})
-    shape = tuple(read_int(d, f"{where}.shape[{i}]", lo=0, hi=2**40)
-                  for i, d in enumerate(read_list(t["shape"], f"{where}.shape", max_len=64)))
-    stride = tuple(read_int(d, f"{where}.stride[{i}]", lo=0, hi=2**48)
-                   for i, d in enumerate(read_list(t["stride"], f"{where}.stride", max_len=64)))
-    if stride and len(stride) != len(shape):
-        raise ValueError(f"{where}.stride: {len(stride)} strides for {len(shape)} dimensions")
-    return TensorSpec(shape, stride, read_dtype(t["dtype"], f"{where}.dtype"),
-                      read_device(t["device"], f"{where}.device"),
-                      read_bool(t["requires_grad"], f"{where}.requires_grad"))
-
-
-_CONST_TYPES: dict[str, tuple[type, ...]] = {
-    "NoneType": (type(None),), "bool": (bool,), "int": (int,), "float": (int, float)}
-
-
-def _read_spec(value: object, path: str, depth: int) -> _Node:
-    """A signature node: rebuilt where JSON carries it fully (tensors, plain
-    constants, lists, tuples, dicts), validated and marked opaque otherwise."""
-    if depth > _MAX_NESTING:
-        raise ValueError(f"{path}: nesting deeper than {_MAX_NESTING} levels")
-    node = read_mapping(value, path)
-    if "tensor" in node:
-        return _read_tensor(node, path)
-    if "const" in node:
-        node = read_mapping(value, path, keys={"const", "value"}, required={"const"})
-        type_name = read_str(node["const"], f"{path}.const")
-        if "value" in node and type_name in _CONST_TYPES:
-            v = node["value"]
-            if type(v) not in _CONST_TYPES[type_name] or (type_name == "int" and
-                                                           isinstance(v, bool)):
-                raise ValueError(f"{path}.value: expected a {type_name}, got {type(v).__name__}")
-            if type_name == "float":
-                v = float(v)
-            return ConstSpec(v, type_name, (type(v), v))
-        if "value" in node and not isinstance(node["value"], str):
-            raise ValueError(f"{path}.value: expected a string, got "
-                             f"{type(node['value']).__name__}")
-        return _Opaque(f"constant of type {type_name}", path)
-    if "seq" in node:
-        node = read_mapping(value, path, keys={"seq", "items"}, required={"seq", "items"})
-        kind = read_str(node["seq"], f"{path}.seq")
-        items = tuple(_read_spec(s, f"{path}.items[{i}]", depth + 1)
-                      for i, s in enumerate(read_list(node["items"], f"{path}.items")))
-        if kind == "list":
-            return SeqSpec(list, items)
-        if kind == "tuple":
-            return SeqSpec(tuple, items)
-        return _Opaque(f"sequence of type {kind}", path)
-    if "dict" in node:
-        node = read_mapping(value, path, keys={"dict", "items"}, required={"dict", "items"})
-        kind = read_str(node["dict"], f"{path}.dict")
-        keys, values = [], []
-        for i, item in enumerate(read_list(node["items"], f"{path}.items")):
-            where = f"{path}.items[{i}]"
-            pair = read_list(item, where, max_len=2)
-            if len(pair) != 2:
-                raise ValueError(f"{where}: expected [key, spec]")
-            keys.append(read_str(pair[0], f"{where}[0]", max_len=4096))
-            values.append(_read_spec(pair[1], f"{where}[1]", depth + 1))
-        if kind == "dict":
-            return DictSpec(dict, tuple(keys), tuple(values))
-        return _Opaque(f"mapping of type {kind}", path)
-    if "object" in node:
-        node = read_mapping(value, path, keys={"object", "fields"}, required={"object", "fields"})
-        kind = read_str(node["object"], f"{path}.object")
-        for i, item in enumerate(read_list(node["fields"], f"{path}.fields")):
-            where = f"{path}.fields[{i}]"
-            pair = read_list(item, where, max_len=2)
-            if len(pair) != 2:
-                raise ValueError(f"{where}: expected [field, spec]")
-            read_str(pair[0], f"{where}[0]", max_len=4096)
-            _read_spec(pair[1], f"{where}[1]", depth + 1)
-        return _Opaque(f"object of type {kind}", path)
-    raise ValueError(f"{path}: expected one of 'tensor', 'const', 'seq', 'dict', 'object'")
+def _read_names(value: object, path: str, max_len: int = 256) -> tuple[str, ...]:
+    return tuple(read_str(v, f"{path}[{i}]", max_len=max_len)
+                 for i, v in enumerate(read_list(value, path)))

@@ -1,4 +1,11 @@
-"""Capturing one variant: materialise, replay, trace, check, fingerprint."""
+"""Capturing one variant: isolate, materialise, replay, trace, verify, record.
+
+``capture_variant(request, modules, options)`` traces the request's first
+completed member on an isolated view of it (``_isolate``), under the
+variant's replayed context, and checks every member that ran the variant
+against the artifact (``verify``); it returns a ``Capture`` or raises
+``CaptureFailed`` carrying a ``CaptureFailure``.
+"""
 
 from __future__ import annotations
 
@@ -7,50 +14,29 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
-from ._frozen import freeze_constants
-from .backends import Backend, BackendError, classify_exception
-from .backends.base import graph_nodes
-from .passes import pin_factory_defaults
-from .report import Capture, CaptureFailure
-from .signature import (
-    CallSpec,
-    ConstSpec,
-    Spec,
-    TensorSpec,
-    _native,
-    materialize,
-    materialize_call,
-    materialize_leaves,
-    spec_to_json,
-    tensor_values,
-)
-from .verify import flat_tensor_spec, verify
+from ._isolate import isolated, rng_guard
+from .backends import Backend, BackendError, classify_exception, exception_message
+from .checking import Checker
+from .materialize import inputs_for, materialize_leaves
+from .passes import graph_code, graph_op_args, graph_ops, has_collectives, pin_factory_defaults
+from .probe import ContextProbe
+from .records import Capture, CaptureFailure, CaptureOptions, MemberCall, VariantRequest
+from .signature import CallSpec, ConstSpec, Spec, TensorSpec, children, is_native, tensor_values
+from .specjson import call_to_json
+from .verify import is_neutral, neutral_replay
 
-if TYPE_CHECKING:
-    from .session import Scope, Variant
-    from .snapshot import ContextSnapshot
-
-__all__ = ["CaptureSettings", "Failed", "capture_variant", "recapture"]
+__all__ = ["CaptureFailed", "capture_variant", "recapture"]
 
 
-class CaptureSettings(Protocol):
-    """What ``capture_variant`` reads from its session."""
-
-    backend: Backend
-    replay: str
-    verify: str
-    pin_factories: bool
-    capture_timeout: float | None
-
-
-class Failed(Exception):
+class CaptureFailed(Exception):
     """Carries a ``CaptureFailure`` out of ``capture_variant``."""
 
     def __init__(self, failure: CaptureFailure) -> None:
@@ -70,72 +56,218 @@ class _ArtifactFault(Exception):
         self.reason = reason
 
 
-def capture_variant(session: CaptureSettings, scope: Scope, v: Variant) -> Capture:
+class _Timeout(Exception):
+    pass
+
+
+@attrs.frozen(eq=False)
+class _Plan:
+    """How one variant is traced: the replay split and the binding."""
+
+    inside: Callable[[], AbstractContextManager[Any]] | None
+    around: AbstractContextManager[None]
+    embedded: tuple[str, ...]
+    ambient: tuple[str, ...]
+    binding: str
+    flatten_out: bool
+    faults: list[BaseException]
+
+    @classmethod
+    def make(cls, request: VariantRequest, options: CaptureOptions,
+             backend: Backend) -> _Plan:
+        snap = request.snapshot
+        if options.replay == "off":
+            inside = None
+            around: AbstractContextManager[None] = nullcontext()
+            embedded: tuple[str, ...] = ()
+            ambient = snap.names
+        else:
+            embed = options.replay == "embedded" and backend.records_embedded
+            factory, around, embedded, ambient = snap.replay_parts(embedded=embed)
+            inside = factory if embedded else None
+        outputs_native = request.outputs is None or is_native(request.outputs)
+        binding = "native" if request.inputs.is_pytree_native() and outputs_native \
+            else "flattened"
+        faults: list[BaseException] = []
+        return cls(None if inside is None else _guard_inside(inside, faults), around,
+                   embedded, ambient, binding, not outputs_native, faults)
+
+
+def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
+                    options: CaptureOptions, *,
+                    baseline: tuple[ContextProbe[Any], ...] = (),
+                    defer_collectives: bool = False) -> Capture:
+    """See ``_capture_variant``; it runs from the state a fresh process has
+    (inputs made under the caller's ``inference_mode`` would be inference
+    tensors), whatever the caller of ``finalize()`` has active."""
+    try:
+        neutral = neutral_replay(request.snapshot, baseline, only_neutral=True)
+        neutral.__enter__()
+    except Exception as exc:
+        raise _failure(request, options.backend, "replay_failed", exc) from None
+    try:
+        return _capture_variant(request, modules, options, baseline=baseline,
+                                defer_collectives=defer_collectives)
+    finally:
+        neutral.__exit__(None, None, None)
+
+
+def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
+                     options: CaptureOptions, *,
+                     baseline: tuple[ContextProbe[Any], ...] = (),
+                     defer_collectives: bool = False) -> Capture:
+    """Capture ``request``; ``modules`` maps member names to the live modules
+    (never changed: every trace and run uses an isolated view).
+    ``baseline``: probes whose neutral state execution checks start from,
+    beside the snapshot's own.  ``defer_collectives``: a graph holding
+    collectives is only checked at the signature level here (running it
+    alone would wait for the other ranks); ``Capture.collective`` says so,
+    and the distributed finalize runs it on every rank together."""
     t0 = time.perf_counter()
-    backend = session.backend
-
-    def fail(reason: str, exc: BaseException | None,
-             attempts: tuple[tuple[str, str, str], ...] = ()) -> Failed:
-        return Failed(CaptureFailure(
-            scope.name, v.index, backend.name, reason,
-            type(exc).__name__ if exc is not None else "-", attempts,
-            _safe_describe(v)))
-
-    module = v.module
+    backend = options.backend
+    fail = functools.partial(_failure, request, backend)
+    traced = request.traced
+    module = modules.get(traced.name)
     if module is None:
         raise fail("module_released", None)
     try:
-        args, kwargs = materialize_call(freeze_constants(v.inputs))  # fresh copies
-    except Exception as exc:
-        raise fail("materialize_failed", exc) from None
-
-    embedded_mode = session.replay == "embedded" and backend.records_embedded
-    try:
-        if session.replay == "off":
-            inside: Callable[[], AbstractContextManager[Any]] = nullcontext
-            around: AbstractContextManager[None] = nullcontext()
-            embedded: tuple[str, ...] = ()
-            ambient = v.snapshot.names
-        else:
-            inside, around, embedded, ambient = v.snapshot.replay_parts(embedded=embedded_mode)
+        plan = _Plan.make(request, options, backend)
     except Exception as exc:
         raise fail("replay_failed", exc) from None
+    try:
+        view_cm = isolated(module, request.training)
+        view = view_cm.__enter__()
+    except Exception as exc:
+        raise fail("isolation_failed", exc) from None
+    try:
+        artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
+        embedded, ambient = plan.embedded, plan.ambient
+        if embedded and not real.records_embedded:  # the artifact carries none of them
+            embedded, ambient = (), request.snapshot.names
+        pinned = tuple(p.name for p in request.snapshot.probes
+                       if options.pin_factories and p.pinnable)
+        carried = tuple(n for n in embedded if n not in ambient) + pinned
+        ambient_only = tuple(
+            n for n, p, s in zip(request.snapshot.names, request.snapshot.probes,
+                                 request.snapshot.states)
+            if (n in ambient or n not in embedded) and n not in pinned
+            and not is_neutral(p, s))
+        gm = real.graph_module(artifact)
+        collective = gm is not None and has_collectives(gm)
+        check_options = options
+        if collective and defer_collectives and options.verify in ("execute", "values"):
+            check_options = attrs.evolve(options, verify="signature")
+        checker = Checker(request, check_options, real, artifact, view, graph_outputs,
+                          binding=plan.binding, flatten_out=plan.flatten_out,
+                          carried=carried, baseline=baseline, ambient_only=ambient_only)
+        try:
+            fidelity = checker.run(modules)
+        except Exception as exc:
+            raise fail("verify_failed", exc) from None
+    finally:
+        view_cm.__exit__(None, None, None)
+    try:
+        gm = real.graph_module(artifact)
+        ops = graph_ops(gm) if gm is not None else ()
+        op_args = graph_op_args(gm) if gm is not None else ()
+        digest = hashlib.sha256(graph_code(gm).encode()).hexdigest()[:32] \
+            if gm is not None else ""
+        fingerprint = _fingerprint(ops, request.inputs, request.snapshot.to_json(), real.name,
+                                   digest)
+    except Exception as exc:
+        raise fail("bad_artifact", exc) from None
+    return Capture(
+        scope=request.scope, members=tuple(m.name for m in request.members),
+        variant=request.variant, signature=request.inputs, outputs=request.outputs,
+        graph_outputs=graph_outputs, snapshot=request.snapshot, calls=request.calls,
+        backend=real.name, artifact=artifact, fidelity=fidelity, fingerprint=fingerprint,
+        embedded=embedded, ambient_only=ambient_only, binding=plan.binding,
+        constants=tuple(p for p, _ in _const_paths(request.inputs)),
+        attempts=backend.last_attempts, seconds=time.perf_counter() - t0, ops=ops,
+        member_calls=tuple((m.name, m.calls) for m in request.members),
+        weights_from=traced.name, collective=collective, graph_digest=digest,
+        op_args=op_args, identities=tuple((m.name, request.identity) for m in request.members
+                                          if request.identity),
+        ignore_attributes=options.ignore_attributes,
+    )
 
-    outputs_native = v.outputs is None or _native(v.outputs)
-    binding = "native" if v.inputs.is_pytree_native() and outputs_native else "flattened"
-    faults: list[BaseException] = []
-    guarded_inside = _guard_inside(inside, faults) if embedded else None
 
-    if binding == "native":
-        target: nn.Module = module
-        call_args, call_kwargs = args, kwargs
-        constants: tuple[str, ...] = ()
-    else:
-        target = _Flattened(module, v.inputs, guarded_inside, not outputs_native)
-        call_args = materialize_leaves(v.inputs)
-        call_kwargs = {}
-        constants = tuple(p for p, s in _const_paths(v.inputs))
+def recapture(capture: Capture, module: nn.Module, options: CaptureOptions, *,
+              snapshot: Any = None) -> Capture:
+    """Capture ``capture``'s variant again from its recorded specs, on
+    ``module``, under ``snapshot`` (default: its own; e.g.
+    ``capture.snapshot.without(name)``), without verification."""
+    member = capture.weights_from or (capture.members[0] if capture.members else "")
+    request = VariantRequest(capture.scope, capture.variant,
+                             capture.snapshot if snapshot is None else snapshot,
+                             capture.signature,
+                             (MemberCall(member, capture.calls, capture.outputs, True),))
+    return capture_variant(request, {member: module}, attrs.evolve(options, verify="off"))
+
+
+def _failure(request: VariantRequest, backend: Backend, reason: str,
+             exc: BaseException | None,
+             attempts: tuple[tuple[str, str, str], ...] = ()) -> CaptureFailed:
+    exc_type, message = ("-", "") if exc is None else exception_message(exc)
+    try:
+        context = request.snapshot.describe()
+    except Exception:
+        context = {}
+    if exc is not None:
+        import logging
+
+        logging.getLogger("ctxreplay").debug(
+            "capture of %s#%d failed: %s", request.scope, request.variant, reason,
+            exc_info=(type(exc), exc, exc.__traceback__))
+    return CaptureFailed(CaptureFailure(request.scope, request.variant, backend.name, reason,
+                                        exc_type, attempts, context, message))
+
+
+# -- tracing ----------------------------------------------------------------------
+
+def _trace(request: VariantRequest, plan: _Plan, view: nn.Module, options: CaptureOptions,
+           fail: Callable[..., CaptureFailed],
+           baseline: tuple[ContextProbe[Any], ...] = ()) -> tuple[Any, Spec | None, Backend]:
+    backend = options.backend
+    try:
+        if plan.binding == "native":
+            target: nn.Module = view
+            args, kwargs = inputs_for(request.inputs, "native")
+        else:
+            target = _Flattened(view, request.inputs, plan.inside, plan.flatten_out)
+            args, kwargs = materialize_leaves(request.inputs), {}
+    except Exception as exc:
+        raise fail("materialize_failed", exc) from None
 
     def job() -> tuple[Any, Spec | None, Backend]:
         with ExitStack() as stack:
             try:
-                stack.enter_context(around)
+                # from a fresh process's state, whatever the caller of
+                # finalize() has active (an autocast already on would make
+                # the embedded replay a no-op the tracer never records)
+                stack.enter_context(neutral_replay(request.snapshot, baseline,
+                                                   only_neutral=True))
+                stack.enter_context(plan.around)
             except Exception as exc:
                 raise _ReplayFault() from exc
-            with _swapped_forward(target, guarded_inside if binding == "native" else None):
-                raw = backend.capture(target, call_args, call_kwargs)
+            with rng_guard(watch_generators=False), \
+                    _swapped_forward(target, plan.inside if plan.binding == "native" else None):
+                raw = backend.capture(target, args, kwargs)
                 try:  # what the backend returned must hold up, or it is no artifact
                     real, artifact = backend.resolve(raw)
                     if artifact is None:
                         raise _ArtifactFault("no_artifact")
                     gm = real.graph_module(artifact)
-                    if session.pin_factories and gm is not None:
+                    if options.pin_factories and gm is not None:
                         pin_factory_defaults(gm)
                     # a fallback backend that records no embedded context
                     # (symbolic, under auto) reads its outputs inside them
-                    unrecorded = guarded_inside is not None and not real.records_embedded
-                    with guarded_inside() if guarded_inside and unrecorded else nullcontext():
-                        spec = real.output_spec(artifact, call_args, call_kwargs)
+                    unrecorded = plan.inside is not None and not real.records_embedded
+                    # a backend may run the module here (symbolic): random
+                    # state and the generators it reaches are put back
+                    with rng_guard(), \
+                            plan.inside() if plan.inside and unrecorded else nullcontext():
+                        spec = real.output_spec(artifact, args, kwargs)
                 except _ArtifactFault:
                     raise
                 except Exception as exc:
@@ -149,7 +281,7 @@ def capture_variant(session: CaptureSettings, scope: Scope, v: Variant) -> Captu
             return artifact, spec, real
 
     try:
-        artifact, captured_spec, real = _run(job, session.capture_timeout)
+        artifact, spec, real = _run(job, options.capture_timeout)
     except _Timeout:
         raise fail("timeout", None, backend.last_attempts) from None
     except _ReplayFault as exc:
@@ -157,99 +289,18 @@ def capture_variant(session: CaptureSettings, scope: Scope, v: Variant) -> Captu
     except _ArtifactFault as exc:
         raise fail(exc.reason, exc.__cause__, backend.last_attempts) from None
     except BackendError as exc:
-        if faults:
-            raise fail("replay_failed", faults[0], exc.attempts) from None
-        raise fail(exc.reason, exc, exc.attempts) from None
+        if plan.faults:
+            raise fail("replay_failed", plan.faults[0], exc.attempts) from None
+        raise fail(exc.reason, exc.__cause__ or exc.__context__ or exc, exc.attempts) from None
     except Exception as exc:
-        if faults:
-            raise fail("replay_failed", faults[0], backend.last_attempts) from None
+        if plan.faults:
+            raise fail("replay_failed", plan.faults[0], backend.last_attempts) from None
         raise fail(classify_exception(exc), exc, backend.last_attempts) from None
-
-    if embedded and not real.records_embedded:  # the artifact carries none of them
-        embedded, ambient = (), v.snapshot.names
-    pinned = tuple(p.name for p in v.snapshot.probes if session.pin_factories and p.pinnable)
-    carried = tuple(n for n in embedded if n not in ambient) + pinned
-    applied = () if session.replay == "off" else v.snapshot.names
-
-    def execute() -> Any:
-        # outside any replay, on fresh inputs: proves the artifact is self-contained
-        if binding == "flattened":
-            return real.run(artifact, materialize_leaves(v.inputs), {})
-        a, k = materialize_call(freeze_constants(v.inputs))
-        return real.run(artifact, a, k)
-
-    live = v.outputs
-    if live is not None and binding == "flattened" and not outputs_native:
-        live = flat_tensor_spec(live)
-    try:
-        fidelity = verify(session.verify, live, captured_spec, snapshot=v.snapshot,
-                          applied=applied, embedded=carried, execute=execute)
-    except Exception as exc:
-        raise fail("verify_failed", exc) from None
-
-    try:
-        gm = real.graph_module(artifact)
-        ops = _ops(gm) if gm is not None else ()
-        fingerprint = _fingerprint(ops, v.inputs, v.snapshot.to_json(), real.name)
-    except Exception as exc:
-        raise fail("bad_artifact", exc) from None
-    ambient_only = tuple(
-        n for n, p, s in zip(v.snapshot.names, v.snapshot.probes, v.snapshot.states)
-        if (n in ambient or n not in embedded) and n not in pinned and not _neutral(p, s))
-    return Capture(
-        scope=scope.name, members=tuple(scope.members), variant=v.index,
-        signature=v.inputs, outputs=v.outputs, graph_outputs=captured_spec,
-        snapshot=v.snapshot, calls=v.calls,
-        backend=real.name, artifact=artifact, fidelity=fidelity,
-        fingerprint=fingerprint,
-        embedded=embedded, ambient_only=ambient_only, binding=binding,
-        constants=constants, attempts=backend.last_attempts,
-        seconds=time.perf_counter() - t0, ops=ops,
-    )
-
-
-class _Settings:
-    __slots__ = ("backend", "capture_timeout", "pin_factories", "replay", "verify")
-
-    def __init__(self, backend: Backend, replay: str, verify: str, pin_factories: bool,
-                 capture_timeout: float | None) -> None:
-        self.backend = backend
-        self.replay = replay
-        self.verify = verify
-        self.pin_factories = pin_factories
-        self.capture_timeout = capture_timeout
-
-
-def recapture(capture: Capture, module: nn.Module, snapshot: ContextSnapshot, *,
-              backend: Backend, replay: str = "embedded", verify: str = "off",
-              pin_factories: bool = True, capture_timeout: float | None = None) -> Capture:
-    """Capture ``capture``'s variant again from its recorded specs, on
-    ``module``, under ``snapshot`` (e.g. ``capture.snapshot.without(name)``).
-
-    Raises :class:`Failed` carrying the ``CaptureFailure``.
-    """
-    from .session import Scope, Variant  # the engine imports this module
-
-    scope = Scope(capture.scope, (), list(capture.members))
-    variant = Variant(capture.variant, snapshot, capture.signature, module, capture.outputs)
-    settings = _Settings(backend, replay, verify, pin_factories, capture_timeout)
-    return capture_variant(settings, scope, variant)
-
-
-# -- helpers ---------------------------------------------------------------------
-
-def _neutral(probe: Any, state: Any) -> bool:
-    try:
-        return bool(probe.neutral(state))
-    except Exception:
-        return False
-
-
-def _safe_describe(v: Variant) -> dict[str, str]:
-    try:
-        return v.snapshot.describe()
-    except Exception:
-        return {}
+    if plan.faults:
+        # a tracer that swallowed a replay error (autocast.__exit__ under
+        # export on torch 2.7-2.8) still leaves it here
+        raise fail("replay_failed", plan.faults[0], backend.last_attempts)
+    return artifact, spec, real
 
 
 def _guard_inside(inside: Callable[[], AbstractContextManager[Any]],
@@ -289,10 +340,9 @@ def _guard_inside(inside: Callable[[], AbstractContextManager[Any]],
 def _swapped_forward(module: nn.Module,
                      inside: Callable[[], AbstractContextManager[Any]] | None
                      ) -> Iterator[None]:
-    """Enter ``inside`` within the module's own forward while it is traced.
-
-    Swapping the instance's forward (rather than wrapping the module) keeps
-    parameter names and the forward's signature in the artifact."""
+    """Enter ``inside`` within the (isolated) module's own forward while it is
+    traced: swapping the instance's forward, rather than wrapping the
+    module, keeps parameter names and the forward's signature."""
     if inside is None:
         yield
         return
@@ -331,14 +381,7 @@ class _Flattened(nn.Module):
         self._flatten_out = flatten_out
 
     def forward(self, *leaves: torch.Tensor) -> Any:
-        it = iter(leaves)
-
-        def take(_spec: TensorSpec) -> torch.Tensor:
-            return next(it)
-
-        inputs = freeze_constants(self._inputs)  # each trace mutates its own copies
-        args = tuple(materialize(s, tensor_factory=take) for s in inputs.args)
-        kwargs = {k: materialize(s, tensor_factory=take) for k, s in inputs.kwargs}
+        args, kwargs = inputs_for(self._inputs, "native", leaves=leaves)
         with self._inside() if self._inside is not None else ExitStack():
             out = self.inner(*args, **kwargs)
         if self._flatten_out:
@@ -354,49 +397,18 @@ def _const_paths(inputs: CallSpec) -> Iterator[tuple[str, Spec]]:
             return
         if isinstance(spec, TensorSpec):
             return
-        from .signature import _children
-
-        for sub, child in _children(spec) or []:
+        for sub, child in children(spec) or []:
             yield from walk(child, path + sub)
 
-    for i, a in enumerate(inputs.args):
-        yield from walk(a, f"args[{i}]")
-    for k, s in inputs.kwargs:
-        yield from walk(s, f"kwargs[{k!r}]")
-
-
-def _ops(gm: torch.fx.GraphModule) -> tuple[tuple[str, str | None], ...]:
-    out = []
-    for n in graph_nodes(gm):
-        if n.op != "call_function":
-            continue
-        val = n.meta.get("val")
-        dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else None
-        out.append((_op_name(n.target), dtype))
-    return tuple(out)
-
-
-def _op_name(target: Any) -> str:
-    name = getattr(target, "__name__", None)
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    return str(name or target)
+    for path, spec in inputs.items():
+        yield from walk(spec, path)
 
 
 def _fingerprint(ops: tuple[tuple[str, str | None], ...], inputs: CallSpec,
-                 snapshot_json: Any, backend: str) -> str:
-    doc = {
-        "ops": [list(o) for o in ops],
-        "inputs": [spec_to_json(s) for s in inputs.args],
-        "kwargs": [[k, spec_to_json(s)] for k, s in inputs.kwargs],
-        "snapshot": snapshot_json,
-        "backend": backend,
-    }
+                 snapshot_json: Any, backend: str, graph: str = "") -> str:
+    doc = {"ops": [list(o) for o in ops], "inputs": call_to_json(inputs),
+           "snapshot": snapshot_json, "backend": backend, "graph": graph}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-class _Timeout(Exception):
-    pass
 
 
 def _run(job: Callable[[], Any], timeout: float | None) -> Any:
@@ -409,12 +421,7 @@ def _run(job: Callable[[], Any], timeout: float | None) -> Any:
     process-global replays (default dtype, determinism, matmul precision) are
     in force, so ``finalize()``'s safety net (``_baseline.Baseline``) puts
     back the state finalize began with before the next variant and before it
-    returns.  The worker's late restore writes back what it found on entry --
-    that same state -- so it changes nothing, unless the caller has changed
-    those globals meanwhile (or a later variant of the same finalize is being
-    captured under other process-global states at that moment: that capture
-    may then see them undone).  A ``KeyboardInterrupt`` raised in the worker
-    is re-raised here."""
+    returns.  A ``KeyboardInterrupt`` raised in the worker is re-raised here."""
     if timeout is None:
         return job()
     box: dict[str, Any] = {}
@@ -433,4 +440,3 @@ def _run(job: Callable[[], Any], timeout: float | None) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
-

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._version import __version__
 
 __all__ = ["main"]
 
@@ -46,14 +50,19 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _explain(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from ._json import loads
     from .explain import Explanation
 
-    try:
-        doc = json.loads(Path(ns.report).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{ns.report}: not a JSON document ({exc.msg})") from None
+    data = Path(ns.report).read_bytes()
+    if data[:4] == b"PK\x03\x04":
+        raise ValueError(f"{ns.report}: a saved capture (.pt2 archive), not a report; explain "
+                         "reads a report written by report.save() (see ctxreplay inspect "
+                         "for saved captures)")
+    doc = loads(data, "$", source=ns.report)
+    if not isinstance(doc, Mapping) or not str(doc.get("schema", "")).startswith(
+            "ctxreplay.report/"):
+        raise ValueError(f"{ns.report}: not a report written by report.save() (see ctxreplay "
+                         "inspect for manifests and sidecars)")
     try:
         explanation = Explanation.from_report_json(doc)
     except ValueError as exc:
@@ -67,9 +76,193 @@ def _explain(ns: argparse.Namespace) -> int:
     return 0
 
 
+# -- inspect and check ---------------------------------------------------------------
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  " + head[-1]]
+    lines.append("-" * len(lines[0]))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    return "\n".join(lines)
+
+
+def _tensors(node: Any, out: list[str]) -> None:
+    if isinstance(node, Mapping):
+        t = node.get("tensor")
+        if isinstance(t, Mapping):
+            shape = ",".join(str(d) for d in t.get("shape", []))
+            out.append(f"{t.get('dtype', '?')}[{shape}]")
+            return
+        for v in node.values():
+            _tensors(v, out)
+    elif isinstance(node, list):
+        for v in node:
+            _tensors(v, out)
+
+
+def _signature(inputs: Any) -> str:
+    found: list[str] = []
+    if isinstance(inputs, Mapping):
+        _tensors([inputs.get("args"), inputs.get("kwargs")], found)
+    shown = " ".join(found[:3]) + (f" +{len(found) - 3}" if len(found) > 3 else "")
+    return shown or "-"
+
+
+def _members(names: Sequence[str]) -> str:
+    if len(names) <= 2:
+        return ",".join(names) or "-"
+    return f"{names[0]},{names[1]} +{len(names) - 2}"
+
+
+def _fidelity(doc: Any) -> str:
+    if not isinstance(doc, Mapping):
+        return "-"
+    checked = "+".join(str(c) for c in doc.get("checked", [])) or str(doc.get("level", "?"))
+    from .verify import fidelity_status
+
+    try:
+        status = fidelity_status(doc, "fidelity")
+    except ValueError:
+        return "unreadable"
+    words = {"ok": "ok", "ok_with_needs": "ok where its needs hold", "failed": "NOT OK",
+             "unchecked": "not checked"}[status]
+    return f"{words} ({checked})"
+
+
+def _environment(env: Any) -> str:
+    if not isinstance(env, Mapping):
+        return "environment not recorded"
+    device = str(env.get("device", "?"))
+    if env.get("capability"):
+        device += f" {env['capability']}"
+    return (f"ctxreplay {env.get('ctxreplay', '?')}, torch {env.get('torch', '?')}, "
+            f"python {env.get('python', '?')}, device {device}")
+
+
+def _capture_rows(caps: list[tuple[Mapping[str, Any], str, str]]) -> list[tuple[str, ...]]:
+    return [(f"{c.get('scope')}#{c.get('variant')}", _members(c.get("members", [])),
+             str(c.get("weights_from") or "-"), _signature(c.get("inputs")),
+             _fidelity(c.get("fidelity")), saved, where) for c, saved, where in caps]
+
+
+_HEAD = ("capture", "members", "weights", "inputs", "fidelity", "saved", "file")
+
+
+def _failure_lines(failures: Any, problems: Any) -> list[str]:
+    lines = []
+    for f in failures if isinstance(failures, list) else []:
+        if isinstance(f, Mapping):
+            lines.append(f"failed: {f.get('scope')}#{f.get('variant')} {f.get('reason')} "
+                         f"({f.get('backend')})")
+    for p in problems if isinstance(problems, list) else []:
+        if isinstance(p, Mapping):
+            lines.append(f"problem: {p.get('reason')}" +
+                         (f" ({p.get('scope')})" if p.get("scope") else ""))
+    return lines
+
+
+def _inspect(ns: argparse.Namespace) -> int:
+    from .loading import detect
+    from .manifest import read_manifest
+
+    kind, target, data = detect(ns.path)
+    caps: list[tuple[Mapping[str, Any], str, str]] = []
+    if kind == "manifest":
+        doc = read_manifest(target, data)
+        for e in doc.entries:
+            ok = {"failed": "NOT OK", "unchecked": "unchecked"}.get(e.saved or "", "ok")
+            saved = f"no: {e.not_saved}" if e.not_saved else ok
+            caps.append((e.capture, saved, e.artifact or "-"))
+        print(f"manifest {target} ({len(doc.entries)} captures; report "
+              f"{'ok' if doc.ok else 'not ok'}; {_environment(doc.environment)})")
+        extra = _failure_lines(data.get("failures"), data.get("problems"))
+    elif kind == "report":
+        for c in data.get("captures", []) if isinstance(data.get("captures"), list) else []:
+            if isinstance(c, Mapping):
+                caps.append((c, "-", "-"))
+        print(f"report {target} ({len(caps)} captures; "
+              f"{'ok' if data.get('ok') is True else 'not ok'}; "
+              f"{_environment(data.get('environment'))})")
+        extra = _failure_lines(data.get("failures"), data.get("problems"))
+    else:
+        from .artifact import read_sidecar
+
+        side = read_sidecar(target)
+        doc_ = side.document
+        saved = _fidelity(doc_.get("saved_fidelity"))
+        caps.append(({**doc_, "weights_from": side.weights_from, "members": side.members},
+                      saved, side.artifact.name))
+        print(f"saved capture {side.artifact} ({_environment(doc_.get('environment'))})")
+        extra = [f"context: {name}={text}" for name, text in side.snapshot.describe().items()]
+        extra.append(f"carried by the artifact: {', '.join(side.embedded) or '-'}; to "
+                     f"re-establish where it runs: {', '.join(side.ambient_only) or '-'}")
+    print(_table(_HEAD, _capture_rows(caps)))
+    for line in extra:
+        print(line)
+    return 0
+
+
+def _check(ns: argparse.Namespace) -> int:
+    from .loading import (
+        LoadedManifest,
+        Needs,
+        detect,
+        load,
+        merge_differences,
+        needs_from_document,
+        static_differences,
+    )
+    from .snapshot import describe_state
+
+    kind, target, data = detect(ns.path)
+    notes: list[str] = []
+    needs: list[Needs] = []
+    if kind == "report":
+        caps = data.get("captures", [])
+        if not isinstance(caps, list):
+            raise ValueError("$.captures: expected a list")
+        env = data.get("environment")
+        needs = [needs_from_document(c, env if isinstance(env, Mapping) else None,
+                                     f"$.captures[{i}]") for i, c in enumerate(caps)]
+        if data.get("ok") is not True:
+            notes.append("the report was not ok when saved")
+    else:
+        src = load(target)
+        captures = src.captures if isinstance(src, LoadedManifest) else (src,)
+        needs = [c.needs for c in captures]
+        if isinstance(src, LoadedManifest):
+            notes += [f"not saved: {label} ({reason})" for label, reason in src.not_saved]
+            notes += [f"failed: {s}#{v} {reason} ({backend})"
+                      for s, v, backend, reason in src.failures]
+            notes += [f"problem: {reason}" for reason in src.problems]
+    found = merge_differences(d for n in needs for d in static_differences(n, ns.ignore))
+    # the ambient states a caller must establish around each call: a command
+    # line process has none of them, so they are listed, not checked
+    around: dict[str, list[str]] = {}
+    for n in needs:
+        for name, probe, state in zip(n.snapshot.names, n.snapshot.probes, n.snapshot.states):
+            if name in n.ambient_only and name not in ns.ignore:
+                around.setdefault(f"{name}={describe_state(probe, state)}", []).append(n.label)
+    for d in found:
+        print(d.text)
+    for line in notes:
+        print(line)
+    for what, labels in around.items():
+        shown = ", ".join(labels[:4]) + (", ..." if len(labels) > 4 else "")
+        print(f"establish around each call: {what} [{shown}]")
+    if found or notes:
+        print(f"ctxreplay check: {target}: NOT OK ({len(found)} differences, "
+              f"{len(notes)} other findings)", file=sys.stderr)
+        return 1
+    print(f"ok: {target} can run in this environment, as it was verified "
+          f"({len(needs)} captures)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ctxreplay", description="Faithful deferred graph capture for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"ctxreplay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("probes", help="list registered probes")
     p.set_defaults(func=_probes)
@@ -87,7 +280,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("report", metavar="REPORT.json", help="a report written by report.save() "
                    "(e.g. ctxreplay demo --json PATH)")
     p.set_defaults(func=_explain)
-    ns = parser.parse_args(argv)
+    p = sub.add_parser("inspect", help="print the captures, members, signatures, fidelity and "
+                                       "failures of a saved artifact")
+    p.add_argument("path", metavar="PATH", help="a manifest directory (report.save_all), a "
+                   "manifest.json, a .pt2 or its sidecar, or a report JSON")
+    p.set_defaults(func=_inspect)
+    p = sub.add_parser("check", help="check a saved artifact against this process; exit 1 "
+                                     "when something it needs differs")
+    p.add_argument("path", metavar="PATH", help="as for inspect")
+    p.add_argument("--ignore", action="append", default=[], metavar="PROBE",
+                   help="a probe not to check (you vouch for it); repeatable")
+    p.set_defaults(func=_check)
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as exc:  # --version, --help, or a usage error (already printed)
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     try:
         return int(ns.func(ns))
     except (ValueError, KeyError, OSError) as exc:

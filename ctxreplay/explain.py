@@ -1,37 +1,40 @@
 """Which probes changed a captured graph: recapture with each one left out.
 
-``report.explain(model)`` recaptures every capture of a report once per
-probe whose observed state is not neutral, with that probe's replay left
-out (``capture.snapshot.without(name)``), and compares the graphs node by
-node: ops and their dtypes.  The module must be passed again because a
-finalized session keeps no reference to it.
+``explain_captures`` recaptures every capture once per probe whose observed
+state is not neutral, with that probe's replay left out
+(``capture.snapshot.without(name)``), and compares the graphs node by node:
+ops and their dtypes.  A capture whose context can no longer be replayed
+(its live states were released by ``finalize()``) is reported
+``unavailable`` -- never blamed on a probe.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 from torch import nn
 
 from ._json import read_int, read_list, read_mapping, read_str
-from .backends import Backend, get_backend
+from .backends import BUILTIN_BACKENDS, Backend, get_backend
+from .capture import CaptureFailed, recapture
+from .records import Capture, CaptureOptions
 from .signature import Spec, TensorSpec, flatten_spec
-
-if TYPE_CHECKING:
-    from .report import Capture, CaptureReport
+from .snapshot import ContextSnapshot
+from .verify import is_neutral
 
 __all__ = ["STATUSES", "CaptureExplanation", "Explanation", "ProbeEffect", "compare_ops",
-           "explain", "explain_capture"]
+           "explain_capture", "explain_captures"]
 
 #: ``changed``: leaving the probe out changes the graph; ``no effect``: it does
 #: not; ``neutral``: its state is what a fresh process has, so leaving it out
 #: cannot change anything and no recapture is made; ``failed``: the capture
-#: without it failed (``reason`` says why -- itself a sign the probe matters).
-STATUSES = ("changed", "no effect", "neutral", "failed")
-_BUILTIN_BACKENDS = ("export", "dynamo", "symbolic")
+#: without it failed (``reason`` says why -- itself a sign the probe matters);
+#: ``unavailable``: the capture's context can no longer be replayed (live
+#: states released by ``finalize()``; explain with ``finalize(explain=True)``).
+STATUSES = ("changed", "no effect", "neutral", "failed", "unavailable")
 
 
 @attrs.frozen
@@ -40,8 +43,10 @@ class ProbeEffect:
 
     ``retyped``: nodes with the same op but another dtype; ``added`` /
     ``removed``: nodes only in the graph without the probe / only in the
-    faithful one; ``changed`` is their sum.  ``outputs``: the graph output
-    dtypes without the probe when they differ from the faithful ones.
+    faithful one; ``constants``: nodes with the same op whose non-tensor
+    arguments differ (a scale, a dim, a flag); ``changed`` is their sum.
+    ``outputs``: the graph output dtypes without the probe when they differ
+    from the faithful ones.
     """
 
     probe: str
@@ -54,6 +59,7 @@ class ProbeEffect:
     outputs: tuple[str, ...] = ()
     live_outputs: tuple[str, ...] = ()
     reason: str | None = None
+    constants: int = 0
 
     def describe(self) -> str:
         """One line for the table."""
@@ -61,10 +67,14 @@ class ProbeEffect:
             return "no effect (neutral state: nothing to replay)"
         if self.status == "failed":
             return f"capture fails without it: {self.reason}"
+        if self.status == "unavailable":
+            return (f"not explained: {self.reason} (a live state was released by "
+                    "finalize(); explain with finalize(explain=True))")
         if self.status == "no effect":
             return "no effect"
         text = (f"{self.changed} node{'s' if self.changed != 1 else ''} changed "
-                f"({self.retyped} retyped, +{self.added}, -{self.removed})")
+                f"({self.retyped} retyped, +{self.added}, -{self.removed}"
+                + (f", {self.constants} constants" if self.constants else "") + ")")
         if self.outputs:
             text += f"; outputs {','.join(self.live_outputs)} -> {','.join(self.outputs)}"
         return text
@@ -72,17 +82,18 @@ class ProbeEffect:
     def to_json(self) -> dict[str, Any]:
         return {"probe": self.probe, "state": self.state, "status": self.status,
                 "changed": self.changed, "retyped": self.retyped, "added": self.added,
-                "removed": self.removed, "outputs": list(self.outputs),
+                "removed": self.removed, "constants": self.constants,
+                "outputs": list(self.outputs),
                 "live_outputs": list(self.live_outputs), "reason": self.reason}
 
     @classmethod
     def from_json(cls, data: object, path: str = "$") -> ProbeEffect:
         """Strict inverse of ``to_json``; ``ValueError`` naming the path."""
         keys = {"probe", "state", "status", "changed", "retyped", "added", "removed",
-                "outputs", "live_outputs", "reason"}
+                "constants", "outputs", "live_outputs", "reason"}
         doc = read_mapping(data, path, keys=keys, required={"probe", "state", "status"})
         counts = {k: read_int(doc.get(k, 0), f"{path}.{k}", lo=0)
-                  for k in ("changed", "retyped", "added", "removed")}
+                  for k in ("changed", "retyped", "added", "removed", "constants")}
         reason = doc.get("reason")
         return cls(
             read_str(doc["probe"], f"{path}.probe"),
@@ -184,6 +195,23 @@ def _dtypes(spec: Spec | None) -> tuple[str, ...]:
                  if isinstance(s, TensorSpec))
 
 
+def compare_args(faithful: Sequence[tuple[str, str | None]], faithful_args: Sequence[str],
+                 other: Sequence[tuple[str, str | None]], other_args: Sequence[str]) -> int:
+    """Nodes with the same op in both graphs whose non-tensor arguments
+    (constants, dims, flags) differ, aligned as ``compare_ops`` aligns them."""
+    if len(faithful_args) != len(faithful) or len(other_args) != len(other):
+        return 0
+    a = [op for op, _ in faithful]
+    b = [op for op, _ in other]
+    differ = 0
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            differ += sum(faithful_args[i] != other_args[j]
+                          for i, j in zip(range(i1, i2), range(j1, j2)))
+    return differ
+
+
 def compare_ops(faithful: Sequence[tuple[str, str | None]],
                 other: Sequence[tuple[str, str | None]]) -> tuple[int, int, int]:
     """``(retyped, added, removed)`` between two graphs' ``(op, dtype)`` lists,
@@ -202,8 +230,15 @@ def compare_ops(faithful: Sequence[tuple[str, str | None]],
     return retyped, added, removed
 
 
-def _module_for(model: nn.Module, capture: Capture) -> nn.Module | None:
-    for name in capture.members or ("",):
+def _module_for(model: nn.Module | Mapping[str, nn.Module],
+                capture: Capture) -> nn.Module | None:
+    names = (capture.weights_from, *capture.members) if capture.weights_from else capture.members
+    for name in names or ("",):
+        if isinstance(model, Mapping):
+            found = model.get(name)
+            if found is not None:
+                return found
+            continue
         try:
             return model.get_submodule(name) if name else model
         except AttributeError:
@@ -211,80 +246,81 @@ def _module_for(model: nn.Module, capture: Capture) -> nn.Module | None:
     return None
 
 
-def _backend_for(capture: Capture, backend: object) -> Backend | None:
-    if backend is not None:
-        return get_backend(backend)
-    if capture.backend in _BUILTIN_BACKENDS:
+def _backend_for(capture: Capture, options: CaptureOptions, reuse: bool) -> Backend | None:
+    if not reuse:
+        return options.backend
+    if capture.backend in BUILTIN_BACKENDS:
         return get_backend(capture.backend)
+    if capture.backend == options.backend.name:
+        return options.backend
     return None
 
 
-def explain_capture(capture: Capture, module: nn.Module, *, backend: object = None,
-                    replay: str = "embedded", pin_factories: bool = True,
+def _replayable(snapshot: ContextSnapshot) -> str | None:
+    """Why ``snapshot`` cannot be replayed any more (``None``: it can)."""
+    try:
+        with snapshot.replay():
+            pass
+    except Exception:
+        return "replay_released"
+    return None
+
+
+def explain_capture(capture: Capture, module: nn.Module, options: CaptureOptions, *,
+                    backend: Backend | None = None,
                     include_neutral: bool = False) -> CaptureExplanation:
-    """Probe effects for one capture; ``module`` is the module it captured.
-
-    ``backend``: ``None`` reuses the backend that made the capture (a custom
-    backend must be passed again).  ``include_neutral`` recaptures probes in
-    their neutral state too (useful when the ambient state at explain time
-    is not neutral).
-    """
-    from .capture import Failed, recapture
-
-    real = _backend_for(capture, backend)
+    """Probe effects for one capture; ``module`` is the member it captured.
+    ``include_neutral`` recaptures probes in their neutral state too (useful
+    when the ambient state at explain time is not neutral)."""
+    real = backend
+    snap = capture.snapshot
+    described = snap.describe()
+    gone = _replayable(snap)
     effects = []
     live = _dtypes(capture.graph_outputs)
-    for name, probe, state in zip(capture.snapshot.names, capture.snapshot.probes,
-                                  capture.snapshot.states):
-        described = capture.snapshot.describe()[name]
-        if not include_neutral and _neutral(probe, state):
-            effects.append(ProbeEffect(name, described, "neutral"))
+    for name, probe, state in zip(snap.names, snap.probes, snap.states):
+        if not include_neutral and is_neutral(probe, state):
+            effects.append(ProbeEffect(name, described[name], "neutral"))
+            continue
+        if gone is not None:
+            effects.append(ProbeEffect(name, described[name], "unavailable", reason=gone))
             continue
         if real is None:
-            effects.append(ProbeEffect(name, described, "failed",
+            effects.append(ProbeEffect(name, described[name], "failed",
                                        reason="backend_unavailable"))
             continue
         try:
-            other = recapture(capture, module, capture.snapshot.without(name), backend=real,
-                              replay=replay, pin_factories=pin_factories)
-        except Failed as f:
-            effects.append(ProbeEffect(name, described, "failed", reason=f.failure.reason))
+            other = recapture(capture, module, attrs.evolve(options, backend=real),
+                              snapshot=snap.without(name))
+        except CaptureFailed as f:
+            effects.append(ProbeEffect(name, described[name], "failed",
+                                       reason=f.failure.reason))
             continue
         retyped, added, removed = compare_ops(capture.ops, other.ops)
+        constants = compare_args(capture.ops, capture.op_args, other.ops, other.op_args)
         outs = _dtypes(other.graph_outputs)
-        changed = retyped + added + removed
+        changed = retyped + added + removed + constants
         status = "changed" if changed or outs != live else "no effect"
-        effects.append(ProbeEffect(name, described, status, changed, retyped, added, removed,
-                                   outs if outs != live else (),
-                                   live if outs != live else ()))
+        effects.append(ProbeEffect(name, described[name], status, changed, retyped, added,
+                                   removed, outs if outs != live else (),
+                                   live if outs != live else (), constants=constants))
     return CaptureExplanation(capture.scope, capture.variant, tuple(effects))
 
 
-def explain(report: CaptureReport, model: nn.Module, *, backend: object = None,
-            include_neutral: bool = False) -> Explanation:
-    """Probe effects for every capture of ``report``; ``model`` is the module
-    that was passed to ``capture_with``.  Results are stored on the report,
-    so ``report.to_json()`` carries them under each capture's ``explain``."""
-    settings: Mapping[str, Any] = report.settings
-    replay = str(settings.get("replay", "embedded"))
-    pin = bool(settings.get("pin_factories", True))
+def explain_captures(captures: Iterable[Capture],
+                     model: nn.Module | Mapping[str, nn.Module], options: CaptureOptions, *,
+                     include_neutral: bool = False, reuse_backend: bool = True) -> Explanation:
+    """Probe effects for every capture; ``model`` is the module that was
+    passed to ``capture_with`` (or member name -> module)."""
     out = []
-    for c in report.captures:
+    for c in captures:
         module = _module_for(model, c)
         if module is None:
             effects = tuple(ProbeEffect(n, d, "failed", reason="module_not_found")
                             for n, d in c.snapshot.describe().items())
-            ce = CaptureExplanation(c.scope, c.variant, effects)
-        else:
-            ce = explain_capture(c, module, backend=backend, replay=replay,
-                                 pin_factories=pin, include_neutral=include_neutral)
-        report.explanations[(c.scope, c.variant)] = ce
-        out.append(ce)
+            out.append(CaptureExplanation(c.scope, c.variant, effects))
+            continue
+        out.append(explain_capture(c, module, options,
+                                   backend=_backend_for(c, options, reuse_backend),
+                                   include_neutral=include_neutral))
     return Explanation(tuple(out))
-
-
-def _neutral(probe: Any, state: Any) -> bool:
-    try:
-        return bool(probe.neutral(state))
-    except Exception:
-        return False

@@ -1,12 +1,106 @@
-"""Graph passes that make an artifact independent of ambient defaults."""
+"""Graph passes and graph facts: pinning ambient defaults into a graph,
+lowering context wrappers to explicit casts, and the op summary that
+fingerprints and explanations compare."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["pin_factory_defaults"]
+__all__ = ["WRAPPER_HOPS", "graph_code", "graph_nodes", "graph_op_args", "graph_ops",
+           "has_collectives",
+           "has_wrapper_hops", "lower_wrappers", "pin_factory_defaults"]
+
+#: higher-order ops export records for contexts entered inside the traced
+#: callable; torch.export.save rejected them on older torch (DESIGN.md fact 4)
+WRAPPER_HOPS = frozenset({"wrap_with_autocast", "wrap_with_set_grad_enabled"})
+
+
+def graph_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
+    """Every node of a graph and of the graphs nested in it (higher-order ops)."""
+    for mod in gm.modules():
+        if isinstance(mod, torch.fx.GraphModule):
+            yield from mod.graph.nodes
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return str(getattr(target, "__name__", None) or target)
+
+
+def graph_ops(gm: torch.fx.GraphModule) -> tuple[tuple[str, str | None], ...]:
+    """``(op, dtype of its result)`` for every call in ``gm`` and its subgraphs."""
+    out = []
+    for n in graph_nodes(gm):
+        if n.op != "call_function":
+            continue
+        val = n.meta.get("val")
+        dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else None
+        out.append((_op_name(n.target), dtype))
+    return tuple(out)
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.",
+                          "_c10d_functional_autograd.", "c10d.")
+
+
+def has_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` (or a nested graph) calls a collective: running it
+    communicates, so every rank of its group must run it together."""
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and str(n.target).startswith(_COLLECTIVE_NAMESPACES) for n in graph_nodes(gm))
+
+
+def _args_key(a: Any) -> Any:
+    if isinstance(a, torch.fx.Node):
+        return "%"
+    if isinstance(a, (list, tuple)):
+        return [_args_key(x) for x in a]
+    if isinstance(a, dict):
+        return {str(k): _args_key(v) for k, v in a.items()}
+    return repr(a)
+
+
+def graph_op_args(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """A short digest of each call's non-tensor arguments (constants, dims,
+    flags), in ``graph_ops`` order: two graphs with the same ops can still
+    differ here (``x * 2.0`` and ``x * 3.0``)."""
+    import hashlib
+
+    out = []
+    for n in graph_nodes(gm):
+        if n.op != "call_function":
+            continue
+        text = repr((_args_key(n.args), _args_key(dict(n.kwargs))))
+        out.append(hashlib.sha256(text.encode()).hexdigest()[:8])
+    return tuple(out)
+
+
+def graph_code(gm: torch.fx.GraphModule) -> str:
+    """The code of ``gm`` and of every graph nested in it (the bodies of
+    higher-order ops such as ``wrap_with_autocast``), in module order: two
+    graphs with equal code compute the same thing from the same inputs."""
+    return "\n".join(f"# {name}\n{m.code}" for name, m in gm.named_modules()
+                     if isinstance(m, torch.fx.GraphModule))
+
+
+def has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` (or a graph nested in it) holds a context-wrapper HOP."""
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in WRAPPER_HOPS
+               for n in graph_nodes(gm))
+
+
+def lower_wrappers(ep: Any) -> Any:
+    """An ExportedProgram with context-wrapper higher-order ops lowered to
+    explicit casts (or the same program when it has none)."""
+    if has_wrapper_hops(ep.graph_module):
+        # an empty table decomposes no op: it only re-traces, which turns
+        # the context wrappers into explicit casts
+        return ep.run_decompositions({})
+    return ep
 
 _aten = torch.ops.aten
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["ContextProbe", "NotPortableError", "restoring"]
+__all__ = ["ContextProbe", "NotPortableError", "applying", "restoring"]
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -121,6 +121,26 @@ class ContextProbe(abc.ABC, Generic[S]):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+@contextmanager
+def applying(observe: Callable[[], T], apply: Callable[[T], object], state: T
+             ) -> Iterator[None]:
+    """Establish ``state`` with ``apply`` and put back what ``observe`` saw --
+    on exit, on error, and when ``apply`` fails halfway."""
+    before = observe()
+    if before == state:
+        yield
+        return
+    try:
+        apply(state)
+    except BaseException:
+        apply(before)
+        raise
+    try:
+        yield
+    finally:
+        apply(before)
 
 
 @contextmanager

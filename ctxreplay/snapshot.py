@@ -19,9 +19,15 @@ try:  # torch's C-level snapshot of global state; ~0.2 us (DESIGN.md fact 8)
 except ImportError:  # pragma: no cover - very old or stripped torch
     _GlobalStateGuard = None
 
-__all__ = ["SCHEMA", "ContextSnapshot", "Observer", "ProbeDiff", "Unresolved", "snapshot"]
+__all__ = ["DECODE_MODES", "SCHEMA", "ContextSnapshot", "Observer", "ProbeDiff",
+           "ProbeObservationError", "UnknownProbe", "UnknownProbeWarning", "UnknownState",
+           "Unresolved", "describe_state", "snapshot"]
 
 SCHEMA = "ctxreplay.snapshot/1"
+
+#: ``from_json(unknown=...)``: refuse a probe this process does not have, or
+#: load its state as an opaque placeholder
+DECODE_MODES = ("error", "opaque")
 
 
 @attrs.frozen
@@ -30,6 +36,48 @@ class Unresolved:
 
     probe: str
     state_type: str
+
+
+@attrs.frozen
+class UnknownState(Unresolved):
+    """The state of a probe this process does not have (``from_json(...,
+    unknown="opaque")``): kept as the document wrote it -- ``state`` is its
+    canonical JSON, ``""`` when it was not portable -- never replayed."""
+
+    state: str = ""
+
+
+class UnknownProbeWarning(UserWarning):
+    """A document named probes this process does not have; their states were
+    loaded as opaque placeholders that cannot be replayed."""
+
+
+class UnknownProbe(ContextProbe[Any]):
+    """Stands in for a probe a document names and this process does not have.
+
+    It cannot observe or replay anything; it writes the state it was read
+    with back unchanged, so a document passes through this process intact."""
+
+    portable = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.description = "a probe this process does not have"
+
+    def observe(self) -> Any:
+        raise LookupError(f"probe {self.name!r} is not registered in this process")
+
+    def replay(self, state: Any) -> AbstractContextManager[None]:
+        raise LookupError(f"probe {self.name!r} is not registered in this process; "
+                          "its state cannot be replayed")
+
+    def encode(self, state: Any) -> Any:
+        if isinstance(state, UnknownState) and state.state:
+            return json.loads(state.state)
+        raise NotPortableError(self.name)
+
+    def describe(self, state: Any) -> str:
+        return "<unknown probe>"
 
 
 @attrs.frozen
@@ -74,12 +122,18 @@ class ContextSnapshot:
 
     @property
     def unresolved(self) -> tuple[str, ...]:
-        """Probes whose state could not be carried from a document."""
+        """Probes whose state could not be carried from a document (unknown
+        probes included)."""
         return tuple(n for n, s in self.items() if isinstance(s, Unresolved))
+
+    @property
+    def unknown(self) -> tuple[str, ...]:
+        """Probes the document named that this process does not have."""
+        return tuple(n for n, s in self.items() if isinstance(s, UnknownState))
 
     def describe(self) -> dict[str, str]:
         """Probe name -> short human-readable state."""
-        return {n: _describe(p, s) for n, p, s in zip(self.names, self.probes, self.states)}
+        return {n: describe_state(p, s) for n, p, s in zip(self.names, self.probes, self.states)}
 
     def without(self, *names: str) -> ContextSnapshot:
         """The same snapshot with some probes left out."""
@@ -92,6 +146,11 @@ class ContextSnapshot:
 
     # -- replay -------------------------------------------------------------
     def _check_resolved(self) -> None:
+        unknown = self.unknown
+        if unknown:
+            raise ValueError(
+                f"cannot replay: probe(s) {', '.join(unknown)} are not registered in this "
+                "process; register them, or pass instances to from_json(probes=...)")
         bad = self.unresolved
         if bad:
             raise ValueError(
@@ -162,8 +221,8 @@ class ContextSnapshot:
                 continue
             out.append(ProbeDiff(
                 name,
-                None if a is None else _describe(*a),
-                None if b is None else _describe(*b),
+                None if a is None else describe_state(*a),
+                None if b is None else describe_state(*b),
             ))
         return tuple(out)
 
@@ -172,6 +231,9 @@ class ContextSnapshot:
         """A JSON-safe dict.  A state that is not portable is marked, not dropped."""
         probes: dict[str, Any] = {}
         for name, probe, state in zip(self.names, self.probes, self.states):
+            if isinstance(state, UnknownState) and state.state:
+                probes[name] = {"portable": True, "state": json.loads(state.state)}
+                continue
             if isinstance(state, Unresolved):
                 probes[name] = {"portable": False, "type": state.state_type}
                 continue
@@ -196,13 +258,21 @@ class ContextSnapshot:
         probes: Iterable[ContextProbe[Any]] | Mapping[str, ContextProbe[Any]] | None = None,
         *,
         path: str = "$",
+        unknown: str = "error",
     ) -> ContextSnapshot:
         """Rebuild a snapshot from ``to_json()`` output, validating every field.
 
         ``probes`` supplies instances for names the registry does not hold (a
         user's forward-context probe).  Any malformed input raises
         ``ValueError`` naming the path; nothing is executed or unpickled.
+        ``unknown``: ``"error"`` refuses a probe name neither the registry nor
+        ``probes`` holds; ``"opaque"`` loads its state as an
+        :class:`UnknownState` of an :class:`UnknownProbe` (listed by
+        ``.unknown``; it cannot be replayed, and is written back unchanged).
+        Its state is still checked to be plain JSON, and bounded.
         """
+        if unknown not in DECODE_MODES:
+            raise ValueError(f"unknown: {unknown!r} is not one of {list(DECODE_MODES)}")
         doc = read_mapping(data, path, keys={"schema", "probes"}, required={"schema", "probes"})
         schema = read_str(doc["schema"], f"{path}.schema")
         if schema != SCHEMA:
@@ -225,10 +295,15 @@ class ContextSnapshot:
                 try:
                     probe = registry.get_probe(name)
                 except registry.UnknownProbeError as exc:
-                    raise ValueError(f"{where}: {exc}") from None
+                    if unknown == "error":
+                        raise ValueError(f"{where}: {exc}") from None
+                    probe = UnknownProbe(name)
             entry = read_mapping(entries[name], where, keys={"portable", "state", "type"},
                                  required={"portable"})
-            if read_bool(entry["portable"], f"{where}.portable"):
+            state: Any
+            if isinstance(probe, UnknownProbe):
+                state = _unknown_state(name, entry, where)
+            elif read_bool(entry["portable"], f"{where}.portable"):
                 if "state" not in entry:
                     raise ValueError(f"{where}.state: missing required field")
                 try:
@@ -252,7 +327,27 @@ class ContextSnapshot:
         return cls(tuple(names), tuple(states), tuple(insts))
 
 
-def _describe(probe: ContextProbe[Any], state: Any) -> str:
+_MAX_UNKNOWN_STATE = 4096  # characters of an unknown probe's state kept verbatim
+
+
+def _unknown_state(name: str, entry: Any, where: str) -> UnknownState:
+    if not read_bool(entry["portable"], f"{where}.portable"):
+        return UnknownState(name, read_str(entry.get("type", "?"), f"{where}.type"))
+    if "state" not in entry:
+        raise ValueError(f"{where}.state: missing required field")
+    try:
+        text = json.dumps(entry["state"], sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}.state: expected plain JSON") from None
+    if len(text) > _MAX_UNKNOWN_STATE:
+        raise ValueError(f"{where}.state: longer than {_MAX_UNKNOWN_STATE} characters")
+    return UnknownState(name, "unknown", text)
+
+
+def describe_state(probe: ContextProbe[Any], state: Any) -> str:
+    """``probe.describe(state)`` as one short printable line; never raises."""
+    if isinstance(state, UnknownState):
+        return "<unknown probe>"
     if isinstance(state, Unresolved):
         return f"<not portable: {state.state_type}>"
     try:
@@ -271,57 +366,115 @@ def _null_stack() -> AbstractContextManager[None]:
     return nullcontext()
 
 
+class ProbeObservationError(RuntimeError):
+    """A probe raised while observing; ``probe`` names it, ``__cause__`` is
+    what it raised."""
+
+    def __init__(self, probe: str, exc: BaseException) -> None:
+        super().__init__(f"probe {probe!r} could not observe the current state: "
+                         f"{type(exc).__name__}: {exc}")
+        self.probe = probe
+        self.exc_type = type(exc).__name__
+
+
+_Checks = tuple[tuple[Any, Any], ...]
+_NEVER: _Checks = ((lambda: True, False),)  # a watch that failed: never reuse the snapshot
+
+
+def _watch(probe: ContextProbe[Any], state: Any, forward: bool) -> _Checks:
+    try:
+        return tuple(probe.watch_forward(state) if forward else probe.watch(state))
+    except Exception:
+        return _NEVER
+
+
 class Observer:
     """Observes a fixed tuple of probes, cheaply.
 
     The last snapshot is reused while torch's ``GlobalStateGuard`` still holds
-    and every probe's ``watch`` getter still returns what it returned;
-    ``guarded`` probes only watch what the guard is blind to (DESIGN.md
-    fact 12).  Identical states give the
-    identical snapshot object, so variant keys hash and compare by identity.
+    and every probe's ``watch`` getter still returns what it returned (the
+    cache tuple is ``(guard, snapshot, per-call checks, per-forward
+    checks)``).  ``watch_forward`` getters are checked by ``forward_changed``
+    -- once per call of the observed model -- or, with ``per_call=True``,
+    with the others on every call.  Identical states give the identical
+    snapshot object, so variant keys hash and compare by identity.  A probe
+    that raises makes ``ProbeObservationError`` naming it.
     """
 
-    __slots__ = ("_cache", "names", "probes")
+    __slots__ = ("cache", "names", "per_call", "probes")
 
-    def __init__(self, probes: tuple[ContextProbe[Any], ...]) -> None:
+    def __init__(self, probes: tuple[ContextProbe[Any], ...], *, per_call: bool = True) -> None:
         self.probes = probes
         self.names = tuple(p.name for p in probes)
-        self._cache: tuple[Any, ContextSnapshot, tuple[tuple[Any, Any], ...]] | None = None
+        self.per_call = per_call
+        self.cache: tuple[Any, ContextSnapshot, _Checks, _Checks] | None = None
 
     def __call__(self) -> ContextSnapshot:
-        cache = self._cache
-        if cache is not None:
-            guard, snap, checks = cache
-            if guard.check():
-                for getter, expected in checks:
+        cache = self.cache
+        if cache is not None and cache[0].check():
+            try:
+                for getter, expected in cache[2]:
                     if getter() != expected:
                         break
                 else:
-                    return snap
-        return self._observe(cache)
+                    return cache[1]
+            except Exception:  # a watched getter that raises: the state changed
+                pass
+        return self.refresh()
 
-    def _observe(self, cache: Any) -> ContextSnapshot:
+    def refresh(self) -> ContextSnapshot:
+        """Observe every probe now (and cache the result)."""
+        cache = self.cache
         guard = _GlobalStateGuard() if _GlobalStateGuard is not None else None
-        states = tuple(p.observe() for p in self.probes)
+        states = []
+        for p in self.probes:
+            try:
+                states.append(p.observe())
+            except Exception as exc:
+                raise ProbeObservationError(p.name, exc) from exc
+        state_tuple = tuple(states)
         snap: ContextSnapshot
-        if cache is not None and cache[1].states == states:
+        if cache is not None and cache[1].states == state_tuple:
             snap = cache[1]
         else:
-            snap = ContextSnapshot(self.names, states, self.probes)
+            snap = ContextSnapshot(self.names, state_tuple, self.probes)
         if guard is not None:
-            checks = tuple(c for p, s in zip(self.probes, states) for c in p.watch(s))
-            self._cache = (guard, snap, checks)
+            pairs = list(zip(self.probes, state_tuple))
+            every = tuple(c for p, s in pairs for c in _watch(p, s, False))
+            forward = tuple(c for p, s in pairs for c in _watch(p, s, True))
+            if self.per_call:
+                every, forward = every + forward, ()
+            self.cache = (guard, snap, every, forward)
         return snap
 
+    def forward_changed(self) -> bool:
+        """Whether a ``watch_forward`` getter disagrees with the cached
+        snapshot (which is then dropped)."""
+        cache = self.cache
+        if cache is None:
+            return False
+        try:
+            for getter, expected in cache[3]:
+                if getter() != expected:
+                    break
+            else:
+                return False
+        except Exception:  # a watched getter that raises: the state changed
+            pass
+        self.cache = None
+        return True
+
     def invalidate(self) -> None:
-        self._cache = None
+        self.cache = None
 
 
 _default_observer: tuple[int, Observer] | None = None
 
 
 def snapshot(probes: object = None) -> ContextSnapshot:
-    """Observe the given probes (the default set when ``None``) now."""
+    """Observe the given probes (the default set when ``None``) now.
+
+    A probe that cannot observe raises ``ProbeObservationError`` naming it."""
     global _default_observer
     if probes is None:
         cached = _default_observer

@@ -1,25 +1,140 @@
-"""Choosing the submodules to observe, and grouping them by structure."""
+"""Choosing the submodules to observe, grouping them by structure, and the
+identity that decides which members may share a capture."""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+import enum
+import hashlib
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["resolve_targets", "structure_key"]
+# torch's lazy modules hold these until their first forward
+_Uninitialized: type = getattr(nn.parameter, "UninitializedTensorMixin", type(None))
+
+__all__ = ["describe_identity_change", "identity_digest", "identity_of", "resolve_targets",
+           "structure_key", "training_of"]
+
+#: an object's address in a repr: never part of what is compared across processes
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    if isinstance(t, _Uninitialized):
+        return ("uninitialized", t.device.type)
+    return (tuple(t.shape), t.dtype, t.device.type)
 
 
 def structure_key(module: nn.Module) -> tuple[Any, ...]:
-    """Class plus parameter and buffer names, shapes and dtypes: members with
-    equal keys trace to the same graph up to parameter values."""
-    params = tuple((n, tuple(p.shape), p.dtype, p.device.type)
-                   for n, p in module.named_parameters())
-    bufs = tuple((n, tuple(b.shape), b.dtype, b.device.type)
-                 for n, b in module.named_buffers())
+    """Class plus parameter and buffer names, shapes and dtypes: the scope a
+    member is reported under.  (Whether members share a capture is decided
+    by ``identity_of``, which also looks at non-tensor state.)"""
+    params = tuple((n, *_tensor_key(p)) for n, p in module.named_parameters())
+    bufs = tuple((n, *_tensor_key(b)) for n, b in module.named_buffers())
     return (type(module), params, bufs)
+
+
+# nn.Module's own bookkeeping, not state a forward reads
+_INTERNALS = frozenset(nn.Module().__dict__) | {
+    "forward", "training", "_compiled_call_impl", "_is_torch_compile",
+    "__prepare_scriptable__"}
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.layout, torch.memory_format)
+_SKIP = object()
+_MAX_ITEMS = 256
+
+
+def _plain(value: Any, budget: list[int]) -> Any:
+    """A comparable form of a plain attribute, or ``_SKIP`` for state the
+    identity does not cover (modules, callables, identity-compared objects)."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return ("<too large>",)
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, enum.Enum):
+        return (type(value), value.name)
+    if isinstance(value, torch.Tensor):  # not a buffer: a constant of the graph
+        return ("tensor", *_tensor_key(value))
+    if isinstance(value, (tuple, list, frozenset, set)):
+        items = [_plain(v, budget) for v in value]
+        if any(i is _SKIP for i in items):
+            return _SKIP
+        return (type(value).__name__, tuple(sorted(items, key=repr)) if isinstance(
+            value, (set, frozenset)) else tuple(items))
+    if isinstance(value, dict):
+        if len(value) > _MAX_ITEMS:
+            return ("<too large>",)
+        items = [(k, _plain(v, budget)) for k, v in value.items() if isinstance(k, _PLAIN)]
+        return ("dict", tuple((k, v) for k, v in items if v is not _SKIP))
+    if isinstance(value, (nn.Module, type)) or callable(value):
+        return _SKIP
+    if getattr(type(value), "__eq__", object.__eq__) is not object.__eq__:
+        return value  # a value-comparable config object: compared with ==
+    return _SKIP
+
+
+def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...]:
+    """What decides whether two members trace to the same graph, up to
+    parameter values: per submodule, its class, parameter and buffer shapes,
+    ``training``, and its plain attributes (numbers, strings, enums, dtypes,
+    tuples of them, value-comparable config objects).  ``ignore``: attribute
+    names left out (e.g. a step counter a forward increments)."""
+    skip = _INTERNALS | set(ignore)
+    out: list[Any] = []
+    for path, m in module.named_modules(remove_duplicate=False):
+        budget = [4 * _MAX_ITEMS]
+        attrs_ = []
+        for k, v in m.__dict__.items():
+            if k in skip:
+                continue
+            p = _plain(v, budget)
+            if p is not _SKIP:
+                attrs_.append((k, p))
+        out.append((path, type(m).__qualname__, bool(m.training),
+                    tuple((n, *_tensor_key(t)) for n, t in m._parameters.items()
+                          if t is not None),
+                    tuple((n, *_tensor_key(t)) for n, t in m._buffers.items()
+                          if t is not None),
+                    tuple(attrs_)))
+    return tuple(out)
+
+
+def identity_digest(identity: tuple[Any, ...]) -> str:
+    """A short digest of an ``identity_of`` value, equal in every process for
+    equal state (object addresses left out).  Metadata only."""
+    return hashlib.sha256(ADDRESS.sub("", repr(identity)).encode()).hexdigest()[:16]
+
+
+def training_of(identity: tuple[Any, ...]) -> tuple[tuple[str, bool], ...]:
+    """``(submodule path, training)`` recorded in an identity."""
+    return tuple((entry[0], entry[2]) for entry in identity)
+
+
+def describe_identity_change(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
+    """The first difference between two identities as a short token (metadata
+    only: a submodule path and an attribute name, never a value):
+    ``submodules``, ``PATH:class``, ``PATH:training``, ``PATH:shapes`` or
+    ``PATH.ATTRIBUTE``."""
+    if len(before) != len(after):
+        return "submodules"
+    for a, b in zip(before, after):
+        where = a[0] or "."
+        if a[1] != b[1]:
+            return f"{where}:class"
+        if a[2] != b[2]:
+            return f"{where}:training"
+        if a[3] != b[3] or a[4] != b[4]:
+            return f"{where}:shapes"
+        da, db = dict(a[5]), dict(b[5])
+        for k in sorted(set(da) | set(db), key=str):
+            if da.get(k, _SKIP) != db.get(k, _SKIP):
+                return f"{where}.{k}" if a[0] else str(k)
+    return "none"
 
 
 def _is_stack(mod: nn.Module) -> bool:
@@ -63,10 +178,26 @@ def _repeated(named: dict[str, nn.Module]) -> list[tuple[str, nn.Module]]:
 
 
 def resolve_targets(root: nn.Module, targets: object) -> list[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` pairs to observe, in module order."""
+    """``(qualified name, module)`` pairs to observe, in module order; a
+    module reachable under several names is selected once, under the first
+    name the targets chose."""
+    return _unique(_resolve(root, targets))
+
+
+def _unique(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    seen: set[int] = set()
+    out = []
+    for name, mod in pairs:
+        if id(mod) not in seen:
+            seen.add(id(mod))
+            out.append((name, mod))
+    return out
+
+
+def _resolve(root: nn.Module, targets: object) -> list[tuple[str, nn.Module]]:
     if targets is None:
         return [("", root)]
-    named = dict(root.named_modules())
+    named = dict(root.named_modules(remove_duplicate=False))
     if targets == "repeated":
         return _repeated(named)
     if isinstance(targets, str):
@@ -94,6 +225,3 @@ def resolve_targets(root: nn.Module, targets: object) -> list[tuple[str, nn.Modu
         out.append((n, named[n]))
     return out
 
-
-def is_module(obj: object) -> bool:
-    return isinstance(obj, torch.nn.Module)

@@ -34,6 +34,7 @@ from .snapshot import ContextSnapshot, snapshot
 __all__ = ["GlobalState", "check_probe", "global_state", "leak_check", "state_changes"]
 
 S = TypeVar("S")
+T = TypeVar("T")
 
 _AUTOCAST_CANDIDATES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia",
                         "privateuseone")
@@ -75,8 +76,13 @@ class GlobalState(NamedTuple):
     cudnn_benchmark: bool
     cudnn_deterministic: bool
     cudnn_allow_tf32: bool
-    float32_matmul_precision: str
+    float32_matmul_precision: str  # "unavailable" where torch's getter raises (mixed APIs)
     torch_function_modes: int  # a leaked ``with torch.device(...)`` or other mode
+    # torch >= 2.9's per-backend values, ("backend.op", precision); () before
+    fp32_precision: tuple[tuple[str, str], ...] = ()
+    # scaled-dot-product-attention: (flag, enabled)..., the priority order and
+    # the math fp16/bf16 reduction flag (process-global, graph-affecting)
+    sdpa: tuple[object, ...] = ()
 
 
 def global_state() -> GlobalState:
@@ -97,10 +103,60 @@ def global_state() -> GlobalState:
         cudnn_enabled=bool(torch.backends.cudnn.enabled),
         cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
         cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
-        cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32),
-        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        cudnn_allow_tf32=_unless_mixed(torch._C._get_cudnn_allow_tf32, False),
+        float32_matmul_precision=_unless_mixed(torch._C._get_float32_matmul_precision,
+                                               "unavailable"),
         torch_function_modes=int(torch._C._len_torch_function_stack()),
+        fp32_precision=_fp32_precision(),
+        sdpa=_sdpa(),
     )
+
+
+_SDPA_GETTERS = tuple(
+    (n, g) for n in ("cudnn", "flash", "mem_efficient", "math", "overrideable", "fa3")
+    if (g := getattr(torch._C, f"_get_{n}_sdp_enabled", None)) is not None)
+_SDPA_EXTRA = tuple(g for g in (getattr(torch._C, "_get_sdp_priority_order", None),
+                                getattr(torch._C, "_get_math_sdp_allow_fp16_bf16_reduction",
+                                        None)) if g is not None)
+
+
+def _sdpa() -> tuple[object, ...]:
+    return (*((n, bool(g())) for n, g in _SDPA_GETTERS),
+            *(tuple(v) if isinstance(v := g(), list) else v for g in _SDPA_EXTRA))
+
+
+def _unless_mixed(get: Any, unavailable: T) -> T:
+    # torch >= 2.9's legacy getters raise once the per-backend API has set a
+    # state they cannot express: the oracle must describe it, not crash
+    try:
+        return get()  # type: ignore[no-any-return]
+    except RuntimeError:
+        return unavailable
+
+
+_FP32_GET = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+def _fp32_pairs() -> tuple[tuple[str, str], ...]:
+    if _FP32_GET is None:
+        return ()
+    out = []
+    for b in ("generic", "cuda", "mkldnn"):
+        for op in ("all", "matmul", "conv", "rnn"):
+            try:
+                _FP32_GET(b, op)
+            except RuntimeError:
+                continue
+            out.append((b, op))
+    return tuple(out)
+
+
+_FP32_PAIRS = _fp32_pairs()
+
+
+def _fp32_precision() -> tuple[tuple[str, str], ...]:
+    assert _FP32_GET is not None or not _FP32_PAIRS
+    return tuple((f"{b}.{op}", _FP32_GET(b, op)) for b, op in _FP32_PAIRS)  # type: ignore[misc]
 
 
 def state_changes(
@@ -212,28 +268,44 @@ class _Checker:
             finally:
                 self.expect_outside(label, check)
 
+    def watched(self, label: str, current: Any) -> tuple[tuple[Any, Any], ...]:
+        """``watch(current)`` and ``watch_forward(current)``; every getter must
+        return its expected value while ``current`` holds."""
+        checks: list[tuple[Any, Any]] = []
+        for method in ("watch", "watch_forward"):
+            try:
+                pairs = tuple(getattr(self.probe, method)(current))
+            except Exception as exc:
+                self.fail(label, f"{method}()", f"raised {type(exc).__name__}: {exc}")
+            for getter, expected in pairs:
+                try:
+                    got = getter()
+                except Exception as exc:
+                    self.fail(label, f"{method}() getters never raise",
+                              f"{getter!r}() raised {type(exc).__name__}: {exc}")
+                if got != expected:
+                    self.fail(label, f"{method}() while its state is current",
+                              f"{getter!r}() returned {got!r}, {method}() expected "
+                              f"{expected!r}")
+            checks.extend(pairs)
+        return tuple(checks)
+
     def expect_switch_seen(self, label: str, current: Any, new: Any) -> None:
-        """While ``current`` holds, ``watch(current)`` must hold; and replaying
-        ``new`` must trip GlobalStateGuard or one of those getters, else a
-        snapshot cached for ``current`` would be reused under ``new``."""
-        try:
-            checks = tuple(self.probe.watch(current))
-        except Exception as exc:
-            self.fail(label, "watch()", f"raised {type(exc).__name__}: {exc}")
-        for getter, expected in checks:
-            got = getter()
-            if got != expected:
-                self.fail(label, "watch() while its state is current",
-                          f"{getter!r}() returned {got!r}, watch() expected {expected!r}")
+        """While ``current`` holds, ``watch(current)`` and
+        ``watch_forward(current)`` must hold; and replaying ``new`` must trip
+        GlobalStateGuard or one of those getters, else a snapshot cached for
+        ``current`` would be reused under ``new``."""
+        checks = self.watched(label, current)
         guard = GlobalStateGuard()
         with self.replay(label, new):
             if guard.check() and all(g() == e for g, e in checks):
                 self.fail(label, "the switch is visible to a cached snapshot",
                           f"from {_describe(self.probe, current)} to "
                           f"{_describe(self.probe, new)} neither GlobalStateGuard nor "
-                          "watch() sees a change, so a snapshot cached before the switch "
-                          "would be reused; watch() must list the getters the guard "
-                          "is blind to")
+                          "watch() nor watch_forward() sees a change, so a snapshot "
+                          "cached before the switch would be reused; watch() (or, for "
+                          "process-global numerics-only state, watch_forward()) must "
+                          "list the getters the guard is blind to")
 
     def replay(self, label: str, state: Any) -> AbstractContextManager[None]:
         try:
@@ -255,7 +327,9 @@ def check_probe(
     Each state must differ from what the probe observes now (otherwise a
     replay would prove nothing): produce it by observing inside a context the
     test set up.  ``neutral``, when given, is what the probe must observe
-    now, outside any replay.  Checked, for every state:
+    now, outside any replay -- in a test process that has changed nothing,
+    the fresh state that ``neutral_state()`` must declare.  Checked, for
+    every state:
 
     1. it is hashable, and inside ``probe.replay(state)``,
        ``probe.observe() == state`` (observe after replay is the identity);
@@ -269,11 +343,16 @@ def check_probe(
        ``json.dumps``/``json.loads`` equals the state; otherwise ``encode``
        raises ``NotPortableError``;
 
-    6. ``watch(state)``'s getters return their expected values while the
-       state is current, and switching from the state before to this one --
-       and between any two different given states -- trips
-       ``GlobalStateGuard`` or one of those getters (so a cached snapshot
-       is never reused for a different state);
+    6. ``watch(state)``'s and ``watch_forward(state)``'s getters return
+       their expected values (and never raise) while the state is current,
+       and switching from the state before to this one -- and between any
+       two different given states -- trips ``GlobalStateGuard`` or one of
+       those getters (so a cached snapshot is never reused for a different
+       state);
+    7. ``neutral_state()``, unless ``None``: hashable, ``neutral()`` of it is
+       True, it survives the encoding, it equals ``neutral`` when that is
+       given (what a fresh process observes), and replaying it inside each
+       state establishes it;
 
     then nested replays of every ordered pair of states (also with the inner
     body raising) and sequential replays of all of them restore correctly;
@@ -289,6 +368,7 @@ def check_probe(
         c.fail("before any replay", "neutral",
                f"the probe observes {_describe(probe, outside)} ({outside!r}), "
                f"expected the neutral state {_describe(probe, neutral)} ({neutral!r})")
+    declared = _check_neutral_state(c, neutral)
     labels = [f"state #{i} ({_describe(probe, s)})" for i, s in enumerate(states)]
 
     for label, state in zip(labels, states, strict=True):
@@ -350,6 +430,14 @@ def check_probe(
                            "the exception was swallowed")
                 c.expect(pair, "outer state after the inner replay raised", a)
 
+    if declared is not None:
+        for label, state in zip(labels, states, strict=True):
+            pair = f"neutral_state() nested in {label}"
+            with c.no_leak(pair, "nested replay"), c.replay(pair, state):
+                with c.replay(pair, declared):
+                    c.expect(pair, "replay of neutral_state()", declared)
+                c.expect(pair, "outer state after neutral_state() exits", state)
+
     with c.no_leak("all states", "sequential replays"):
         for label, state in zip(labels, states, strict=True):
             with c.replay(label, state):
@@ -364,6 +452,36 @@ def check_probe(
             raise
         except Exception as exc:
             c.fail("after all checks", "clear()", f"raised {type(exc).__name__}: {exc}")
+
+
+def _check_neutral_state(c: _Checker, neutral: Any) -> Any:
+    """``neutral_state()``, when the probe declares one: hashable, called
+    neutral by ``neutral()``, round-tripped by the encoding, and -- when the
+    test passed ``neutral``, what this (fresh) process observes -- equal to
+    it.  Returns it (or ``None``)."""
+    probe, label = c.probe, "neutral_state()"
+    try:
+        declared = probe.neutral_state()
+    except Exception as exc:
+        c.fail(label, "neutral_state()", f"raised {type(exc).__name__}: {exc}")
+    if declared is None:
+        return None
+    try:
+        hash(declared)
+    except TypeError as exc:
+        c.fail(label, "hashable", str(exc))
+    if neutral is not None and declared != neutral:
+        c.fail(label, "neutral_state() is what a fresh state observes",
+               f"neutral_state() is {_describe(probe, declared)} ({declared!r}), but a "
+               f"fresh state observes {_describe(probe, neutral)} ({neutral!r})")
+    try:
+        ok = probe.neutral(declared)
+    except Exception as exc:
+        c.fail(label, "neutral(neutral_state())", f"raised {type(exc).__name__}: {exc}")
+    if ok is not True:
+        c.fail(label, "neutral(neutral_state()) is True", f"it returned {ok!r}")
+    _check_encoding(c, label, declared)
+    return declared
 
 
 def _check_encoding(c: _Checker, label: str, state: Any) -> None:

@@ -1,26 +1,156 @@
-"""Fidelity checks: captured outputs against the live call."""
+"""Fidelity checks: a capture against the live calls it stands for.
+
+Three checks, each per member that ran the variant:
+
+* ``signature`` -- the graph's output metadata (dtype, shape, device)
+  against the member's live output;
+* ``execute`` -- the artifact run with the member's own weights on fresh
+  inputs, from a neutral state plus only what the capture says must be
+  re-established (``neutral_replay``): never whatever the caller of
+  ``finalize()`` has active.  Its outputs are compared with the live
+  output's metadata (strides included) and, by value, with the member
+  itself run on the same inputs under the live context;
+* ``values`` -- the artifact run on retained copies of the member's first
+  live call, its outputs compared with the retained live outputs by value.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from .report import Fidelity, Mismatch
-from .signature import (
-    SeqSpec,
-    Spec,
-    SpecMismatch,
-    TensorSpec,
-    compare_specs,
-    flatten_spec,
-    spec_of,
-    symbolic_dims,
-)
+import attrs
+import torch
+
+from ._json import dtype_name, read_bool, read_list, read_mapping
+from .compare import SpecMismatch, compare_specs, symbolic_dims
+from .probe import ContextProbe
+from .signature import SeqSpec, Spec, TensorSpec, flatten_spec, spec_of, tensor_values
 from .snapshot import ContextSnapshot
 
-__all__ = ["LEVELS", "flat_tensor_spec", "hint_for", "verify"]
+__all__ = ["LEVELS", "Fidelity", "Mismatch", "check_outputs", "check_signature",
+           "compare_values", "flat_tensor_spec", "hint_for", "is_neutral", "merge_mismatches",
+           "neutral_replay"]
 
-LEVELS = ("off", "signature", "execute")
+LEVELS = ("off", "signature", "execute", "values")
+
+
+@attrs.frozen
+class Mismatch:
+    """A captured output that disagrees with a live one.
+
+    ``level`` is the check that found it (``signature``, ``execute``,
+    ``values`` or ``saved``); ``members`` the blocks whose calls show it
+    (empty for a capture of a single module); ``hint`` names probes whose
+    state the artifact does not carry."""
+
+    path: str
+    field: str
+    live: str
+    captured: str
+    level: str
+    hint: str | None = None
+    members: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, m: SpecMismatch, level: str, hint: str | None,
+           member: str | None = None) -> Mismatch:
+        return cls(m.path, m.field, m.live, m.captured, level, hint,
+                   () if member is None else (member,))
+
+    def to_json(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        out["members"] = list(self.members)
+        return out
+
+
+def merge_mismatches(found: Iterable[Mismatch]) -> tuple[Mismatch, ...]:
+    """One mismatch per distinct finding, listing every member it was seen in."""
+    merged: dict[tuple[Any, ...], list[str]] = {}
+    for m in found:
+        key = (m.path, m.field, m.live, m.captured, m.level, m.hint)
+        merged.setdefault(key, [])
+        merged[key] += [n for n in m.members if n not in merged[key]]
+    return tuple(Mismatch(*key, members=tuple(members))  # type: ignore[misc]
+                 for key, members in merged.items())
+
+
+@attrs.frozen
+class Fidelity:
+    """Whether a capture reproduces every live call it stands for.
+
+    ``level``: what was asked; ``checked``: the checks that ran (a check
+    that could not run is a mismatch, never silently skipped); ``members``:
+    how many members' calls were checked."""
+
+
+    level: str
+    ok: bool
+    mismatches: tuple[Mismatch, ...] = ()
+    checked: tuple[str, ...] = ()
+    members: int = 0
+    #: when ``ok`` is False and the capture has ``ambient_only`` states: the
+    #: same checks run again with those states re-established around the
+    #: artifact, as the guard of a loaded capture requires (``None``: not run)
+    ok_with_needs: bool | None = None
+
+    @property
+    def status(self) -> str:
+        """``"ok"``; ``"ok_with_needs"`` (reproduces the call only where its
+        ``ambient_only`` states are re-established); ``"failed"``; or
+        ``"unchecked"`` (``verify="off"``, or a file saved unverified)."""
+        return _status(self.ok, bool(self.checked), self.ok_with_needs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"level": self.level, "ok": self.ok, "checked": list(self.checked),
+                "members": self.members, "ok_with_needs": self.ok_with_needs,
+                "status": self.status,
+                "mismatches": [m.to_json() for m in self.mismatches]}
+
+
+#: what ``Fidelity.status`` can say
+FIDELITY_STATUSES = ("ok", "ok_with_needs", "failed", "unchecked")
+
+
+def _status(ok: bool, checked: bool, ok_with_needs: bool | None) -> str:
+    if not checked:
+        return "unchecked"
+    if ok:
+        return "ok"
+    return "ok_with_needs" if ok_with_needs else "failed"
+
+
+def combined_status(live: str, saved: str | None) -> str:
+    """One status for a capture checked live and (``saved``) as its file:
+    failed if either failed, unchecked if the live check did not run."""
+    both = (live,) if saved is None else (live, saved)
+    if "failed" in both:
+        return "failed"
+    if live == "unchecked":
+        return "unchecked"
+    return "ok_with_needs" if "ok_with_needs" in both else "ok"
+
+
+def fidelity_status(value: object, path: str) -> str:
+    """``Fidelity.status`` of a fidelity record in a document, read strictly
+    (a record without ``checked`` is taken as checked)."""
+    doc = read_mapping(value, path, required={"ok"})
+    ok = read_bool(doc["ok"], f"{path}.ok")
+    checked = True
+    if "checked" in doc:
+        checked = bool(read_list(doc["checked"], f"{path}.checked"))
+    needs = doc.get("ok_with_needs")
+    return _status(ok, checked, None if needs is None else
+                   read_bool(needs, f"{path}.ok_with_needs"))
+
+
+def is_neutral(probe: ContextProbe[Any], state: Any) -> bool:
+    """``probe.neutral(state)``; a probe that fails to say is not neutral."""
+    try:
+        return bool(probe.neutral(state))
+    except Exception:
+        return False
 
 
 def flat_tensor_spec(spec: Spec) -> SeqSpec:
@@ -29,65 +159,135 @@ def flat_tensor_spec(spec: Spec) -> SeqSpec:
     return SeqSpec(list, tuple(s for s in flatten_spec(spec) if isinstance(s, TensorSpec)))
 
 
-def hint_for(snapshot: ContextSnapshot, carried: tuple[str, ...]) -> str | None:
-    """Probes with a non-neutral state that the artifact did not carry."""
+def hint_for(snapshot: ContextSnapshot, carried: Iterable[str]) -> str | None:
+    """Probes with a non-neutral state that the artifact does not carry."""
+    carried = set(carried)
     missing = [n for n, p, s in zip(snapshot.names, snapshot.probes, snapshot.states)
-               if n not in carried and not _neutral(p, s)]
+               if n not in carried and not is_neutral(p, s)]
     if not missing:
         return None
     described = snapshot.describe()
-    return "not carried by the artifact: " + ", ".join(
-        f"{n}={described[n]}" for n in missing)
+    return "not carried by the artifact: " + ", ".join(f"{n}={described[n]}" for n in missing)
 
 
-def _neutral(probe: Any, state: Any) -> bool:
-    try:
-        return bool(probe.neutral(state))
-    except Exception:
-        return False
-
-
-def verify(
-    level: str,
-    live: Spec | None,
-    captured: Spec | None,
-    *,
-    snapshot: ContextSnapshot,
-    applied: tuple[str, ...],
-    embedded: tuple[str, ...],
-    execute: Callable[[], Any] | None,
-) -> Fidelity:
-    """Compare at ``level``.  ``applied``: probes replayed during capture;
-    ``embedded``: probes the artifact carries by itself (for ``execute``)."""
-    if level == "off" or live is None:
-        return Fidelity(level, True, (), ())
-    live_flat = flat_tensor_spec(live)
-    mismatches: list[Mismatch] = []
-    checked = ["signature"]
-    free = symbolic_dims(flat_tensor_spec(captured)) if captured is not None else {}
-    if captured is None:
-        mismatches.append(Mismatch("out", "graph", "outputs", "no output metadata",
-                                   "signature"))
-    else:
-        found = compare_specs(live_flat, flat_tensor_spec(captured), requires_grad=False)
-        mismatches += _with_hints(found, "signature", snapshot, applied)
-    if level == "execute" and execute is not None:
-        checked.append("execute")
-        try:
-            produced = spec_of(execute())
-        except Exception as exc:
-            # e.g. a bfloat16 input meeting float32 weights once autocast is
-            # gone: the probes the artifact did not carry are the likely cause
-            mismatches.append(Mismatch("out", "execution", "ran", type(exc).__name__,
-                                       "execute", hint_for(snapshot, embedded)))
+@contextmanager
+def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[Any]] = (),
+                   *, full: bool = False, only_neutral: bool = False,
+                   needs: Iterable[str] = ()) -> Iterator[None]:
+    """The state a fresh process has -- every probe of ``snapshot`` and of
+    ``baseline`` at its ``neutral_state()`` (a probe that does not know it is
+    left as it is) -- plus, from ``snapshot``, what no artifact can carry:
+    the part of each probe's replay that must surround the captured callable
+    (``split_replay``'s *around*: inference mode, a framework's live
+    context, determinism flags), except pinnable states (default dtype and
+    device), which a capture writes into its graph.  So an artifact run here
+    shows whether it carries what it can carry.  ``full=True`` replays the
+    whole snapshot instead (the live call's context); ``only_neutral=True``
+    nothing of it (the state a capture starts from, whatever the caller of
+    ``finalize()`` has active).  ``needs``: probes whose whole state is
+    replayed, not only its *around* part -- a capture's ``ambient_only``,
+    which a loaded capture's guard requires to hold where it runs.
+    Restores exactly on exit."""
+    needed = set(needs)
+    probes: dict[str, ContextProbe[Any]] = {p.name: p for p in baseline}
+    probes.update(zip(snapshot.names, snapshot.probes))
+    with ExitStack() as stack:
+        for name in sorted(probes):
+            neutral = probes[name].neutral_state()
+            if neutral is not None:
+                stack.enter_context(probes[name].replay(neutral))
+        if only_neutral:
+            pass
+        elif full:
+            stack.enter_context(snapshot.replay())
         else:
-            # a data-dependent size differs on other inputs by nature
-            found = compare_specs(live_flat, flat_tensor_spec(produced), free_dims=free)
-            mismatches += _with_hints(found, "execute", snapshot, embedded)
-    return Fidelity(level, not mismatches, tuple(mismatches), tuple(checked))
+            for name, probe, state in zip(snapshot.names, snapshot.probes, snapshot.states):
+                if name in needed:
+                    stack.enter_context(probe.replay(state))
+                    continue
+                if probe.pinnable:
+                    continue
+                around = probe.split_replay(state)[1]
+                if around is not None:
+                    stack.enter_context(around)
+        yield
 
 
-def _with_hints(found: list[SpecMismatch], level: str, snapshot: ContextSnapshot,
-                carried: tuple[str, ...]) -> list[Mismatch]:
+def check_signature(live: Spec | None, captured: Spec | None, snapshot: ContextSnapshot,
+                    applied: Iterable[str], member: str | None = None) -> list[Mismatch]:
+    """The graph's output metadata against one live call's outputs."""
+    if live is None:
+        return []
+    if captured is None:
+        return [Mismatch("out", "graph", "outputs", "no output metadata", "signature",
+                         None, _m(member))]
+    # Strides are compared where the artifact runs (execute): a graph's
+    # metadata strides are what torch's meta kernels say, which for composite
+    # ops (scaled_dot_product_attention under sdpa_kernel) is not what the
+    # kernel the flags pick returns.
+    found = compare_specs(flat_tensor_spec(live), flat_tensor_spec(captured),
+                          requires_grad=False, strides=False)
+    hint = hint_for(snapshot, applied) if found else None
+    return [Mismatch.of(m, "signature", hint, member) for m in found]
+
+
+def check_outputs(live: Spec, produced: Any, snapshot: ContextSnapshot,
+                  carried: Iterable[str], level: str, *, captured: Spec | None = None,
+                  member: str | None = None) -> list[Mismatch]:
+    """What an executed artifact returned against a live call's output metadata.
+    Dimensions the captured graph left symbolic are not compared."""
+    free = symbolic_dims(flat_tensor_spec(captured)) if captured is not None else {}
+    found = compare_specs(flat_tensor_spec(live), flat_tensor_spec(spec_of(produced)),
+                          free_dims=free)
     hint = hint_for(snapshot, carried) if found else None
-    return [Mismatch.of(m, level, hint) for m in found]
+    return [Mismatch.of(m, level, hint, member) for m in found]
+
+
+# absolute / relative tolerance per dtype, a little looser than
+# torch.testing's defaults: an artifact may run other (equivalent) kernels
+_TOLERANCES = {
+    torch.float64: (1e-7, 1e-7), torch.float32: (1e-5, 1e-4), torch.complex64: (1e-5, 1e-4),
+    torch.complex128: (1e-7, 1e-7), torch.bfloat16: (1e-2, 1.6e-2),
+    torch.float16: (1e-3, 1e-3),
+}
+
+
+def compare_values(expected: Any, produced: Any, level: str, *,
+                   hint: str | None = None, member: str | None = None) -> list[Mismatch]:
+    """Tensor leaves of ``produced`` against ``expected`` by value, with a
+    per-dtype tolerance (exact for integers and bools).  A mismatch says how
+    many elements differ -- never the values themselves."""
+    want = list(tensor_values(expected))
+    got = list(tensor_values(produced))
+    if len(want) != len(got):
+        return [Mismatch("out", "structure", f"{len(want)} tensors", f"{len(got)} tensors",
+                         level, hint, _m(member))]
+    out = []
+    for i, (a, b) in enumerate(zip(want, got)):
+        path = f"out[{i}]"
+        if a.shape != b.shape or a.dtype != b.dtype:
+            out.append(Mismatch(path, "values", f"{dtype_name(a.dtype)}{list(a.shape)}",
+                                f"{dtype_name(b.dtype)}{list(b.shape)}", level, hint,
+                                _m(member)))
+            continue
+        a_, b_ = a.detach().cpu(), b.detach().cpu()
+        if a.dtype.is_floating_point or a.dtype.is_complex:
+            atol, rtol = _TOLERANCES.get(a.dtype, (1e-2, 1e-2))
+            a_, b_ = a_.to(torch.complex128 if a.dtype.is_complex else torch.float64), \
+                b_.to(torch.complex128 if a.dtype.is_complex else torch.float64)
+            bad = ~torch.isclose(a_, b_, rtol=rtol, atol=atol, equal_nan=True)
+            where = f"within {dtype_name(a.dtype)} tolerance (rtol={rtol:g}, atol={atol:g})"
+        else:
+            bad = a_ != b_
+            where = "equal"
+        n = int(bad.sum())
+        if n:
+            share = n / max(bad.numel(), 1)
+            out.append(Mismatch(path, "values", where,
+                                f"{n} of {bad.numel()} elements differ ({share:.0%})",
+                                level, hint, _m(member)))
+    return out
+
+
+def _m(member: str | None) -> tuple[str, ...]:
+    return () if member is None else (member,)

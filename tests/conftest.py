@@ -22,6 +22,7 @@ from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
 import ctxreplay.artifact
+import ctxreplay.manifest
 from ctxreplay.testing import GlobalState, global_state, state_changes
 
 pytest_plugins = ["pytester"]  # tests/test_metadata_check.py runs the oracle on a suite
@@ -85,6 +86,8 @@ def _metadata_only_everywhere() -> Iterator[ReportAudit]:
                    _AUDIT.wrap_explain(ctxreplay.CaptureReport.explain))
         mp.setattr(ctxreplay.artifact, "save_capture",
                    _AUDIT.wrap_save(ctxreplay.artifact.save_capture))
+        mp.setattr(ctxreplay.manifest, "write_manifest",
+                   _AUDIT.wrap_manifest(ctxreplay.manifest.write_manifest))
         yield _AUDIT
 
 

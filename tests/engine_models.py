@@ -11,7 +11,7 @@ from torch import nn
 
 from ctxreplay import Capture
 from ctxreplay.backends import ExportBackend
-from ctxreplay.backends.base import graph_nodes
+from ctxreplay.passes import graph_nodes
 from ctxreplay.signature import TensorSpec, flatten_spec
 
 BF16 = torch.bfloat16

@@ -245,7 +245,7 @@ class ReportAudit:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {"finalize": 0, "FidelityError": 0, "explain": 0,
-                                       "sidecar": 0}
+                                       "sidecar": 0, "manifest": 0}
         self.violations: list[str] = []
         self.reports = 0  # distinct reports checked
         self._seen: weakref.WeakSet[CaptureReport] = weakref.WeakSet()
@@ -273,6 +273,18 @@ class ReportAudit:
     def check_sidecar(self, path: Path) -> None:
         problems = metadata_violations(json.loads(Path(path).read_text()))
         self._record("sidecar", [f"{path.name}: {p}" for p in problems])
+
+    def wrap_manifest(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``ctxreplay.manifest.write_manifest``: what ``report.save_all`` writes
+        last; checked before it is written."""
+
+        @functools.wraps(original)
+        def write_manifest(path: Path, doc: Any) -> None:
+            self._record("manifest", [f"{Path(path).name}: {p}"
+                                      for p in metadata_violations(doc)])
+            original(path, doc)
+
+        return write_manifest
 
     def wrap_finalize(self, original: Callable[..., CaptureReport]) -> Callable[..., Any]:
         @functools.wraps(original)

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torchstate as ts
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def mm_dtype() -> torch.dtype:
@@ -19,6 +22,21 @@ def mm_dtype() -> torch.dtype:
 def _grad_effect() -> tuple[bool, bool, bool]:
     x = torch.ones(1, requires_grad=True)
     return (torch.is_grad_enabled(), (x * 2).requires_grad, torch.ones(1).is_inference())
+
+
+def sdpa_graph(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The aten ops make_fx records for an SDPA call on CPU: torch's backend
+    selection runs at trace time (flash kernel vs the decomposed math)."""
+    q = torch.zeros(1, 1, 4, 8, dtype=dtype)
+    gm = make_fx(lambda q: F.scaled_dot_product_attention(q, q, q))(q)
+    return tuple(sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"}))
+
+
+def _sdpa_math_bf16_graph() -> tuple[str, ...]:
+    """The math decomposition of a bf16 SDPA: it upcasts (``_to_copy``) unless
+    fp16/bf16 reduction is allowed."""
+    with sdpa_kernel([SDPBackend.MATH]):
+        return sdpa_graph(torch.bfloat16)
 
 
 def _rand() -> list[float]:
@@ -81,6 +99,21 @@ CASES = [
          lambda: ts.cublas_fp16_reduced_precision(False),
          torch._C._get_cublas_allow_fp16_reduced_precision_reduction),
     Case("rng-after-draws", "rng", lambda: ts.rng_after_draws(1234), _rand),
+    Case("sdpa-math-only", "sdpa_backend", lambda: sdpa_kernel([SDPBackend.MATH]), sdpa_graph),
+    Case("sdpa-flash-only", "sdpa_backend", lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION]),
+         lambda: (torch.backends.cuda.math_sdp_enabled(), sdpa_graph())),
+    # the CUDA-only priority order: on CPU it changes no graph, only the flags
+    Case("sdpa-priority-cudnn-first", "sdpa_backend",
+         lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH,
+                              SDPBackend.FLASH_ATTENTION], set_priority=True),
+         lambda: (torch._C._get_sdp_priority_order(), sdpa_graph())),
+    Case("sdpa-math-fp16-bf16-reduction", "sdpa_backend",
+         lambda: ts.sdpa_fp16_bf16_reduction(True), _sdpa_math_bf16_graph),
 ]
 BUILTIN_PROBES = {"autocast", "grad_mode", "determinism", "default_dtype", "default_device",
-                  "matmul_precision", "rng"}
+                  "matmul_precision", "rng", "sdpa_backend", "mode_stack", "distributed"}
+# Built-ins whose registered instance replays no non-neutral state it
+# observes, so no case here can pass the replay tests: each has its own file.
+CASELESS = {"mode_stack": "types only; tests/test_probes_mode_stack.py",
+            "distributed": "a process's distributed mode is not re-entered; "
+                           "tests/test_distributed.py"}

@@ -85,9 +85,14 @@ def test_ten_thousand_shapes_keep_eight_variants_per_scope_and_bounded_memory() 
         assert len(scope.variants) == MAX_VARIANTS, scope.name
         assert scope.dropped_calls == CALLS - MAX_VARIANTS
     report = session.finalize()
-    assert report.dropped == {"variants": 2, "variant_calls": 2 * (CALLS - MAX_VARIANTS),
+    # the distinct dropped variants are counted exactly up to a bound (256 per
+    # scope), so bookkeeping stays constant; the dropped calls always exactly
+    assert report.dropped == {"variants": 2 * 256, "variant_calls": 2 * (CALLS - MAX_VARIANTS),
                               "scopes": 0}
     assert len(report.captures) == 2 * MAX_VARIANTS and report.failures == ()
+    assert not report.ok
+    assert [(p.reason, p.calls, p.exact) for p in report.problems] == [
+        ("variant_limit", CALLS - MAX_VARIANTS, False)] * 2
     assert sum(c.calls for c in report.captures) == 2 * MAX_VARIANTS
     print(f"\nadversarial shapes: {CALLS} calls x 2 scopes -> {len(report.captures)} variants "
           f"({MAX_VARIANTS} per scope), dropped {report.dropped}, memory growth {growth} B "

@@ -125,9 +125,9 @@ def test_many_threads_observe_at_once_and_every_call_is_counted() -> None:
         assert v.calls == CALLS // 2, (i, batch, v.calls)
         seen.add((i, batch))
     assert len(seen) == 2 * THREADS
-    assert session._observation_errors == {}
 
     report = session.finalize()
+    assert report.observation_errors == ()
     assert sum(c.calls for c in report.captures) == THREADS * CALLS
     assert report.failures == ()
     print(f"\nthreads x calls: {THREADS} x {CALLS} = {THREADS * CALLS}, "

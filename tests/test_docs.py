@@ -32,7 +32,7 @@ DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 
 #: fence languages allowed in the docs; only ``python`` is executed
-LANGUAGES = {"python", "py", "text", "console", "toml", "json", "yaml", "ini"}
+LANGUAGES = {"python", "py", "text", "console", "toml", "json", "yaml", "ini", "mermaid"}
 
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*)$")
 _TITLE = re.compile(r'title="(?P<title>[^"]*)"')

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 from engine_models import BF16, F32, MatmulBlock, bf16, matmul_dtypes, out_dtypes
-from metadata_check import finalize_checked
+from metadata_check import check_report, finalize_checked
 from torch import nn
 from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
-from ctxreplay.backends.base import graph_nodes
+from ctxreplay.passes import graph_nodes
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -384,7 +384,12 @@ def test_close_and_finalize_detach_without_a_context_manager() -> None:
     assert "forward" not in m2.__dict__
     r1 = finalize_checked(s1)
     assert len(r1.captures) == len(r2.captures) == 1
-    assert s2.finalize() is r2 and s1.finalize() is r1  # finalize twice: the same report
+    assert s2.report is r2 and s1.report is r1
+    # a completed finalize detached: a second one would silently ignore every
+    # call since, so it says so instead
+    for s in (s1, s2):
+        with pytest.raises(ctxreplay.SessionError, match="already completed"):
+            s.finalize()
 
 
 def test_a_finalized_session_holds_neither_module_nor_example_tensors() -> None:
@@ -403,7 +408,7 @@ def test_a_finalized_session_holds_neither_module_nor_example_tensors() -> None:
     gc.collect()
     assert wx() is None
     assert wmodel() is None, "the session or its report keeps the module alive"
-    assert s.finalize() is report
+    assert s.report is report
     del report
     gc.collect()
     # Nothing reachable from the session is a module or a tensor -- except
@@ -519,7 +524,8 @@ def test_strict_finalize_raises_listing_the_mismatch() -> None:
     text = str(info.value)
     assert "dtype" in text and "live=bfloat16" in text and "captured=float32" in text
     assert not info.value.report.ok
-    finalize_checked(s)  # the report exists and is metadata only
+    assert s.report is info.value.report
+    check_report(s.report)  # the report exists and is metadata only
 
 
 def test_strict_finalize_passes_when_replay_is_on() -> None:

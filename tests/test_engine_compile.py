@@ -27,5 +27,10 @@ def test_compiled_model_inside_a_session_has_no_graph_break_and_is_not_observed(
         assert not torch._dynamo.utils.counters["graph_break"]
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
         assert sum(c.calls for c in report.captures) == 2  # the two eager block calls
+        # ... and the blocks that ran compiled are named, not silently lost
+        assert not report.ok
+        [problem] = report.problems
+        assert (problem.reason, problem.exact, problem.names) == ("not_observed", False,
+                                                                  ("0", "2"))
     finally:
         torch._dynamo.reset()

@@ -67,7 +67,8 @@ def test_data_dependent_output_size_is_not_a_mismatch_but_dtype_still_is() -> No
     assert capture.fidelity.ok, capture.fidelity.mismatches
     assert capture.fidelity.checked == ("signature", "execute")
     # the graph leaves that size symbolic: any size matches it, a dtype does not
-    from ctxreplay.signature import TensorSpec, compare_specs, symbolic_dims
+    from ctxreplay.compare import compare_specs, symbolic_dims
+    from ctxreplay.signature import TensorSpec
     from ctxreplay.verify import flat_tensor_spec
 
     free = symbolic_dims(flat_tensor_spec(capture.graph_outputs))  # type: ignore[arg-type]

@@ -110,8 +110,9 @@ def test_max_variants_drops_and_counts() -> None:
     report = finalize_checked(s)
     assert len(report.captures) == 2 and len(backend.calls) == 2
     assert all(c.variant == 0 for c in report.captures)
-    # both scopes dropped something: (3,16) and the autocast call, per member
-    assert report.dropped["variants"] == 2
+    # each scope dropped two variants: (3,16) and the autocast call
+    assert report.dropped["variants"] == 4
+    assert not report.ok and [p.reason for p in report.problems] == ["variant_limit"] * 2
     assert report.dropped["variant_calls"] == (3 + 3) + (2 + 2)
     assert report.dropped["scopes"] == 0
 

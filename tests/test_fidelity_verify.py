@@ -103,6 +103,29 @@ def test_execute_level_catches_ambient_replay_that_signature_misses() -> None:
     assert "autocast" not in c.embedded
 
 
+def test_an_ambient_replay_capture_reproduces_only_where_its_needs_hold() -> None:
+    # not ok on its own (above), but run again with its ambient_only states
+    # re-established it reproduces the call: what a loaded capture's guard needs
+    report = _run_under_autocast(Parallel(), ((2, 16),), replay="ambient", verify="execute")
+    c = _only_capture(report)
+    assert not c.fidelity.ok and not report.ok
+    assert (c.fidelity.ok_with_needs, c.fidelity.status) == (True, "ok_with_needs")
+    assert c.fidelity.to_json()["status"] == "ok_with_needs"
+    # an embedded capture needed no second run
+    embedded = _only_capture(_run_under_autocast(Parallel(), ((2, 16),), verify="execute"))
+    assert (embedded.fidelity.ok_with_needs, embedded.fidelity.status) == (None, "ok")
+
+
+def test_a_capture_traced_without_its_context_fails_even_with_its_needs() -> None:
+    # replay="off": the graph was traced in float32, so re-establishing
+    # autocast around it cannot make its recorded outputs bfloat16
+    report = _run_under_autocast(Parallel(), ((2, 16),), replay="off", verify="execute")
+    c = _only_capture(report)
+    assert "autocast" in c.ambient_only
+    assert (c.fidelity.ok, c.fidelity.ok_with_needs, c.fidelity.status) == (
+        False, False, "failed")
+
+
 def test_execute_level_reports_an_artifact_that_cannot_run_without_autocast() -> None:
     # Blocks fed bfloat16 by the autocast embedding: without the casts the
     # artifact meets float32 weights and fails -- a mismatch, with the hint.

@@ -155,6 +155,8 @@ def test_every_finalize_of_the_suite_is_wrapped() -> None:
     assert (wrapped.__name__, wrapped.__doc__) == (original.__name__, original.__doc__)
     assert inspect.unwrap(CaptureReport.explain) is not CaptureReport.explain
     assert inspect.unwrap(ctxreplay.artifact.save_capture) is not ctxreplay.artifact.save_capture
+    assert inspect.unwrap(ctxreplay.manifest.write_manifest) is not \
+        ctxreplay.manifest.write_manifest
 
 
 class _FakeSession:
@@ -228,6 +230,14 @@ def test_the_wrapped_explain_and_save_check_their_documents(tmp_path: Path) -> N
     with pytest.raises(MetadataViolation, match=r"a\.pt2\.json: .*forbidden key"):
         save({"source": "x"})
     assert audit.counts["sidecar"] == 2 and len(audit.reset()) == 2
+
+    written: list[Any] = []
+    write = audit.wrap_manifest(lambda path, doc: written.append(doc))
+    write(tmp_path / "manifest.json", {"scope": "Net"})
+    with pytest.raises(MetadataViolation, match=r"manifest\.json: .*forbidden key"):
+        write(tmp_path / "manifest.json", {"source": "x"})
+    assert written == [{"scope": "Net"}]  # a bad manifest is never written
+    assert audit.counts["manifest"] == 2 and len(audit.reset()) == 1
 
 
 class _ProseProbe(ctxreplay.ContextProbe[str]):

@@ -81,14 +81,26 @@ def _check_lm(model: nn.Module, vocab: int, tmp_path: Path) -> None:
     assert [o.dtype for o in outs] == [torch.bfloat16, torch.bfloat16]
     _assert_faithful(report, min_captures=2)
     assert len({c.scope for c in report.captures}) == 1  # one structure: the decoder layer
-    prefill, decode = sorted(report.captures, key=lambda c: c.variant)
-    # The decode step's cache already held the prompt's keys and values when the
-    # layer was called; the capture rebuilt it with tensors of those shapes
-    # (8 positions), not the state the live forward left it in.
-    fresh = {p for p, _ in prefill.signature.leaves()}
-    cache = [s.shape for p, s in decode.signature.leaves() if p not in fresh]
-    assert cache and all(len(shape) == 4 and shape[-2] == 8 for shape in cache), cache
-    _save_and_reload(decode, tmp_path)
+    # Each layer's calls are its own variants: the layers differ in layer_idx,
+    # and the cache a layer receives already holds the layers before it.
+    assert len(report.captures) == 4
+    assert all(len(c.members) == 1 for c in report.captures)
+    by_member: dict[str, list[ctxreplay.Capture]] = {}
+    for c in sorted(report.captures, key=lambda c: c.variant):
+        by_member.setdefault(c.members[0], []).append(c)
+    assert len(by_member) == 2
+    for member, (prefill, decode) in by_member.items():
+        # The decode step's cache already held the prompt's keys and values when
+        # the layer was called; the capture rebuilt it with tensors of those
+        # shapes, not the state the live forward left it in.
+        fresh = {p for p, _ in prefill.signature.leaves()}
+        cache = [s.shape for p, s in decode.signature.leaves() if p not in fresh]
+        assert cache and all(len(shape) == 4 and shape[-2] in (8, 9) for shape in cache), \
+            (member, cache)
+    last = by_member[sorted(by_member)[-1]][1]
+    # the second layer's decode call sees the first layer's entry grown by one
+    assert any(s.shape[-2] == 9 for _, s in last.signature.leaves() if len(s.shape) == 4)
+    _save_and_reload(last, tmp_path)
 
 
 def test_llama_decoder(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from ctxreplay import registry
 from ctxreplay.probes import AutocastProbe
 
 BUILTIN_DEFAULTS = ("autocast", "default_device", "default_dtype", "determinism",
-                    "grad_mode", "matmul_precision")
+                    "distributed", "grad_mode", "matmul_precision", "sdpa_backend")
 
 
 class Counter(ctxreplay.ContextProbe[int]):

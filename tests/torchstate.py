@@ -46,13 +46,60 @@ def default_dtype(dtype: torch.dtype) -> AbstractContextManager[None]:
     return setting(torch.get_default_dtype, torch.set_default_dtype, dtype)
 
 
-def matmul_precision(precision: str) -> AbstractContextManager[None]:
-    return setting(torch.get_float32_matmul_precision, torch.set_float32_matmul_precision,
-                   precision)
+_FP32_PAIRS = (("generic", "all"), ("cuda", "all"), ("mkldnn", "all"), ("cuda", "conv"),
+               ("cuda", "matmul"), ("cuda", "rnn"), ("mkldnn", "conv"), ("mkldnn", "matmul"),
+               ("mkldnn", "rnn"))  # parents first
 
 
-def cudnn_allow_tf32(value: bool) -> AbstractContextManager[None]:
-    return setting(torch._C._get_cudnn_allow_tf32, torch._C._set_cudnn_allow_tf32, value)
+def _fp32_values() -> list[tuple[str, str, str]]:
+    get = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if get is None:  # torch < 2.9: no per-backend API
+        return []
+    out = []
+    for b, op in _FP32_PAIRS:
+        try:
+            out.append((b, op, get(b, op)))
+        except RuntimeError:
+            continue
+    return out
+
+
+@contextmanager
+def fp32_precision_kept() -> Iterator[None]:
+    """Put torch's per-backend fp32_precision values back on exit: the legacy
+    setters move them (``set_float32_matmul_precision("highest")`` leaves
+    ``cuda.matmul`` at "ieee" where a fresh torch 2.13 has "none"), so
+    setting the legacy value back alone does not restore the state."""
+    before = _fp32_values()
+    try:
+        yield
+    finally:
+        for b, op, value in before:
+            if torch._C._get_fp32_precision_getter(b, op) != value:
+                torch._C._set_fp32_precision_setter(b, op, value)
+
+
+@contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    with fp32_precision_kept(), setting(torch.get_float32_matmul_precision,
+                                        torch.set_float32_matmul_precision, precision):
+        yield
+
+
+@contextmanager
+def fp32_precision(backend: str, op: str, precision: str) -> Iterator[None]:
+    """A per-backend value set with torch's own API (torch >= 2.9), which can
+    leave the legacy getters raising; every pair is put back on exit."""
+    with fp32_precision_kept():
+        torch._C._set_fp32_precision_setter(backend, op, precision)
+        yield
+
+
+@contextmanager
+def cudnn_allow_tf32(value: bool) -> Iterator[None]:
+    with fp32_precision_kept(), setting(torch._C._get_cudnn_allow_tf32,
+                                        torch._C._set_cudnn_allow_tf32, value):
+        yield
 
 
 def cublas_fp16_reduced_precision(value: bool) -> AbstractContextManager[None]:
@@ -98,3 +145,8 @@ def rng_after_draws(seed: int, draws: int = 3) -> Iterator[None]:
         for _ in range(draws):
             torch.rand(7)
         yield
+
+
+def sdpa_fp16_bf16_reduction(allowed: bool) -> AbstractContextManager[None]:
+    return setting(torch._C._get_math_sdp_allow_fp16_bf16_reduction,
+                   torch._C._set_math_sdp_allow_fp16_bf16_reduction, allowed)

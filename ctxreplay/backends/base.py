@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+import copy
+import re
 from typing import Any
 
 import torch
 
 from ..signature import SeqSpec, Spec, spec_of
 
-__all__ = ["Backend", "BackendError", "classify_exception", "get_backend", "graph_nodes"]
+__all__ = ["Adapter", "Backend", "BackendError", "classify_exception", "exception_message",
+           "share_tensors_copy"]
 
 
 class BackendError(RuntimeError):
@@ -65,11 +67,37 @@ class Backend(abc.ABC):
         return ()
 
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Execute the artifact (for ``verify="execute"``)."""
-        fn = artifact.module() if hasattr(artifact, "module") and callable(
-            getattr(artifact, "module", None)) and not isinstance(
-            artifact, torch.nn.Module) else artifact
-        return fn(*args, **kwargs)
+        """Execute the artifact with its own weights."""
+        fn = self.module(artifact)
+        return (artifact if fn is None else fn)(*args, **kwargs)
+
+    def module(self, artifact: Any) -> torch.nn.Module | None:
+        """A fresh module that runs ``artifact``, whose parameters and buffers
+        may be reassigned (``load_state_dict(..., assign=True)``) without
+        changing the artifact -- how one capture runs with another member's
+        weights.  ``None`` when the artifact is not a module -- or when a
+        subclass overrides ``run`` but not this method: it runs its
+        artifacts its own way, so they run only with their own weights."""
+        cls = type(self)
+        if cls.run is not Backend.run and cls.module is Backend.module:
+            return None
+        if isinstance(artifact, torch.nn.Module):
+            return share_tensors_copy(artifact)
+        make = getattr(artifact, "module", None)
+        if callable(make):
+            out = make()
+            return out if isinstance(out, torch.nn.Module) else None
+        return None
+
+
+def share_tensors_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose parameter and buffer dicts are its own but
+    whose tensors are the original's."""
+    memo: dict[int, Any] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        memo[id(t)] = t
+    out: torch.nn.Module = copy.deepcopy(module, memo)
+    return out
 
 
 def _output_vals(gm: torch.fx.GraphModule) -> list[Any] | None:
@@ -93,13 +121,6 @@ def _output_vals(gm: torch.fx.GraphModule) -> list[Any] | None:
         return True
 
     return leaves if walk(out.args[0]) else None
-
-
-def graph_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
-    """Every node of a graph and of the graphs nested in it (higher-order ops)."""
-    for mod in gm.modules():
-        if isinstance(mod, torch.fx.GraphModule):
-            yield from mod.graph.nodes
 
 
 _REASONS = (
@@ -133,29 +154,36 @@ def classify_exception(exc: BaseException) -> str:
     return "trace_error"
 
 
-def get_backend(backend: object) -> Backend:
-    """Resolve ``"auto"`` / ``"export"`` / ``"dynamo"`` / ``"symbolic"`` or a backend object."""
-    from .builtin import AutoBackend, DynamoBackend, ExportBackend, SymbolicBackend
-
-    names: dict[str, type[Backend]] = {
-        "auto": AutoBackend, "export": ExportBackend, "dynamo": DynamoBackend,
-        "symbolic": SymbolicBackend,
-    }
-    if isinstance(backend, str):
-        try:
-            return names[backend]()
-        except KeyError:
-            raise ValueError(f"unknown backend {backend!r}; choose one of "
-                             f"{sorted(names)} or pass a Backend object") from None
-    if isinstance(backend, Backend):
-        return backend
-    if callable(getattr(backend, "capture", None)):
-        return _Adapter(backend)
-    raise TypeError(f"backend must be a name or an object with a capture() method, "
-                    f"got {backend!r}")
+_TENSOR_REPR = re.compile(r"tensor\((.|\n)*", re.IGNORECASE)
+MAX_MESSAGE = 200
 
 
-class _Adapter(Backend):
+def exception_message(exc: BaseException) -> tuple[str, str]:
+    """``(type name, first line of the message)`` of the innermost cause of
+    ``exc`` -- what the user's own code or torch said, not the wrapper a
+    tracer put around it.  Capped at 200 characters; anything that starts
+    like a tensor's repr is cut, so no tensor value reaches a report."""
+    seen: set[int] = set()
+    cur: BaseException = exc
+    while id(cur) not in seen:
+        seen.add(id(cur))
+        nxt = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+        if nxt is None:
+            break
+        cur = nxt
+    try:
+        text = str(cur)
+    except Exception:
+        text = ""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    line = _TENSOR_REPR.sub("tensor(...)", line)
+    line = "".join(c if c.isprintable() else " " for c in line)
+    if len(line) > MAX_MESSAGE:
+        line = line[:MAX_MESSAGE - 3] + "..."
+    return type(cur).__name__, line
+
+
+class Adapter(Backend):
     """Wraps a duck-typed backend object, filling in the optional methods."""
 
     def __init__(self, obj: Any) -> None:
@@ -181,3 +209,12 @@ class _Adapter(Backend):
         f = getattr(self.obj, "run", None)
         return f(artifact, args, kwargs) if f is not None else super().run(
             artifact, args, kwargs)
+
+    def module(self, artifact: Any) -> torch.nn.Module | None:
+        f = getattr(self.obj, "module", None)
+        if f is None:
+            if getattr(self.obj, "run", None) is not None:
+                return None  # it runs its artifacts its own way: only with their weights
+            return super().module(artifact)
+        out = f(artifact)
+        return out if isinstance(out, torch.nn.Module) else None

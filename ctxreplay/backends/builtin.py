@@ -6,15 +6,11 @@ from typing import Any
 
 import torch
 
-from ..signature import SeqSpec, Spec, spec_of
-from .base import Backend, BackendError, classify_exception, graph_nodes
+from ..passes import lower_wrappers
+from ..signature import SeqSpec, Spec, flatten_spec, spec_of
+from .base import Backend, BackendError, classify_exception, share_tensors_copy
 
-__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend", "WRAPPER_HOPS",
-           "has_wrapper_hops", "lower_wrappers"]
-
-#: higher-order ops export records for contexts entered inside the traced
-#: callable; torch.export.save rejected them on older torch (DESIGN.md fact 4)
-WRAPPER_HOPS = frozenset({"wrap_with_autocast", "wrap_with_set_grad_enabled"})
+__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend"]
 
 
 class ExportBackend(Backend):
@@ -55,21 +51,10 @@ class ExportBackend(Backend):
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return artifact.module()(*args, **kwargs)
 
-
-def lower_wrappers(ep: Any) -> Any:
-    """An ExportedProgram with context-wrapper higher-order ops lowered to
-    explicit casts (or the same program when it has none)."""
-    if has_wrapper_hops(ep.graph_module):
-        # an empty table decomposes no op: it only re-traces, which turns
-        # the context wrappers into explicit casts
-        return ep.run_decompositions({})
-    return ep
-
-
-def has_wrapper_hops(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` (or a graph nested in it) holds a context-wrapper HOP."""
-    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in WRAPPER_HOPS
-               for n in graph_nodes(gm))
+    def module(self, artifact: Any) -> torch.nn.Module | None:
+        # a new GraphModule sharing the program's tensors (DESIGN.md fact 20)
+        out: torch.nn.Module = artifact.module()
+        return out
 
 
 class DynamoBackend(Backend):
@@ -113,6 +98,20 @@ class SymbolicBackend(Backend):
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return _call_traced(artifact, args, kwargs)
 
+    def module(self, artifact: Any) -> torch.nn.Module | None:
+        return _Positional(share_tensors_copy(artifact))
+
+
+class _Positional(torch.nn.Module):
+    """Calls a symbolically traced module the way ``SymbolicBackend.run`` does."""
+
+    def __init__(self, gm: torch.nn.Module) -> None:
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _call_traced(self.gm, args, kwargs)
+
 
 def _call_traced(gm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call a symbolically traced module with every keyword argument passed by
@@ -133,8 +132,6 @@ def _call_traced(gm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _flat_spec(value: Any) -> Spec:
-    from ..signature import flatten_spec
-
     return SeqSpec(list, tuple(s for s in flatten_spec(spec_of(value))
                                if not (hasattr(s, "value") and s.value is None)))
 
@@ -147,17 +144,18 @@ class AutoBackend(Backend):
 
     def __init__(self, backends: tuple[Backend, ...] | None = None) -> None:
         self.backends = backends or (ExportBackend(), DynamoBackend(), SymbolicBackend())
-        self.chosen: dict[int, Backend] = {}
         self._attempts: tuple[tuple[str, str, str], ...] = ()
 
     def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         attempts: list[tuple[str, str, str]] = []
+        errors: list[BaseException] = []
         for b in self.backends:
             try:
                 art = b.capture(module, args, kwargs)
             except Exception as exc:
                 attempts.append((b.name, classify_exception(exc), type(exc).__name__))
+                errors.append(exc)
                 continue
             self._attempts = tuple(attempts)
             return _Chosen(b, art)
@@ -168,7 +166,10 @@ class AutoBackend(Backend):
             if code != "trace_error":
                 reason = code
                 break
-        raise BackendError(reason, attempts[-1][2] if attempts else "?", tuple(attempts))
+        # the cause: the first backend's error, the closest to the user's code
+        # (Dynamo wraps a user's exception in its own "Observed..." types)
+        raise BackendError(reason, attempts[-1][2] if attempts else "?", tuple(attempts)) \
+            from (errors[0] if errors else None)
 
     def resolve(self, artifact: Any) -> tuple[Backend, Any]:
         return artifact.backend, artifact.artifact

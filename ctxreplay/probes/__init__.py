@@ -6,23 +6,31 @@ from . import (  # noqa: F401  (imported for registration)
     default_device,
     default_dtype,
     determinism,
+    distributed,
     grad_mode,
     matmul_precision,
+    mode_stack,
     rng,
+    sdpa_backend,
 )
 from .autocast import AutocastProbe, AutocastState
 from .contextvar import ContextVarProbe
 from .default_device import DefaultDeviceProbe
 from .default_dtype import DefaultDtypeProbe
 from .determinism import DeterminismProbe, DeterminismState
+from .distributed import DistributedProbe, DistributedState
 from .forward_context import ForwardContextProbe, LiveState, LiveValueProbe
 from .grad_mode import GradModeProbe, GradModeState
 from .matmul_precision import MatmulPrecisionProbe, MatmulPrecisionState
+from .mode_stack import ModeNotReplayableError, ModeStackProbe, ModeStackState
 from .rng import RngProbe, RngState
+from .sdpa_backend import SdpaBackendProbe, SdpaBackendState
 
 __all__ = [
     "AutocastProbe", "AutocastState", "ContextVarProbe", "DefaultDeviceProbe",
-    "DefaultDtypeProbe", "DeterminismProbe", "DeterminismState", "ForwardContextProbe",
+    "DefaultDtypeProbe", "DeterminismProbe", "DeterminismState", "DistributedProbe",
+    "DistributedState", "ForwardContextProbe",
     "GradModeProbe", "GradModeState", "LiveState", "LiveValueProbe", "MatmulPrecisionProbe",
-    "MatmulPrecisionState", "RngProbe", "RngState",
+    "MatmulPrecisionState", "ModeNotReplayableError", "ModeStackProbe", "ModeStackState",
+    "RngProbe", "RngState", "SdpaBackendProbe", "SdpaBackendState",
 ]

@@ -32,6 +32,33 @@ def _available_devices() -> tuple[str, ...]:
     return tuple(out)
 
 
+# torch.autocast's own rule (torch/amp/autocast_mode.py): every device type
+# runs in bfloat16 or float16, a privateuse1 backend in what its module's
+# get_amp_supported_dtype() lists.  For CUDA torch.autocast checks only
+# bfloat16 support; float32 (autocast as a no-op) and float64 are in use, an
+# integer, bool or complex "autocast dtype" is never meaningful.
+_LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
+_CUDA_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
+
+
+def _autocast_dtypes(device: str) -> frozenset[torch.dtype]:
+    if device == "cuda":
+        return _CUDA_DTYPES
+    try:
+        custom = torch._C._get_privateuse1_backend_name()
+    except Exception:  # pragma: no cover - a torch without privateuse1
+        custom = "privateuseone"
+    if device == custom:
+        mod = getattr(torch, custom, None)
+        get = getattr(mod, "get_amp_supported_dtype", None)
+        if get is not None:
+            try:
+                return frozenset(d for d in get() if isinstance(d, torch.dtype))
+            except Exception:  # a broken backend module: torch's defaults
+                return _LOW_PRECISION
+    return _LOW_PRECISION
+
+
 @attrs.frozen(cache_hash=True)
 class AutocastState:
     """Devices with autocast enabled, each with its dtype; and the cache flag.
@@ -94,6 +121,9 @@ class AutocastProbe(ContextProbe[AutocastState]):
                 stack.enter_context(_raw_cache(state.cache_enabled))
             yield
 
+    def neutral_state(self) -> AutocastState:
+        return self._off[True]
+
     def neutral(self, state: AutocastState) -> bool:
         return not state.enabled
 
@@ -113,10 +143,22 @@ class AutocastProbe(ContextProbe[AutocastState]):
             if len(pair) != 2:
                 raise ValueError(f"{where}: expected [device_type, dtype]")
             device = read_str(pair[0], f"{where}[0]", choices=set(_CANDIDATES))
-            pairs.append((device, read_dtype(pair[1], f"{where}[1]")))
+            if device not in self.devices:
+                raise ValueError(f"{where}[0]: autocast is not available for {device!r} on "
+                                 f"this torch; available: {list(self.devices)}")
+            dtype = read_dtype(pair[1], f"{where}[1]")
+            allowed = _autocast_dtypes(device)
+            if dtype not in allowed:
+                # replaying it would run e.g. nn.Linear in int64
+                raise ValueError(f"{where}[1]: autocast on {device!r} does not run in "
+                                 f"{dtype_name(dtype)}; it accepts "
+                                 f"{sorted(dtype_name(d) for d in allowed)}")
+            pairs.append((device, dtype))
         if len({d for d, _ in pairs}) != len(pairs):
             raise ValueError(f"{path}.enabled: a device type is listed twice")
-        return AutocastState(tuple(sorted(pairs)),
+        # observe() lists enabled devices in the probe's device order
+        pairs.sort(key=lambda p: self.devices.index(p[0]))
+        return AutocastState(tuple(pairs),
                              read_bool(doc["cache_enabled"], f"{path}.cache_enabled"))
 
     def describe(self, state: AutocastState) -> str:

@@ -56,6 +56,9 @@ class DefaultDeviceProbe(ContextProbe[str]):
             return nullcontext()
         return _enter_device(state)
 
+    def neutral_state(self) -> str:
+        return "cpu"
+
     def neutral(self, state: str) -> bool:
         return state == "cpu"
 

@@ -13,6 +13,10 @@ from ..registry import register_probe
 
 __all__ = ["DefaultDtypeProbe"]
 
+# what torch.set_default_dtype accepts (torch 2.13: "only floating-point types";
+# the float8 types have no storage type and are refused too)
+_DEFAULT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
 
 @register_probe
 class DefaultDtypeProbe(ContextProbe[torch.dtype]):
@@ -31,6 +35,9 @@ class DefaultDtypeProbe(ContextProbe[torch.dtype]):
     def replay(self, state: torch.dtype) -> AbstractContextManager[None]:
         return restoring(torch.get_default_dtype, torch.set_default_dtype, state)
 
+    def neutral_state(self) -> torch.dtype:
+        return torch.float32
+
     def neutral(self, state: torch.dtype) -> bool:
         return state == torch.float32
 
@@ -39,8 +46,9 @@ class DefaultDtypeProbe(ContextProbe[torch.dtype]):
 
     def decode(self, data: Any, path: str) -> torch.dtype:
         dtype = read_dtype(data, path)
-        if not dtype.is_floating_point or dtype.itemsize < 2:
-            raise ValueError(f"{path}: {dtype_name(dtype)} cannot be a default dtype")
+        if dtype not in _DEFAULT_DTYPES:
+            raise ValueError(f"{path}: {dtype_name(dtype)} cannot be a default dtype; "
+                             f"torch accepts {sorted(dtype_name(d) for d in _DEFAULT_DTYPES)}")
         return dtype
 
     def describe(self, state: torch.dtype) -> str:

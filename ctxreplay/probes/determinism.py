@@ -34,6 +34,7 @@ class DeterminismState:
 
 
 _FIELDS = tuple(f.name for f in attrs.fields(DeterminismState))
+_NEUTRAL = DeterminismState()  # torch's defaults: what a fresh process observes
 
 
 @register_probe
@@ -57,14 +58,25 @@ class DeterminismProbe(ContextProbe[DeterminismState]):
         return state
 
     def watch(self, state: DeterminismState) -> tuple[tuple[Callable[[], object], object], ...]:
+        # The guard sees the algorithms flags (and warn_only); nothing else
+        # here can change a traced graph.
+        return ()
+
+    def watch_forward(self, state: DeterminismState
+                      ) -> tuple[tuple[Callable[[], object], object], ...]:
+        # Process-global and invisible to the guard, but they only pick CUDA
+        # kernels (cuDNN) or fill fresh memory: numerics, never the graph.
         return ((_cudnn_det, state.cudnn_deterministic), (_cudnn_bench, state.cudnn_benchmark),
                 (_fill, state.fill_uninitialized_memory))
+
+    def neutral_state(self) -> DeterminismState:
+        return _NEUTRAL
 
     def replay(self, state: DeterminismState) -> AbstractContextManager[None]:
         return _replay(state)
 
     def neutral(self, state: DeterminismState) -> bool:
-        return state == DeterminismState()
+        return state == _NEUTRAL
 
     def encode(self, state: DeterminismState) -> dict[str, Any]:
         return attrs.asdict(state)
@@ -74,7 +86,7 @@ class DeterminismProbe(ContextProbe[DeterminismState]):
         return DeterminismState(*(read_bool(doc[f], f"{path}.{f}") for f in _FIELDS))
 
     def describe(self, state: DeterminismState) -> str:
-        on = [f for f in _FIELDS if getattr(state, f) != getattr(DeterminismState(), f)]
+        on = [f for f in _FIELDS if getattr(state, f) != getattr(_NEUTRAL, f)]
         return "default" if not on else ", ".join(
             f"{f}={getattr(state, f)}" for f in on)
 

@@ -44,6 +44,7 @@ class GradModeProbe(ContextProbe[GradModeState]):
         return _STATES[(_grad(), _inference())]
 
     def watch(self, state: GradModeState) -> tuple[tuple[Callable[[], object], object], ...]:
+        # thread-local, and it decides what a trace records (inference tensors)
         return ((_inference, state.inference_mode),)
 
     def replay(self, state: GradModeState) -> AbstractContextManager[None]:
@@ -54,6 +55,9 @@ class GradModeProbe(ContextProbe[GradModeState]):
     ) -> tuple[AbstractContextManager[None] | None, AbstractContextManager[None] | None]:
         return _replay(state, inference=False, grad=True), _replay(state, inference=True,
                                                                    grad=False)
+
+    def neutral_state(self) -> GradModeState:
+        return _STATES[(True, False)]
 
     def neutral(self, state: GradModeState) -> bool:
         # An artifact is normally run for inference; only inference mode itself

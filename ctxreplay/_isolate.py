@@ -1,0 +1,187 @@
+"""Capture and verification never change the user's model or random state.
+
+Tracing a forward runs it: a BatchNorm in train mode updates its running
+statistics, a forward that stores ``self.state.cache = ...`` leaves a
+FakeTensor there, a forward drawing random numbers advances the global
+generator and the user's own ones (DESIGN.md fact 15).  So every capture
+and every execution check works on ``isolated(module)``: a copy that shares
+the parameters (the weights are not copied) and owns everything else --
+buffers, plain attributes, the Python objects the module holds, generators
+it keeps.  A module that refuses to be copied is used in place, with its
+buffers and the ``__dict__`` of it, its submodules and the plain objects
+they hold snapshotted and put back afterwards.
+
+``rng_guard()`` puts back the global CPU (and, once initialised, CUDA)
+generator state and the state of every ``torch.Generator`` any torch call
+inside it received as ``generator=``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["isolated", "rng_guard"]
+
+_MAX_OBJECTS = 4096
+
+
+@contextmanager
+def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
+             ) -> Iterator[nn.Module]:
+    """A view of ``module`` that capture and execution may change freely,
+    with each submodule path in ``training`` set to that mode (the mode the
+    live call ran in, whatever the model is in now)."""
+    try:
+        view = _copy(module)
+    except Exception:
+        view = None
+    if view is not None:
+        _set_training(view, training)
+        yield view
+        return
+    with _restoring(module):
+        _set_training(module, training)
+        yield module
+
+
+def _set_training(module: nn.Module, training: Iterable[tuple[str, bool]]) -> None:
+    for path, mode in training:
+        try:
+            sub = module.get_submodule(path) if path else module
+        except AttributeError:
+            continue
+        sub.training = mode  # the flag alone: train() would recurse
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = p
+    # a tensor the forward made (it has a grad_fn) refuses deepcopy: the copy
+    # holds a detached copy of it instead
+    for t in _held_tensors(module):
+        if t.grad_fn is not None:
+            memo[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+    view: nn.Module = copy.deepcopy(module, memo)
+    return view
+
+
+def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """Tensors in the ``__dict__`` of the module tree and of the plain
+    objects (and lists, tuples, dicts) it holds, bounded."""
+    seen: set[int] = set()
+    stack: list[Any] = list(module.modules())
+    budget = _MAX_OBJECTS
+    while stack and budget > 0:
+        obj = stack.pop()
+        budget -= 1
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            continue
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+            continue
+        d = getattr(obj, "__dict__", None)
+        if type(d) is dict and not isinstance(obj, type) and not callable(obj):
+            stack.extend(v for k, v in d.items() if k not in _MODULE_DICTS)
+        elif isinstance(obj, nn.Module):
+            stack.extend(v for k, v in obj.__dict__.items() if k not in _MODULE_DICTS)
+
+
+# a module's parameter / buffer / submodule tables: walked through modules()
+_MODULE_DICTS = frozenset({"_parameters", "_modules"})
+
+
+class _Saved:
+    """Snapshot of a module tree's mutable state, for modules deepcopy refuses."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.buffers = [(m, n, b, None if b is None else b.detach().clone())
+                        for m in module.modules() for n, b in m._buffers.items()]
+        self.dicts: list[tuple[Any, dict[str, Any]]] = []
+        seen: set[int] = set()
+        stack: list[Any] = list(module.modules())
+        while stack and len(self.dicts) < _MAX_OBJECTS:
+            obj = stack.pop()
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            d = getattr(obj, "__dict__", None)
+            if type(d) is not dict:
+                continue
+            self.dicts.append((obj, dict(d)))
+            for v in d.values():
+                if not isinstance(v, (nn.Module, torch.Tensor, type)) and \
+                        type(getattr(v, "__dict__", None)) is dict and not callable(v):
+                    stack.append(v)
+
+    def restore(self) -> None:
+        for obj, d in self.dicts:
+            now = obj.__dict__
+            for k in [k for k in now if k not in d]:
+                del now[k]
+            now.update(d)
+        with torch.no_grad():
+            for m, name, buf, saved in self.buffers:
+                m._buffers[name] = buf
+                if buf is not None and saved is not None and not torch.equal(buf, saved):
+                    buf.copy_(saved)
+
+
+@contextmanager
+def _restoring(module: nn.Module) -> Iterator[None]:
+    saved = _Saved(module)
+    try:
+        yield
+    finally:
+        saved.restore()
+
+
+class _GeneratorWatch(TorchFunctionMode):
+    """Remembers the state of every generator passed to a torch call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        g = kwargs.get("generator")
+        if isinstance(g, torch.Generator) and id(g) not in self.seen:
+            self.seen[id(g)] = (g, g.get_state())
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def rng_guard(*, watch_generators: bool = True) -> Iterator[None]:
+    """Random state as it was, whatever runs inside."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    mode = _GeneratorWatch() if watch_generators else None
+    try:
+        if mode is None:
+            yield
+        else:
+            with mode:
+                yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if mode is not None:
+            for g, state in mode.seen.values():
+                g.set_state(state)

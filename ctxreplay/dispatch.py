@@ -1,0 +1,605 @@
+"""Dispatching captured graphs back into a live model: ``install``.
+
+Each member a capture stands for gets a thin ``forward`` wrapper (the
+module's instance attribute, as observation uses; ``remove()`` puts back
+exactly what was there).  A call runs a capture's program when its key
+matches: the member (the capture lists it, and its weights fit the
+program: names, shapes, dtypes, devices), its input signature (equal to the
+recorded one, constants included) and its context (the probes' states
+equal those of the live call the capture was made from); and when the
+capture's static needs hold (torch, device, autocast policy, fidelity).
+Every other call runs eagerly and is counted as a miss with a reason.
+
+The program runs with the member's own weights: ``program.module()`` with
+the member's parameters and buffers assigned (DESIGN.md fact 20), made once
+per member -- and, with ``compile``, compiled once per member on its first
+hit.  Per call: the cached snapshot check (``snapshot.Observer``), the call
+key (``signature.call_key``) and one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from .loading import (
+    LoadedCapture,
+    LoadedManifest,
+    Needs,
+    WeightsError,
+    bind_weights,
+    needs_of,
+    static_differences,
+)
+from .materialize import build
+from .records import Capture
+from .report import CaptureReport
+from .signature import (
+    CallSpec,
+    DataclassSpec,
+    NotRealError,
+    ObjectSpec,
+    PytreeSpec,
+    Spec,
+    call_key,
+    call_spec,
+    children,
+    is_native,
+    tensor_values,
+)
+from .snapshot import ContextSnapshot, Observer, UnknownProbe, UnknownState, Unresolved
+from .targets import identity_digest, identity_of
+
+__all__ = ["OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
+
+#: ``object_args``: calls whose arguments hold Python objects (a KV cache, a
+#: dataclass) run eagerly -- a forward may change such an object in Python,
+#: which no graph records -- unless ``"dispatch"`` says they do not
+OBJECT_POLICIES = ("eager", "dispatch")
+
+_TensorGuards: Any
+try:  # checks dtype, shape, stride, device, requires_grad and dispatch keys in C
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - stripped torch
+    _TensorGuards = None
+
+_dynamo_compiling: Callable[[], bool] = getattr(
+    torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+_is_tracing = torch._C._is_tracing
+_ABSENT = object()
+_MEMO_LIMIT = 4096
+
+
+@attrs.frozen
+class DispatchStats:
+    """Counts of an installed model's calls since ``install``.
+
+    ``hits``: ``scope#variant`` -> calls that ran that capture's program;
+    ``misses``: member -> calls that ran eagerly; ``reasons``: why, per
+    reason code (``signature``: no capture of this member has the call's
+    input signature; ``context``: one has, but under another context;
+    ``training``: the member's ``training`` flag changed since install;
+    ``identity``: the member's class, shapes, training flags or plain
+    attributes differ from those it had when it ran the variant;
+    ``object_arguments``, ``environment``, ``fidelity``, ``unknown_probe``,
+    ``live_state``, ``structure``, ``not_rebuildable``,
+    ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``:
+    the matching capture cannot be used here -- ``unusable`` says which
+    capture, and why).  ``compiled``: labels compiled so far (per member)."""
+
+    hits: dict[str, int]
+    misses: dict[str, int]
+    reasons: dict[str, int]
+    unusable: dict[str, str]
+    compiled: tuple[str, ...] = ()
+
+    @property
+    def total_hits(self) -> int:
+        return sum(self.hits.values())
+
+    @property
+    def total_misses(self) -> int:
+        return sum(self.misses.values())
+
+
+@attrs.define(eq=False)
+class _Entry:
+    """One capture, as dispatch uses it."""
+
+    label: str
+    members: tuple[str, ...]
+    binding: str
+    program: Any
+    signature: CallSpec | None
+    outputs: Spec | None
+    flatten_out: bool
+    match: ContextSnapshot
+    unusable: str | None
+    #: member -> identity digest when it ran, and the attributes left out
+    identities: dict[str, str] = attrs.field(factory=dict)
+    ignore_attributes: tuple[str, ...] = ()
+    hits: int = 0
+
+
+def _has_objects(spec: Spec) -> bool:
+    if isinstance(spec, (DataclassSpec, ObjectSpec, PytreeSpec)):
+        return True
+    return any(_has_objects(c) for _, c in children(spec) or ())
+
+
+def _entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
+           object_args: str) -> _Entry:
+    needs: Needs
+    if isinstance(source, LoadedCapture):
+        needs = source.needs
+        program: Any = source.program
+        signature, outputs = source.signature(), source.outputs()
+        backend_ok = True
+    else:
+        needs = needs_of(source)
+        program = source.artifact
+        signature, outputs = source.signature, source.outputs
+        backend_ok = isinstance(program, torch.export.ExportedProgram)
+    snap = needs.snapshot.without(*ignore)
+    binding = source.binding
+    flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
+    unusable = _unusable(needs, snap, signature, outputs, flatten_out, backend_ok, ignore,
+                         object_args)
+    return _Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
+                  flatten_out, snap, unusable, dict(source.identities),
+                  tuple(source.ignore_attributes))
+
+
+def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
+              outputs: Spec | None, flatten_out: bool, backend_ok: bool,
+              ignore: tuple[str, ...], object_args: str) -> str | None:
+    if not backend_ok:
+        return "backend_not_dispatchable"
+    static = static_differences(needs, ignore)
+    if static:
+        return static[0].kind if static[0].kind != "state" else "unknown_probe"
+    if any(isinstance(s, UnknownState) or isinstance(p, UnknownProbe)
+           for _, p, s in zip(snap.names, snap.probes, snap.states)):
+        return "unknown_probe"
+    if any(isinstance(s, Unresolved) for s in snap.states):
+        return "live_state"
+    if signature is None or (flatten_out and outputs is None):
+        return "not_rebuildable"
+    if object_args != "dispatch" and any(_has_objects(s) for _, s in signature.items()):
+        return "object_arguments"
+    return None
+
+
+def _identity(module: nn.Module, ignore: tuple[str, ...]) -> str:
+    try:
+        return identity_digest(identity_of(module, ignore))
+    except Exception:  # an attribute that cannot be read: not the same member
+        return "unreadable"
+
+
+def _sources(source: object) -> list[Capture | LoadedCapture]:
+    if isinstance(source, (CaptureReport, LoadedManifest)):
+        return list(source.captures)
+    if isinstance(source, (Capture, LoadedCapture)):
+        return [source]
+    if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
+        raise TypeError("install: source must be a CaptureReport, a loaded manifest or "
+                        "capture (ctxreplay.load), a Capture, or an iterable of them; got "
+                        f"{type(source).__name__}")
+    out: list[Capture | LoadedCapture] = []
+    for s in source:
+        out += _sources(s)
+    return out
+
+
+class _Target:
+    """One capture's program for one member: built (and compiled) on first use."""
+
+    __slots__ = ("entry", "failed", "fn", "member", "slot")
+
+    def __init__(self, entry: _Entry, slot: _Slot) -> None:
+        self.entry, self.slot = entry, slot
+        self.fn: Callable[..., Any] | None = None
+        self.failed = False
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        e = self.entry
+        fn = self.fn
+        first = fn is None
+        if fn is None:
+            fn = self.slot.handle._make(e, self.slot)
+            if fn is None:
+                self.failed = True
+                return None
+            self.fn = fn
+        try:
+            if e.binding == "flattened":
+                leaves = [t for a in args for t in tensor_values(a)]
+                leaves += [t for v in kwargs.values() for t in tensor_values(v)]
+                out = fn(*leaves)
+            else:
+                out = fn(*args, **kwargs)
+        except Exception:
+            if not first or self.slot.handle.compile is None:
+                raise
+            # torch.compile compiles on the first call: a compiler that fails
+            # there costs this capture, not the user's forward
+            self.slot.handle._compile_failed(e, self.slot)
+            self.failed = True
+            return None
+        if e.flatten_out:
+            it = iter(out)
+            assert e.outputs is not None
+            return build(e.outputs, lambda _s: next(it))
+        return out
+
+
+def _last_hit_check(args: tuple[Any, ...]) -> Any:
+    """A C-level check that positional tensor arguments still have the
+    metadata of these (``None`` where it does not apply)."""
+    if _TensorGuards is None or not args or any(type(a) is not torch.Tensor for a in args):
+        return None
+    try:
+        return _TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
+                             dynamic_dims_strides=[list(a.stride()) for a in args])
+    except Exception:  # this torch's TensorGuards takes other arguments
+        return None
+
+
+class _Slot:
+    """The dispatch state of one member; ``forward`` is its wrapper."""
+
+    __slots__ = ("__weakref__", "entries", "groups", "handle", "last", "memo", "misses",
+                 "module", "name", "off", "orig", "prev", "reasons", "targets", "training")
+
+    def __init__(self, handle: InstallHandle, name: str, module: nn.Module) -> None:
+        self.handle, self.name, self.module = handle, name, module
+        self.prev = module.__dict__.get("forward", _ABSENT)
+        self.orig = module.forward
+        self.training = module.training
+        self.off = False
+        self.entries: list[_Entry] = []
+        self.groups: list[tuple[Observer, list[_Entry]]] = []
+        self.memo: dict[Any, Any] = {}
+        #: the last hit of a call of positional tensors: (snapshot, count, check, target)
+        self.last: tuple[Any, int, Any, _Target] | None = None
+        self.targets: dict[int, _Target] = {}
+        self.misses = 0
+        self.reasons: Counter[str] = Counter()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            return self.orig(*args, **kwargs)
+        if self.module.training is not self.training:
+            self.misses += 1
+            self.reasons["training"] += 1
+            return self.orig(*args, **kwargs)
+        target: Any
+        try:
+            groups = self.groups
+            if not self.handle.active:  # called outside the model: check those flags here
+                for obs in self.handle._observers:
+                    obs.forward_changed()
+            if len(groups) == 1:
+                snaps: Any = groups[0][0]()
+            else:
+                snaps = tuple(g[0]() for g in groups)
+            last = self.last
+            if last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
+                    and last[2].check(*args):
+                target = last[3]
+            else:
+                key = (snaps, call_key(args, kwargs))
+                target = self.memo.get(key)
+                if target is None:
+                    target = self._resolve(snaps, key, args, kwargs)
+                if type(target) is _Target and not kwargs:
+                    check = _last_hit_check(args)
+                    self.last = None if check is None else (snaps, len(args), check, target)
+        except NotRealError:  # a tracer's stand-ins: not a live call
+            return self.orig(*args, **kwargs)
+        except Exception:  # dispatch must never break the forward
+            target = "observe_error"
+        if type(target) is _Target:
+            if not target.failed:
+                out = target.run(args, kwargs)
+                if not target.failed:
+                    target.entry.hits += 1
+                    return out
+                target = "compile_failed"
+            else:
+                target = "compile_failed"
+        self.misses += 1
+        self.reasons[target] += 1
+        return self.orig(*args, **kwargs)
+
+    def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        spec = call_spec(args, kwargs)
+        per_group = (snaps,) if len(self.groups) == 1 else snaps
+        # the most telling reason wins: a capture that matches but cannot be
+        # used here, then one of another context, then none of this signature
+        reason = "signature"
+        found: Any = None
+        for (_obs, entries), snap in zip(self.groups, per_group):
+            for e in entries:
+                if e.signature is None or e.unusable is not None:
+                    if e.signature is None or e.signature == spec:
+                        reason = e.unusable or "not_rebuildable"
+                    continue
+                if e.signature != spec:
+                    continue
+                if e.match != snap:
+                    if reason == "signature":
+                        reason = "context"
+                    continue
+                found = self._target(e)
+                if type(found) is _Target:
+                    break
+                reason = found
+                found = None
+            if found is not None:
+                break
+        result = found if found is not None else reason
+        if len(self.memo) >= _MEMO_LIMIT:
+            self.memo.clear()
+        self.memo[key] = result
+        return result
+
+    def invalidate(self) -> None:
+        """The member's tensors or submodules were replaced: bind again."""
+        self.last = None
+        self.memo.clear()
+        self.targets.clear()
+        self.handle._forget(self)
+
+    def _target(self, e: _Entry) -> Any:
+        t = self.targets.get(id(e))
+        if t is None:
+            reason = self.handle._fits(e, self)
+            if reason is not None:
+                return reason
+            t = self.targets[id(e)] = _Target(e, self)
+        return t
+
+
+class _Root:
+    """Wraps the model given to ``install``: per call of it, the probes'
+    numerics-only flags (``watch_forward``) are checked once, not per block."""
+
+    __slots__ = ("__weakref__", "handle", "module", "off", "orig", "prev")
+
+    def __init__(self, handle: InstallHandle, module: nn.Module) -> None:
+        self.handle, self.module = handle, module
+        self.prev = module.__dict__.get("forward", _ABSENT)
+        self.orig = module.forward
+        self.off = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            return self.orig(*args, **kwargs)
+        handle = self.handle
+        try:
+            for obs in handle._observers:
+                obs.forward_changed()
+        except Exception:  # a getter that raises: the members observe it again
+            pass
+        handle.active += 1
+        try:
+            return self.orig(*args, **kwargs)
+        finally:
+            handle.active -= 1
+
+
+class InstallHandle:
+    """What :func:`ctxreplay.install` returns: ``stats()`` counts hits and
+    misses, ``remove()`` restores the model exactly (also on ``with``
+    exit)."""
+
+    def __init__(self, model: nn.Module, entries: list[_Entry],
+                 compile: Callable[[nn.Module], Callable[..., Any]] | None) -> None:
+        self.model = model
+        self.compile = compile
+        self._entries = entries
+        self._slots: list[_Slot] = []
+        self._built: dict[tuple[int, str], nn.Module | None] = {}
+        self._unfit: dict[str, str] = {}
+        self._compiled: list[str] = []
+        self._owners: dict[int, _Slot] = {}
+        self._hooks: list[Any] = []
+        self._observers: tuple[Observer, ...] = ()
+        self._root: _Root | None = None
+        self.active = 0  # calls of the model in progress
+        self.removed = False
+
+    def _watch(self) -> None:
+        """Re-bind a member whose parameter, buffer or submodule is replaced
+        (``block.lin.weight = nn.Parameter(...)``, ``load_state_dict(...,
+        assign=True)``): torch's global registration hooks fire then, so no
+        call pays for noticing.  In-place updates need nothing: the program
+        runs with the member's own tensors."""
+        self._owners = {id(m): s for s in self._slots for m in s.module.modules()}
+        if self._hooks:
+            return
+        mod = torch.nn.modules.module
+        for name in ("register_module_parameter_registration_hook",
+                     "register_module_buffer_registration_hook",
+                     "register_module_module_registration_hook"):
+            register = getattr(mod, name, None)
+            if register is not None:
+                self._hooks.append(register(self._replaced))
+
+    def _replaced(self, module: nn.Module, name: str, value: Any) -> None:
+        slot = self._owners.get(id(module))
+        if slot is not None and not self.removed:
+            slot.invalidate()
+            if isinstance(value, nn.Module):
+                self._owners = {id(m): s for s in self._slots for m in s.module.modules()}
+
+    def _forget(self, slot: _Slot) -> None:
+        for key in [k for k in self._built if k[1] == slot.name]:
+            del self._built[key]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The members whose calls are dispatched."""
+        return tuple(s.name for s in self._slots)
+
+    def _fits(self, e: _Entry, slot: _Slot) -> str | None:
+        """Whether ``slot``'s member can run ``e``'s program: it is what the
+        member was when it ran the variant (its identity) and its weights fit."""
+        key = (id(e), slot.name)
+        if key not in self._built:
+            where = f"{e.label}@{slot.name}"
+            try:
+                gm: nn.Module | None = bind_weights(e.program, slot.module, e.binding)
+            except WeightsError:
+                gm = None
+                self._unfit[where] = "structure"
+            if gm is not None and e.identities.get(slot.name, "") not in (
+                    "", _identity(slot.module, e.ignore_attributes)):
+                gm = None
+                self._unfit[where] = "identity"
+            self._built[key] = gm
+        if self._built[key] is not None:
+            return None
+        return self._unfit.get(f"{e.label}@{slot.name}", "structure")
+
+    def _make(self, e: _Entry, slot: _Slot) -> Callable[..., Any] | None:
+        gm = self._built.get((id(e), slot.name))
+        if gm is None:
+            return None
+        if self.compile is None:
+            return gm
+        try:
+            fn = self.compile(gm)
+        except Exception:
+            self._compile_failed(e, slot)
+            return None
+        self._compiled.append(f"{e.label}@{slot.name}")
+        return fn
+
+    def _compile_failed(self, e: _Entry, slot: _Slot) -> None:
+        where = f"{e.label}@{slot.name}"
+        self._unfit[where] = "compile_failed"
+        warnings.warn(f"ctxreplay.install: compiling {where} failed; its calls run eagerly",
+                      RuntimeWarning, stacklevel=4)
+
+    def stats(self) -> DispatchStats:
+        """Hits per capture, misses per member and their reasons."""
+        reasons: Counter[str] = Counter()
+        for s in self._slots:
+            reasons.update(s.reasons)
+        unusable = {e.label: e.unusable for e in self._entries if e.unusable is not None}
+        unusable.update(self._unfit)
+        return DispatchStats({e.label: e.hits for e in self._entries},
+                             {s.name: s.misses for s in self._slots}, dict(reasons),
+                             unusable, tuple(self._compiled))
+
+    def remove(self) -> None:
+        """Put back every member's ``forward`` as it was; a wrapper another
+        tool set on top of ours stays, and ours passes calls straight
+        through.  Idempotent."""
+        if self.removed:
+            return
+        self.removed = True
+        holders: list[_Slot | _Root] = [*self._slots, *([self._root] if self._root else [])]
+        for h in reversed(holders):
+            h.off = True
+            current = h.module.__dict__.get("forward")
+            if getattr(current, "__self__", None) is h:
+                if h.prev is _ABSENT:
+                    del h.module.forward
+                else:
+                    h.module.forward = h.prev
+        for s in self._slots:
+            s.memo.clear()
+            s.last = None
+            s.targets.clear()
+        self._built.clear()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._owners.clear()
+
+    def __enter__(self) -> InstallHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def install(model: nn.Module, source: object, *,
+            compile: Callable[[nn.Module], Callable[..., Any]] | None = None,
+            ignore: Iterable[str] = (), object_args: str = "eager") -> InstallHandle:
+    """Route each captured member's calls to the capture whose key matches.
+
+    ``source``: a ``CaptureReport``, what :func:`ctxreplay.load` returns, a
+    ``Capture``, or an iterable of them.  For every member a capture lists,
+    ``model.<member>``'s calls are matched by member, input signature and
+    context (the probes' states of the live call the capture was made from);
+    a match runs the capture's program with that member's own weights, any
+    other call runs eagerly (a miss, counted with its reason in
+    ``handle.stats()``).  Without ``compile`` the outputs are those of the
+    program (bit-identical to eager for the models tried); ``compile``:
+    ``torch.compile`` or any callable ``GraphModule -> callable`` (a
+    kernel-discovery tool's compiler), applied once per member on its first
+    hit -- a compiler that fails warns and leaves that member eager.
+
+    ``ignore``: probe names left out of the context key (you vouch for
+    them: e.g. a framework's forward context this process cannot compare).
+    ``object_args``: ``"eager"`` (default) runs calls whose arguments hold
+    Python objects (a KV cache) eagerly, since a forward may update such an
+    object in Python where no graph records it; ``"dispatch"`` dispatches
+    them too.  Members that are not in ``model`` raise ``ValueError``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"install: expected an nn.Module, got {type(model).__name__}")
+    if compile is not None and not callable(compile):
+        raise TypeError("install: compile must be None, torch.compile or a callable taking "
+                        "a GraphModule")
+    if object_args not in OBJECT_POLICIES:
+        raise ValueError(f"object_args: {object_args!r} is not one of {list(OBJECT_POLICIES)}")
+    ignore = tuple(ignore)
+    entries = [_entry(s, ignore, object_args) for s in _sources(source)]
+    modules: dict[str, nn.Module] = {}
+    for e in entries:
+        for m in e.members:
+            if m in modules:
+                continue
+            try:
+                modules[m] = model.get_submodule(m)
+            except AttributeError:
+                raise ValueError(f"install: the model has no submodule {m!r} (a member of "
+                                 f"{e.label})") from None
+    handle = InstallHandle(model, entries, compile)
+    observers: dict[tuple[Any, ...], Observer] = {}
+    for name, module in modules.items():
+        slot = _Slot(handle, name, module)
+        slot.entries = [e for e in entries if name in e.members]
+        by_probes: dict[tuple[Any, ...], list[_Entry]] = {}
+        for e in slot.entries:
+            probes = tuple(p for p, s in zip(e.match.probes, e.match.states)
+                           if not isinstance(p, UnknownProbe) and not isinstance(s, UnknownState))
+            key = tuple((p.name, id(p)) for p in probes)
+            if key not in observers:
+                # the numerics-only flags (watch_forward) are checked once per
+                # call of ``model``, as observation does (DESIGN.md fact 14)
+                observers[key] = Observer(probes, per_call=False)
+            by_probes.setdefault(key, []).append(e)
+        slot.groups = [(observers[k], v) for k, v in by_probes.items()]
+        handle._slots.append(slot)
+    handle._observers = tuple(observers.values())
+    handle._watch()
+    for slot in handle._slots:
+        slot.module.forward = slot.forward
+    if all(s.module is not model for s in handle._slots):
+        handle._root = _Root(handle, model)
+        model.forward = handle._root.forward
+    return handle

@@ -1,0 +1,542 @@
+"""Observation on the hot path: the wrapper around every targeted module's
+forward, which observes each call cheaply and records its variant.
+
+Each targeted module gets one ``_Member``: its bound ``forward`` is set as
+the module's instance attribute (``Module.__call__`` finds it like the
+class's forward; hooks still run; it costs a fraction of a hook pair --
+DESIGN.md fact 14); ``attach`` sets and unsets it.  A
+call's key is (snapshot, input signature) inside a table per *identity*
+(``targets.identity_of``: class, shapes, ``training`` and plain attributes),
+so members share a capture only when nothing but their weights differ.
+The hot path reuses a cached snapshot (``snapshot.Observer``) and a memo of
+the member's last variant checked in C by ``TensorGuards``.
+
+The module passed to ``capture_with`` gets a ``_Root`` wrapper too: per
+call of the whole model it checks the numerics-only flags that probes list
+in ``watch_forward`` (too many to read on every block call); a change of
+one inside a forward counts from the next model call (``watch="call"``
+reads them on every block call instead).
+
+Copies of an observed module (``copy.deepcopy``, ``pickle``, ``torch.save``)
+are plain: the copied wrapper calls the copy's own forward and observes
+nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import types
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._frozen import freeze_constants
+from .records import RetainedCall
+from .signature import NotRealError, call_key, call_spec, spec_of, tensor_values
+from .snapshot import ContextSnapshot, Observer, ProbeObservationError
+from .targets import _Uninitialized, identity_of
+from .variants import MemberVariant, Scope
+
+__all__ = ["ABSENT"]
+
+_TensorGuards: Any
+try:  # checks dtype, shape, stride, device, requires_grad and dispatch keys in C
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - stripped torch
+    _TensorGuards = None
+
+_is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
+_dynamo_compiling: Callable[[], bool] = getattr(
+    torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
+_Tensor = torch.Tensor
+
+
+class _Tally:
+    """A plain flag compiled code sets (see ``_Member.forward``)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+class _Python:
+    """The memo check where ``TensorGuards`` is unavailable: the Python key."""
+
+    __slots__ = ("sig",)
+
+    def __init__(self, sig: Any) -> None:
+        self.sig = sig
+
+    def check(self, *args: Any) -> bool:
+        try:
+            return bool(call_key(args, {}) == self.sig)
+        except NotRealError:
+            return False
+
+
+def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
+    if _TensorGuards is not None and all(type(a) is _Tensor for a in args):
+        try:
+            return _TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
+                                 dynamic_dims_strides=[list(a.stride()) for a in args])
+        except Exception:  # this torch's TensorGuards takes other arguments
+            pass
+    return _Python(sig)
+
+
+class _Shared:
+    """What every member of one session shares."""
+
+    __slots__ = ("active", "errors", "failing_probes", "lock", "max_variants",
+                 "observer",
+                 "profile", "retain_bytes", "retained_bytes", "retained_skipped", "root")
+
+    def __init__(self, observer: Observer, *, max_variants: int, profile: bool,
+                 retain_bytes: int | None) -> None:
+        self.observer = observer
+        self.lock = threading.Lock()
+        self.max_variants = max_variants
+        self.profile = profile
+        self.retain_bytes = retain_bytes  # None: values are not retained
+        self.retained_bytes = 0
+        self.retained_skipped = 0
+        self.errors: Counter[tuple[str, str]] = Counter()
+        self.failing_probes: Counter[str] = Counter()
+        self.active = 0  # calls of the root module in progress (approximate across threads)
+        self.root: _Root | None = None
+
+    def error(self, where: str, exc: BaseException) -> None:
+        """Count one observation error by where it happened and the type of
+        what was raised (a probe's own exception, not our wrapper of it)."""
+        if isinstance(exc, ProbeObservationError):
+            what, probe = exc.exc_type, exc.probe
+        else:
+            what, probe = type(exc).__name__, None
+        with self.lock:
+            self.errors[(where, what)] += 1
+            if probe is not None:
+                self.failing_probes[probe] += 1
+
+
+#: what a module's ``__dict__`` held under ``forward`` when it had nothing
+ABSENT = object()
+
+
+class _Member:
+    """The observation state of one targeted module; ``forward`` is its wrapper."""
+
+    __slots__ = ("__weakref__", "compiled", "identity", "identity_value", "ignore", "lazy",
+                 "memo", "module", "name", "off", "orig", "prev", "scope", "shared", "stateful",
+                 "table", "tables", "training")
+
+    def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
+                 ignore: tuple[str, ...]) -> None:
+        self.module = module
+        self.name = name
+        self.scope = scope
+        self.shared = shared
+        self.ignore = ignore
+        self.off = False
+        self.compiled = _Tally()
+        self.stateful: set[str] = set()  # held attributes its forward wrote
+        self.memo: tuple[Any, ...] | None = None
+        self.prev = module.__dict__.get("forward", ABSENT)
+        self.orig = module.forward
+        self.tables: dict[int, dict[Any, MemberVariant]] = {}
+        self.lazy = _uninitialized(module)
+        self.identity_value: Any = None
+        self.identity = -1
+        self.training = module.training
+        self.table: dict[Any, MemberVariant] = {}
+        if not self.lazy:
+            self.refresh_identity()
+
+    # -- the hot path -----------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            # Under torch.compile the check is a constant and orig is
+            # inlined: compiled regions are not observed and get no graph
+            # break.  The store below is a side effect Dynamo replays on every
+            # run of the compiled code: it marks the block as having run
+            # compiled.  (A count would be read too, and Dynamo would guard on
+            # it and recompile every call; torch.export warns about side
+            # effects.)  Under jit tracing, reading a tensor's shape would be
+            # recorded into the trace.
+            if _dynamo_compiling() and not self.off and not _exporting():
+                self.compiled.seen = True
+            return self.orig(*args, **kwargs)
+        failed: BaseException | None = None
+        real = True
+        mv = None
+        try:
+            shared = self.shared
+            obs = shared.observer
+            cache = obs.cache
+            if cache is not None and cache[0].check():
+                snap = cache[1]
+                try:
+                    for getter, expected in cache[2]:
+                        if getter() != expected:
+                            snap = obs.refresh()
+                            break
+                except ProbeObservationError:
+                    raise
+                except Exception:  # a watched getter that raises: the state changed
+                    snap = obs.refresh()
+            else:
+                snap = obs.refresh()
+            if not shared.active and obs.forward_changed():
+                snap = obs.refresh()  # called outside the model: check those flags here
+            memo = self.memo
+            if memo is not None and memo[0] is snap and not kwargs and len(args) == memo[2] \
+                    and self.module.training is memo[4] and memo[1].check(*args):
+                mv = memo[3]
+            else:
+                mv = self._lookup(snap, args, kwargs)
+        except NotRealError:  # fx proxies, fake or functorch tensors: a tracer's call
+            real = False
+        except Exception as exc:  # observation must never disturb the forward
+            failed = exc
+        # the user's forward runs outside every ``except`` above, so its own
+        # exceptions never carry ours as their context
+        if failed is not None:
+            self.shared.error("observe", failed)
+            del failed
+            return self.orig(*args, **kwargs)
+        if not real:
+            return self.orig(*args, **kwargs)
+        if mv is not None:
+            next(mv.counter)
+            if self.shared.profile:
+                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                    return self.orig(*args, **kwargs)
+            return self.orig(*args, **kwargs)
+        return self._first(snap, args, kwargs)
+
+    # -- the slow paths ---------------------------------------------------
+    def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> MemberVariant | None:
+        sig = call_key(args, kwargs)
+        if self.lazy or self.module.training is not self.training:
+            self.refresh_identity()
+        mv = self.table.get((snap, sig))
+        if mv is None or not mv.completed:
+            return None
+        if not kwargs:
+            self.memo = (snap, _memo_check(args, sig), len(args), mv, self.training)
+        return mv
+
+    def _first(self, snap: ContextSnapshot, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        """A call whose variant this member has not completed yet."""
+        failed: BaseException | None = None
+        mv = None
+        try:
+            mv = self._record(snap, args, kwargs)
+        except NotRealError:
+            pass
+        except Exception as exc:
+            failed = exc
+        if failed is not None:
+            self.shared.error("record", failed)
+            del failed
+        if mv is None:
+            return self.orig(*args, **kwargs)
+        next(mv.counter)
+        held = _held_state(self.module, self.ignore)
+        if self.shared.profile:
+            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                out = self.orig(*args, **kwargs)
+        else:
+            out = self.orig(*args, **kwargs)
+        try:
+            changed = _held_changes(held)
+            if self.lazy:  # a lazy module materialises in its first call
+                self._rekey()
+        except Exception:  # an object whose __dict__ went away: not our business
+            changed = []
+        if changed:
+            self.stateful.update(changed)
+        if not mv.completed:
+            try:
+                self._complete(mv, snap, args, kwargs, out)
+            except Exception as exc:
+                failed = exc
+            if failed is not None:
+                self.shared.error("record", failed)
+        return out
+
+    def _record(self, snap: ContextSnapshot, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> MemberVariant | None:
+        if _in_jit_check():
+            return None  # torch.jit.trace running the module again to check its trace
+        sig = call_key(args, kwargs)
+        key = (snap, sig)
+        scope, shared = self.scope, self.shared
+        mv = self.table.get(key)
+        if mv is None:
+            full = (self.identity, snap, sig)
+            with shared.lock:
+                if full not in scope.index and len(scope.index) >= shared.max_variants:
+                    scope.drop(full, snap)
+                    return None
+            # mutable constants (a dict the forward fills) are copied as first
+            # seen; the spec is made outside the lock
+            inputs = freeze_constants(call_spec(args, kwargs))
+            with shared.lock:
+                mv = self.table.get(key)
+                if mv is None:
+                    index = scope.index.get(full)
+                    if index is None:
+                        if len(scope.index) >= shared.max_variants:
+                            scope.drop(full, snap)
+                            return None
+                        index = len(scope.index)
+                        scope.index[full] = index
+                    mv = MemberVariant(index, self.identity, snap, inputs)
+                    self.table[key] = mv
+        if shared.retain_bytes is not None:
+            self._forget_retained(mv)
+            mv.retained_inputs = self._retain(args, kwargs)
+        return mv
+
+    def _forget_retained(self, mv: MemberVariant) -> None:
+        old = mv.retained_inputs
+        if old is not None:
+            with self.shared.lock:
+                self.shared.retained_bytes -= sum(t.numel() * t.element_size() for t in old)
+            mv.retained_inputs = None
+
+    def _retain(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[torch.Tensor, ...] | None:
+        """CPU copies of the call's input tensors, taken before the forward
+        can change them in place, within the session's byte budget."""
+        tensors = [t for a in (*args, *kwargs.values()) for t in tensor_values(a)]
+        need = sum(t.numel() * t.element_size() for t in tensors)
+        shared = self.shared
+        with shared.lock:
+            if shared.retain_bytes is None or shared.retained_bytes + need > shared.retain_bytes:
+                shared.retained_skipped += 1
+                return None
+            shared.retained_bytes += need
+        with torch.no_grad():
+            return tuple(t.detach().to("cpu", copy=True) for t in tensors)
+
+    def _complete(self, mv: MemberVariant, snap: ContextSnapshot, args: tuple[Any, ...],
+                  kwargs: dict[str, Any], out: Any) -> None:
+        mv.outputs = spec_of(out)
+        if mv.retained_inputs is not None:
+            outs = tuple(tensor_values(out))
+            need = sum(t.numel() * t.element_size() for t in outs)
+            shared = self.shared
+            with shared.lock:
+                ok = shared.retained_bytes + need <= (shared.retain_bytes or 0)
+                if ok:
+                    shared.retained_bytes += need
+                else:
+                    shared.retained_skipped += 1
+                    shared.retained_bytes -= sum(t.numel() * t.element_size()
+                                                 for t in mv.retained_inputs)
+            if ok:
+                with torch.no_grad():
+                    copies = tuple(t.detach().to("cpu", copy=True) for t in outs)
+                mv.retained = RetainedCall(mv.retained_inputs, copies, need + sum(
+                    t.numel() * t.element_size() for t in mv.retained_inputs))
+            mv.retained_inputs = None
+        mv.completed = True
+        if not kwargs:
+            self.memo = (snap, _memo_check(args, call_key(args, kwargs)), len(args), mv,
+                         self.training)
+
+    def refresh_identity(self) -> None:
+        """Recompute the member's identity (after ``train()``/``eval()``, or on
+        a lazy module's first call) and switch to that identity's table."""
+        self.training = self.module.training
+        self.identity_value = identity_of(self.module, self.ignore)
+        self.lazy = _uninitialized(self.module)
+        with self.shared.lock:
+            self.identity = self.scope.identity_id(self.identity_value)
+        self.table = self.tables.setdefault(self.identity, {})
+        self.memo = None
+
+    def _rekey(self) -> None:
+        """A lazy module's first call made its parameters (and class): its
+        variants move to the identity it has now."""
+        if _uninitialized(self.module):
+            return
+        self.lazy = False
+        value = identity_of(self.module, self.ignore)
+        scope = self.scope
+        with self.shared.lock:
+            old, new = self.identity, scope.identity_id(value)
+            self.identity_value, self.training = value, self.module.training
+            if new == old:
+                return
+            moved = self.tables.pop(old, {})
+            dest = self.tables.setdefault(new, {})
+            for (snap, sig), mv in moved.items():
+                taken = scope.index.get((new, snap, sig))
+                if taken is None:
+                    scope.index[(new, snap, sig)] = mv.index
+                else:
+                    mv.index = taken
+                mv.identity = new
+                dest[(snap, sig)] = mv
+                others = any((snap, sig) in m.tables.get(old, {})
+                             for m in scope.member_states if m is not self)
+                if not others:
+                    scope.index.pop((old, snap, sig), None)
+            self.identity, self.table, self.memo = new, dest, None
+
+    def all_variants(self) -> Iterator[tuple[Any, MemberVariant]]:
+        for identity, table in list(self.tables.items()):
+            for (snap, sig), mv in list(table.items()):
+                yield (identity, snap, sig), mv
+
+    # -- copies -----------------------------------------------------------
+    # A copy of the module holds, as its ``forward``, this function bound to
+    # a ``_Detached``: ``off`` is set, so it passes straight through to the
+    # copy's own forward.
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Detached:
+        # copy.deepcopy of the module maps it to its copy before copying its
+        # state (copy._reconstruct), so the twin is in ``memo`` here
+        twin = memo.get(id(self.module))
+        prev = None if self.prev is ABSENT else copy.deepcopy(self.prev, memo)
+        return _Detached(twin if twin is not None else self.module, prev)
+
+    def __reduce__(self) -> Any:
+        return (_Detached, (self.module, None if self.prev is ABSENT else self.prev))
+
+
+def _uninitialized(module: nn.Module) -> bool:
+    return any(isinstance(p, _Uninitialized) for p in (*module.parameters(), *module.buffers()))
+
+
+_HELD_LIMIT = 64
+
+
+def _held_state(module: nn.Module, ignore: tuple[str, ...]
+                ) -> list[tuple[str, Any, dict[str, Any]]]:
+    """``(label, object, shallow copy of its __dict__)`` of the plain Python
+    objects the module tree holds (a caching hook's state): a forward that
+    writes them depends on what earlier calls left there."""
+    out = []
+    for path, m in module.named_modules():
+        for name, value in m.__dict__.items():
+            if name.startswith("_") or name in ignore or isinstance(
+                    value, (nn.Module, torch.Tensor, type)) or callable(value):
+                continue
+            d = getattr(value, "__dict__", None)
+            if type(d) is dict:
+                out.append((f"{path}.{name}" if path else name, value, dict(d)))
+                if len(out) >= _HELD_LIMIT:
+                    return out
+    return out
+
+
+def _held_changes(held: list[tuple[str, Any, dict[str, Any]]]) -> list[str]:
+    changed = []
+    for label, obj, before in held:
+        now = obj.__dict__
+        for k in set(before) | set(now):
+            if before.get(k, ABSENT) is not now.get(k, ABSENT):
+                changed.append(f"{label}.{k}")
+    return changed
+
+
+def _in_jit_check(depth: int = 40) -> bool:
+    """Whether ``torch.jit.trace`` is re-running the module to check its
+    trace (``check_trace=True``): torch's own second run, not a call."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name in ("_check_trace", "run_mod_and_filter_tensor_outputs") and \
+                code.co_filename.endswith(("jit/_trace.py", "jit\\_trace.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Detached:
+    """The wrapper state of a copy of an observed module: observes nothing,
+    calls the copy's own forward (or what the copy had before)."""
+
+    __slots__ = ("off", "orig")
+
+    def __init__(self, module: nn.Module, prev: Any) -> None:
+        self.off = True
+        self.orig = prev if prev is not None else types.MethodType(type(module).forward,
+                                                                   module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.orig(*args, **kwargs)
+
+
+class _Root:
+    """Wraps the module given to ``capture_with``: per call of the whole
+    model, checks the ``watch_forward`` flags once."""
+
+    __slots__ = ("__weakref__", "module", "off", "orig", "prev", "shared")
+
+    def __init__(self, module: nn.Module, shared: _Shared) -> None:
+        self.module = module
+        self.shared = shared
+        self.off = False
+        self.prev = module.__dict__.get("forward", ABSENT)
+        self.orig = module.forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            return self.orig(*args, **kwargs)
+        shared = self.shared
+        try:
+            # Once per model call, not per block: the numerics-only flags
+            # (a change inside a forward is seen from the next model call
+            # on; watch="call" follows it exactly)
+            shared.observer.forward_changed()
+        except Exception as exc:  # a getter that raises: the members see it too
+            shared.error("observe", exc)
+        shared.active += 1
+        try:
+            return self.orig(*args, **kwargs)
+        finally:
+            shared.active -= 1
+
+    __deepcopy__ = _Member.__deepcopy__
+    __reduce__ = _Member.__reduce__
+
+
+class _CompiledCounter:
+    """Counts calls of a compiled entry point that exists when the session
+    attaches (an ``OptimizedModule``'s forward, a module's
+    ``_compiled_call_impl``): the blocks inside run compiled, unobserved."""
+
+    __slots__ = ("attr", "calls", "name", "orig", "owner")
+
+    def __init__(self, owner: nn.Module, attr: str, name: str) -> None:
+        self.owner, self.attr, self.name = owner, attr, name
+        self.orig = owner.__dict__[attr]
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.orig(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.orig, memo)
+
+    def __reduce__(self) -> Any:
+        return (_identity, (self.orig,))
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+

@@ -1,0 +1,206 @@
+"""Per-rank programs of tests/test_distributed.py (importable by spawned
+processes).  Each rank writes what it saw to ``<out>/<rank>.json``: its
+report document (``seconds`` fields dropped: timings differ), what it ran
+live, and how many times its backend was called -- or the error it raised."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from torch import nn
+
+import ctxreplay
+from ctxreplay.backends import ExportBackend
+
+HERE = Path(__file__).resolve().parent
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class ReduceBlock(nn.Module):
+    """Sequence-parallel style: a functional all_reduce inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fc.all_reduce(self.lin(x), "sum", dist.group.WORLD)
+        return fc.wait_tensor(y) * 0.5
+
+
+class Counting(ExportBackend):
+    """torch.export, counting its calls."""
+
+    name = "counting"
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.calls = 0
+        self.fail = fail
+
+    def capture(self, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("this rank's backend broke")
+        return super().capture(module, args, kwargs)
+
+
+def _doc(report: ctxreplay.CaptureReport) -> dict[str, Any]:
+    doc = report.to_json()
+    doc.pop("seconds")
+    if doc.get("distributed"):
+        doc["distributed"].pop("rank_seconds")
+    for c in doc["captures"]:
+        c.pop("seconds")
+    return doc
+
+
+def _setup(rank: int, world: int, port: int) -> None:
+    sys.path.insert(0, str(HERE))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)  # the same weights on every rank
+
+
+def _live(model: Stack, rank: int) -> list[list[Any]]:
+    """Overlapping but different input shapes and autocast states per rank;
+    returns what ran: (batch, autocast) per model call."""
+    ran = []
+    for batch in range(1, 2 + rank % 3):
+        model(torch.rand(batch, 8))
+        ran.append([batch, False])
+    if rank % 2:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.rand(1, 8))
+            model(torch.rand(1, 8))
+        ran += [[1, True], [1, True]]
+    return ran
+
+
+def overlap(rank: int, world: int, port: int, out: str) -> None:
+    _setup(rank, world, port)
+    model = Stack().eval()
+    backend = Counting()
+    with ctxreplay.capture_with(model, targets="repeated", backend=backend,
+                                verify="execute") as session:
+        ran = _live(model, rank)
+    report = session.finalize()
+    from metadata_check import assert_metadata_only
+
+    assert_metadata_only(report.to_json())
+    Path(out, f"{rank}.json").write_text(json.dumps(
+        {"report": _doc(report), "ran": ran, "backend_calls": backend.calls}))
+    dist.destroy_process_group()
+
+
+def collective(rank: int, world: int, port: int, out: str) -> None:
+    _setup(rank, world, port)
+    model = ReduceBlock().eval()
+    results = {}
+    for label, replay in (("faithful", "embedded"), ("unreplayed", "off")):
+        with ctxreplay.capture_with(model, backend="export", verify="execute",
+                                    replay=replay) as session, \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.rand(2, 8))
+        results[label] = _doc(session.finalize())
+    Path(out, f"{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def backend_raises(rank: int, world: int, port: int, out: str) -> None:
+    _setup(rank, world, port)
+    model = Stack().eval()
+    backend = Counting(fail=rank == 1)
+    with ctxreplay.capture_with(model, targets="repeated", backend=backend) as session:
+        model(torch.rand(1, 8))
+        model(torch.rand(2 + rank, 8))  # one variant each rank alone sees
+    report = session.finalize()
+    Path(out, f"{rank}.json").write_text(json.dumps({"report": _doc(report)}))
+    dist.destroy_process_group()
+
+
+def skips_finalize(rank: int, world: int, port: int, out: str) -> None:
+    _setup(rank, world, port)
+    model = Stack().eval()
+    with ctxreplay.capture_with(model, targets="repeated", backend="export",
+                                capture_timeout=3.0) as session:
+        model(torch.rand(1, 8))
+    result: dict[str, Any] = {}
+    if rank == 1:
+        time.sleep(8)  # never calls finalize(); stays alive past the others' timeout
+    else:
+        t0 = time.monotonic()
+        try:
+            session.finalize()
+            result["error"] = None
+        except ctxreplay.DistributedError as exc:
+            result["error"] = str(exc)
+            result["ranks"] = list(exc.ranks)
+        except Exception:
+            result["error"] = traceback.format_exc()
+        result["waited"] = time.monotonic() - t0
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+
+
+def probes_differ(rank: int, world: int, port: int, out: str) -> None:
+    _setup(rank, world, port)
+    model = Stack().eval()
+    probes = ["autocast", "grad_mode"] + (["default_dtype"] if rank == 1 else [])
+    with ctxreplay.capture_with(model, targets="repeated", backend="export",
+                                probes=probes) as session:
+        model(torch.rand(1, 8))
+    try:
+        session.finalize()
+        result: dict[str, Any] = {"error": None}
+    except ctxreplay.DistributedError as exc:
+        result = {"error": str(exc), "ranks": list(exc.ranks)}
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def save_all(rank: int, world: int, port: int, out: str) -> None:
+    _setup(rank, world, port)
+    model = Stack().eval()
+    with ctxreplay.capture_with(model, targets="repeated", backend="export",
+                                verify="execute") as session:
+        _live(model, rank)
+    report = session.finalize()
+    saved = report.save_all(Path(out, "saved"))
+    Path(out, f"{rank}.json").write_text(json.dumps({
+        "report": _doc(report), "ok": saved.ok,
+        "wrote": sorted(s.path.name for s in saved.saved),
+        "elsewhere": [list(e) for e in saved.elsewhere],
+        "manifest_there": saved.manifest.is_file()}))
+    dist.destroy_process_group()

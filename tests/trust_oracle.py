@@ -1,0 +1,228 @@
+"""Ground truth for the trust tests (issue 11): what really ran, recorded by
+the test's own forward hooks, and each recorded call replayed through the
+capture that claims to stand for it, with that member's own weights.
+
+Nothing here asks ctxreplay whether a capture is faithful: a call is
+reproduced when the artifact, run on a copy of the call's real inputs with
+the member's weights (DESIGN.md fact 20: ``ep.module()`` then
+``load_state_dict(..., strict=False, assign=True)``), returns the live
+outputs by value.  The only engine contract used is the documented binding:
+a ``"flattened"`` capture takes the call's tensor leaves positionally, in
+``Capture.signature.leaves()`` order (``ctxreplay.signature.tensor_values``
+walks a value in that order); the shapes of those leaves are checked against
+the signature before anything runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+import ctxreplay
+from ctxreplay.signature import tensor_values
+
+BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-2}
+_TOL = {torch.bfloat16: BF16_TOL, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}
+
+
+@dataclasses.dataclass
+class Call:
+    """One live call of one member: copies of its inputs taken before the
+    forward ran (a cache it grows in place is seen as the member received
+    it), its outputs, the ambient snapshot and the member's ``training``."""
+
+    member: str
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: tuple[torch.Tensor, ...]
+    snapshot: ctxreplay.ContextSnapshot
+    training: bool
+
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        """The input tensors in capture order: positional, then keyword arguments."""
+        return (*[t for a in self.args for t in tensor_values(a)],
+                *[t for v in self.kwargs.values() for t in tensor_values(v)])
+
+    def fresh_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Another copy (a forward may change its inputs in place)."""
+        return _copy_call(self.args, self.kwargs)
+
+
+def _copy_call(args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    memo: dict[int, Any] = {}
+    with torch.inference_mode(False), torch.no_grad():
+        for t in tensor_values((args, kwargs)):
+            if id(t) not in memo:
+                c = t.detach().clone()
+                if t.requires_grad:
+                    c.requires_grad_(True)
+                memo[id(t)] = c
+    return copy.deepcopy((args, kwargs), memo)
+
+
+def _clone_out(out: Any) -> tuple[torch.Tensor, ...]:
+    with torch.inference_mode(False), torch.no_grad():
+        return tuple(t.detach().clone() for t in tensor_values(out))
+
+
+@contextmanager
+def record(model: nn.Module, members: Iterable[str] | None = None,
+           probes: Any = None) -> Iterator[list[Call]]:
+    """Record every call of the named submodules (default: every member of
+    every ``nn.ModuleList`` / stack the test cares about must be named)."""
+    calls: list[Call] = []
+    named = dict(model.named_modules())
+    names = list(members) if members is not None else []
+    pending: dict[int, list[Call]] = {}
+    handles = []
+    for name in names:
+        mod = named[name]
+
+        def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                _name: str = name) -> None:
+            a, k = _copy_call(args, kwargs)
+            call = Call(_name, m, a, k, (), ctxreplay.snapshot(probes), m.training)
+            pending.setdefault(id(m), []).append(call)
+
+        def post(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any) -> None:
+            call = pending[id(m)].pop()
+            call.out = _clone_out(out)
+            calls.append(call)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def members_of(model: nn.Module, stack: str) -> list[str]:
+    """Qualified names of the children of the stack ``stack``."""
+    mod = dict(model.named_modules())[stack]
+    return [f"{stack}.{n}" for n, _ in mod.named_children()]
+
+
+def _leaf_key(ts: Iterable[Any]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(t.shape), t.dtype) for t in ts]
+
+
+def candidates(report: ctxreplay.CaptureReport, call: Call) -> list[ctxreplay.Capture]:
+    """Captures that claim this call: they list its member, were observed
+    under its snapshot and take inputs of its shapes and dtypes."""
+    want = _leaf_key(call.leaves())
+    return [c for c in report.captures
+            if call.member in c.members and c.snapshot == call.snapshot
+            and _leaf_key(s for _, s in c.signature.leaves()) == want]
+
+
+def program_for(capture: ctxreplay.Capture, member: nn.Module) -> nn.Module:
+    """The capture's artifact as a module holding ``member``'s own weights
+    (copies: running it changes nothing of the member)."""
+    ep = capture.artifact
+    assert isinstance(ep, torch.export.ExportedProgram), type(ep)
+    gm = ep.module()
+    own = {k: v.detach().clone() for k, v in
+           [*member.named_buffers(remove_duplicate=False),
+            *member.named_parameters(remove_duplicate=False)]}
+    names = [n for n, _ in gm.named_parameters()]
+    # a flattened capture traced a wrapper holding the member as ``inner``
+    prefix = "inner." if names and all(n.startswith("inner.") for n in names) else ""
+    state = {prefix + k: v for k, v in own.items()}
+    _, unexpected = gm.load_state_dict(state, strict=False, assign=True)
+    assert not unexpected, unexpected
+    not_mine = [n for n in names if n not in state]
+    assert not not_mine, f"parameters not loaded from {capture.weights_from!r}: {not_mine}"
+    return gm
+
+
+@contextmanager
+def ambient_of(capture: ctxreplay.Capture) -> Iterator[None]:
+    """Only what the capture says must surround the artifact where it runs."""
+    snap = capture.snapshot
+    keep = set(capture.ambient_only)
+    with torch.no_grad(), snap.without(*[n for n in snap.names if n not in keep]).replay():
+        yield
+
+
+def run_call(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True,
+             ambient: bool = True, programs: dict[Any, nn.Module] | None = None
+             ) -> tuple[torch.Tensor, ...]:
+    """Run ``call``'s real inputs through ``capture`` with its member's weights
+    (``check_shapes=False``: even inputs the capture was not made for), inside
+    what ``ambient_only`` says must surround it (``ambient=False``: nothing
+    but ``no_grad``, as a self-contained program).  ``programs`` keeps each
+    (capture, member) program for the next call (``ep.module()`` is slow)."""
+    key = (id(capture), id(call.module))
+    gm = None if programs is None else programs.get(key)
+    if gm is None:
+        gm = program_for(capture, call.module)
+        if programs is not None:
+            programs[key] = gm
+    args, kwargs = call.fresh_inputs()
+    with ambient_of(capture) if ambient else torch.no_grad():
+        if capture.binding == "native":
+            out = gm(*args, **kwargs)
+        else:
+            leaves = [t for a in args for t in tensor_values(a)] + \
+                [t for v in kwargs.values() for t in tensor_values(v)]
+            if check_shapes:
+                assert _leaf_key(leaves) == _leaf_key(s for _, s in capture.signature.leaves())
+            out = gm(*leaves)
+    return tuple(tensor_values(out))
+
+
+def differs(live: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> str | None:
+    """``None`` when ``got`` equals ``live`` by value (per-dtype tolerance)."""
+    if len(live) != len(got):
+        return f"{len(live)} live outputs, {len(got)} replayed"
+    for i, (a, b) in enumerate(zip(live, got)):
+        try:
+            torch.testing.assert_close(b, a, **_TOL.get(a.dtype, {}))
+        except AssertionError as exc:
+            return f"out[{i}]: " + str(exc).splitlines()[0]
+    return None
+
+
+def replay_failure(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True,
+                   ambient: bool = True, programs: dict[Any, nn.Module] | None = None
+                   ) -> str | None:
+    """``None`` when ``capture`` reproduces ``call``; else what went wrong."""
+    try:
+        got = run_call(capture, call, check_shapes=check_shapes, ambient=ambient,
+                       programs=programs)
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return differs(call.out, got)
+
+
+def unreproduced(report: ctxreplay.CaptureReport, calls: list[Call],
+                 pick: Callable[[Call, list[ctxreplay.Capture]], list[ctxreplay.Capture]]
+                 | None = None, *, ambient: bool = True) -> list[str]:
+    """Every call no capture reproduces: none claims it, several do, or the
+    one that does returns other values.  Empty means every call is covered."""
+    bad = []
+    programs: dict[Any, nn.Module] = {}
+    for i, call in enumerate(calls):
+        found = candidates(report, call)
+        if pick is not None:
+            found = pick(call, found)
+        where = f"call {i} of {call.member}"
+        if len(found) != 1:
+            bad.append(f"{where}: {len(found)} captures claim it "
+                       f"{[(c.scope, c.variant) for c in found]}")
+            continue
+        why = replay_failure(found[0], call, ambient=ambient, programs=programs)
+        if why is not None:
+            bad.append(f"{where} via {found[0].scope}#{found[0].variant}: {why}")
+    return bad
