@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from ._copies import Entries, signed
 from .observe import ABSENT, _CompiledCounter, _Member, _Root, _Shared
 from .records import MemberCall, VariantRequest
 from .snapshot import Observer
@@ -76,11 +77,17 @@ class Observation:
             scope.members.append(name)
             member = _Member(mod, name, scope, self.shared, ignore)
             scope.member_states.append(member)
-            mod.forward = member.forward
+            # the wrapper keeps the signature of what it wraps (jit.trace
+            # names inputs by it; frameworks read it for keyword arguments)
+            mod.forward = signed(member, _Member.forward, member.orig)
             self.members.append(member)
         self.root = _Root(root, self.shared)
-        root.forward = self.root.forward
+        root.forward = signed(self.root, _Root.forward, self.root.orig)
         self.dropped_structures = len(dropped)
+        # copies and torch.jit.script see a plain model (``_copies``)
+        self.entries = [Entries(m) for m in _paths(root, [m.name for m in self.members])]
+        for e in self.entries:
+            e.install()
 
     # -- reading ------------------------------------------------------------
     def member_modules(self) -> dict[str, nn.Module]:
@@ -154,6 +161,8 @@ class Observation:
         """Stop observing and put back what each wrapped attribute held.  A
         wrapper another tool wrapped on top of stays in its chain as a
         pass-through holding no session state."""
+        for e in reversed(self.entries):
+            e.remove()
         holders: list[_Member | _Root] = [*self.members, *([self.root] if self.root else [])]
         for c in reversed(self.compiled):  # (their counts stay, for the report)
             if c.owner.__dict__.get(c.attr) is c:
@@ -171,6 +180,7 @@ class Observation:
 
     def release(self) -> None:
         """Drop every module reference (after detach and capture)."""
+        self.entries = []
         for c in self.compiled:
             c.owner = None  # type: ignore[assignment]
             c.orig = None
@@ -185,6 +195,20 @@ class Observation:
         if self.root is not None:
             self.root.module = None  # type: ignore[assignment]
             self.root.orig = None  # type: ignore[assignment]
+
+
+def _paths(root: nn.Module, members: list[str]) -> list[nn.Module]:
+    """The root, every member, and every module between them, once each."""
+    out: dict[int, nn.Module] = {id(root): root}
+    for name in members:
+        parts = name.split(".") if name else []
+        for i in range(1, len(parts) + 1):
+            try:
+                m = root.get_submodule(".".join(parts[:i]))
+            except AttributeError:
+                break
+            out.setdefault(id(m), m)
+    return list(out.values())
 
 
 def _inside(member: str, qualified: str) -> bool:

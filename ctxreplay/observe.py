@@ -18,8 +18,8 @@ one inside a forward counts from the next model call (``watch="call"``
 reads them on every block call instead).
 
 Copies of an observed module (``copy.deepcopy``, ``pickle``, ``torch.save``)
-are plain: the copied wrapper calls the copy's own forward and observes
-nothing.
+are plain models (``_copies``); a copy of a wrapper that another tool holds
+calls the copy's own forward and observes nothing (``_Detached``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._copies import is_ours
 from ._frozen import freeze_constants
 from .records import RetainedCall
 from .signature import NotRealError, call_key, call_spec, spec_of, tensor_values
-from .snapshot import ContextSnapshot, Observer, ProbeObservationError
+from .snapshot import ContextSnapshot, Observer, ProbeObservationError, call
 from .targets import _Uninitialized, identity_of
 from .variants import MemberVariant, Scope
 
@@ -180,10 +181,8 @@ class _Member:
             if cache is not None and cache[0].check():
                 snap = cache[1]
                 try:
-                    for getter, expected in cache[2]:
-                        if getter() != expected:
-                            snap = obs.refresh()
-                            break
+                    if list(map(call, cache[2])) != cache[3]:
+                        snap = obs.refresh()
                 except ProbeObservationError:
                     raise
                 except Exception:  # a watched getter that raises: the state changed
@@ -399,9 +398,16 @@ class _Member:
                 yield (identity, snap, sig), mv
 
     # -- copies -----------------------------------------------------------
-    # A copy of the module holds, as its ``forward``, this function bound to
-    # a ``_Detached``: ``off`` is set, so it passes straight through to the
-    # copy's own forward.
+    ctxreplay_holder = True
+
+    def user_forward(self) -> Any:
+        """The instance ``forward`` the module had before ctxreplay (``None``:
+        its class's)."""
+        return before_ctxreplay(self.prev)
+
+    # A copy of this wrapper (held by the copy of a module, or by another
+    # tool's wrapper) is this function bound to a ``_Detached``: ``off`` is
+    # set, so it passes straight through to the copy's own forward.
     def __deepcopy__(self, memo: dict[int, Any]) -> _Detached:
         # copy.deepcopy of the module maps it to its copy before copying its
         # state (copy._reconstruct), so the twin is in ``memo`` here
@@ -411,6 +417,14 @@ class _Member:
 
     def __reduce__(self) -> Any:
         return (_Detached, (self.module, None if self.prev is ABSENT else self.prev))
+
+
+def before_ctxreplay(fn: Any) -> Any:
+    """``fn`` with every ctxreplay wrapper in its chain skipped (``None``: a
+    module's class forward)."""
+    while fn is not ABSENT and fn is not None and is_ours(fn):
+        fn = fn.__self__.prev
+    return None if fn is ABSENT else fn
 
 
 def _uninitialized(module: nn.Module) -> bool:
@@ -468,15 +482,20 @@ class _Detached:
     """The wrapper state of a copy of an observed module: observes nothing,
     calls the copy's own forward (or what the copy had before)."""
 
-    __slots__ = ("off", "orig")
+    ctxreplay_holder = True
+    __slots__ = ("off", "orig", "prev")
 
     def __init__(self, module: nn.Module, prev: Any) -> None:
         self.off = True
+        self.prev = prev
         self.orig = prev if prev is not None else types.MethodType(type(module).forward,
                                                                    module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.orig(*args, **kwargs)
+
+    def user_forward(self) -> Any:
+        return before_ctxreplay(self.prev)
 
 
 class _Root:
@@ -509,6 +528,8 @@ class _Root:
         finally:
             shared.active -= 1
 
+    ctxreplay_holder = True
+    user_forward = _Member.user_forward
     __deepcopy__ = _Member.__deepcopy__
     __reduce__ = _Member.__reduce__
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -378,6 +379,8 @@ class ProbeObservationError(RuntimeError):
 
 
 _Checks = tuple[tuple[Any, Any], ...]
+#: ``operator.call`` (Python 3.11+): calls its argument
+call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", lambda f: f())
 _NEVER: _Checks = ((lambda: True, False),)  # a watch that failed: never reuse the snapshot
 
 
@@ -393,8 +396,9 @@ class Observer:
 
     The last snapshot is reused while torch's ``GlobalStateGuard`` still holds
     and every probe's ``watch`` getter still returns what it returned (the
-    cache tuple is ``(guard, snapshot, per-call checks, per-forward
-    checks)``).  ``watch_forward`` getters are checked by ``forward_changed``
+    cache tuple is ``(guard, snapshot, per-call getters, the list of what
+    they returned, per-forward checks)``: ``list(map(call, getters)) ==
+    expected`` runs the check in C).  ``watch_forward`` getters are checked by ``forward_changed``
     -- once per call of the observed model -- or, with ``per_call=True``,
     with the others on every call.  Identical states give the identical
     snapshot object, so variant keys hash and compare by identity.  A probe
@@ -407,16 +411,13 @@ class Observer:
         self.probes = probes
         self.names = tuple(p.name for p in probes)
         self.per_call = per_call
-        self.cache: tuple[Any, ContextSnapshot, _Checks, _Checks] | None = None
+        self.cache: tuple[Any, ContextSnapshot, tuple[Any, ...], list[Any], _Checks] | None = None
 
     def __call__(self) -> ContextSnapshot:
         cache = self.cache
         if cache is not None and cache[0].check():
             try:
-                for getter, expected in cache[2]:
-                    if getter() != expected:
-                        break
-                else:
+                if list(map(call, cache[2])) == cache[3]:
                     return cache[1]
             except Exception:  # a watched getter that raises: the state changed
                 pass
@@ -444,7 +445,8 @@ class Observer:
             forward = tuple(c for p, s in pairs for c in _watch(p, s, True))
             if self.per_call:
                 every, forward = every + forward, ()
-            self.cache = (guard, snap, every, forward)
+            self.cache = (guard, snap, tuple(g for g, _ in every), [e for _, e in every],
+                          forward)
         return snap
 
     def forward_changed(self) -> bool:
@@ -454,7 +456,7 @@ class Observer:
         if cache is None:
             return False
         try:
-            for getter, expected in cache[3]:
+            for getter, expected in cache[4]:
                 if getter() != expected:
                     break
             else:

@@ -108,9 +108,6 @@ def test_jit_trace_sees_the_same_graph_and_records_nothing(check_trace: bool) ->
     s.finalize()
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: jit.trace of an observed model records "
-                   "the wrapper's *args signature: the traced forward's parameter is named "
-                   "'input', not 'x', so traced(x=...) fails")
 def test_jit_trace_keeps_the_forward_signature() -> None:
     model = _net()
     x = _x()
@@ -122,9 +119,6 @@ def test_jit_trace_keeps_the_forward_signature() -> None:
     assert torch.equal(traced(x=x), expected(x=x))
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: torch.jit.script of an observed model "
-                   "compiles the instance's wrapper forward(*args, **kwargs) and raises "
-                   "NotSupportedError")
 def test_jit_script_sees_the_same_code_and_records_nothing() -> None:
     model = _net()
     expected = torch.jit.script(model)
@@ -217,10 +211,60 @@ def test_a_copy_made_while_open_is_a_plain_model(how: str, what: str) -> None:
         assert torch.equal(dup(x), got)
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG: a copy made while the session is open "
-                   "keeps an instance forward(*args, **kwargs) pass-through forever, so "
-                   "torch.jit.script of the copy raises NotSupportedError even after the "
-                   "session ended")
+_ENTRIES = ("forward", "__deepcopy__", "__reduce_ex__", "__prepare_scriptable__")
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_a_copy_made_while_open_holds_nothing_of_the_session(how: str) -> None:
+    model = _net()
+    with ctxreplay.capture_with(model, targets="repeated") as s:
+        assert "forward" in model.blocks[0].__dict__  # observed: the wrapper is there
+        dup = COPIES[how](model)
+        assert [k for m in dup.modules() for k in _ENTRIES if k in m.__dict__] == []
+        _records_real_calls(s, model)
+    s.close()
+    assert [k for m in model.modules() for k in _ENTRIES if k in m.__dict__] == []
+
+
+def test_an_observed_forward_keeps_its_signature() -> None:
+    import inspect
+
+    class Keywords(nn.Module):
+        def forward(self, x: torch.Tensor, *, scale: float = 2.0) -> torch.Tensor:
+            return x * scale
+
+    model = nn.Sequential(Keywords(), Keywords())
+    plain = [inspect.signature(m.forward) for m in (model, model[0])]
+    with ctxreplay.capture_with(model, targets="repeated") as s:
+        assert "forward" in model[0].__dict__
+        assert [inspect.signature(m.forward) for m in (model, model[0])] == plain
+        assert list(plain[1].parameters) == ["x", "scale"]
+        assert torch.equal(model[0](torch.ones(2), scale=3.0), torch.full((2,), 3.0))
+    assert [c.calls for c in finalize_checked(s).captures] == [1]
+
+
+@pytest.mark.parametrize("what", ["model", "blocks", "block"])
+def test_jit_script_of_any_part_leaves_the_live_model_alone(what: str) -> None:
+    # torch.jit.script puts what __prepare_scriptable__ returns into the
+    # parent's submodules in place: the live blocks must stay the live blocks
+    model = _net()
+    blocks = list(model.blocks)
+    target = {"model": model, "blocks": model.blocks, "block": model.blocks[0]}[what]
+    with ctxreplay.capture_with(model, targets="repeated") as s:
+        scripted = torch.jit.script(target)
+        assert list(model.blocks) == blocks
+        assert all("forward" in b.__dict__ for b in model.blocks)  # still observed
+        with torch.no_grad():  # it shares the live weights
+            model.blocks[0].lin.weight.mul_(-1.0)
+        x = _x()
+        with torch.no_grad():
+            live = target(x) if what != "blocks" else model(x)
+        if what != "blocks":
+            assert torch.equal(scripted(x), live)
+        assert _calls(s) == [("blocks.0", 0, 2 if what != "block" else 1)]
+    s.finalize()
+
+
 @pytest.mark.parametrize("how", sorted(COPIES))
 def test_a_copy_made_while_open_scripts_like_a_plain_model(how: str) -> None:
     model = _net()

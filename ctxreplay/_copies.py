@@ -1,0 +1,167 @@
+"""An observed model stays a plain model to whatever copies, scripts or
+inspects it.
+
+While a session is open, ctxreplay's wrappers are instance attributes of
+the modules it observes (``forward``).  Three things would see them:
+
+* **Copies** -- ``copy.deepcopy``, ``pickle``, ``torch.save`` -- would carry
+  a pass-through ``forward`` forever, which ``torch.jit.script`` of the copy
+  then refuses (``*args``).
+* **torch.jit.script** of the live model would compile the wrapper.
+* **Signature readers** -- ``torch.jit.trace`` naming its inputs, a
+  framework reading ``inspect.signature(module.forward)`` for its keyword
+  arguments -- would see ``(*args, **kwargs)``.
+
+So every module on a path from the root to a member answers copies and
+scripting itself, through instance entries (``ENTRIES``) that ``Entries``
+installs and removes exactly: a copy is made the way the module's class
+makes it and ctxreplay's entries are left out of it; ``torch.jit.script``
+scripts such a copy, its parameters and buffers shared with the live model
+(torch puts what ``__prepare_scriptable__`` returns into the parent's
+submodules, so each module on the path must answer for itself, or a live
+member would be replaced by its copy).  ``signed`` gives a wrapper the
+signature of the forward it wraps.
+
+A holder of ctxreplay's wrappers (``observe._Member``, ``_Root``,
+``_Detached``) has ``ctxreplay_holder = True`` and ``user_forward()``: the
+instance ``forward`` the module had before ctxreplay, or ``None``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ENTRIES", "Entries", "is_ours", "plain_state", "signed"]
+
+#: the instance attributes ``Entries`` sets on a module while observed
+ENTRIES = ("__deepcopy__", "__reduce_ex__", "__prepare_scriptable__")
+_MISSING = object()
+
+
+def is_ours(value: Any) -> bool:
+    """Whether ``value`` is a bound method of one of ctxreplay's holders."""
+    holder = getattr(value, "__self__", None)
+    return bool(getattr(type(holder), "ctxreplay_holder", False))
+
+
+def plain_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A module's ``__dict__`` without ctxreplay's entries: ``forward`` is
+    what the module had before ctxreplay (absent if nothing)."""
+    out = {}
+    for key, value in state.items():
+        if not is_ours(value):
+            out[key] = value
+        elif key == "forward":
+            before = value.__self__.user_forward()
+            if before is not None:
+                out[key] = before
+    return out
+
+
+def _strip(module: nn.Module) -> None:
+    """Leave ctxreplay's entries out of a copy, in place."""
+    state = module.__dict__
+    if any(is_ours(v) for v in state.values()):
+        clean = plain_state(state)
+        state.clear()
+        state.update(clean)
+
+
+class Entries:
+    """The copy and scripting entries of one module on a path to a member."""
+
+    ctxreplay_holder = True
+    __slots__ = ("module", "prev")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.prev: dict[str, Any] = {}
+
+    def install(self) -> None:
+        state = self.module.__dict__
+        for name in ENTRIES:
+            self.prev[name] = state.get(name, _MISSING)
+        state["__deepcopy__"] = self.deepcopy
+        state["__reduce_ex__"] = self.reduce_ex
+        state["__prepare_scriptable__"] = self.prepare_scriptable
+
+    def remove(self) -> None:
+        """Put back what each entry held, unless another tool replaced ours."""
+        state = self.module.__dict__
+        for name in ENTRIES:
+            current = state.get(name)
+            if not (is_ours(current) and getattr(current, "__self__", None) is self):
+                continue
+            before = self.prev.get(name, _MISSING)
+            if before is _MISSING:
+                del state[name]
+            else:
+                state[name] = before
+
+    def user_forward(self) -> Any:
+        return None
+
+    # -- the entries --------------------------------------------------------
+    def deepcopy(self, memo: dict[int, Any]) -> nn.Module:
+        module = self.module
+        cls = type(module)
+        own = getattr(cls, "__deepcopy__", None)
+        if own is not None:
+            new: nn.Module = own(module, memo)
+        else:  # what copy.deepcopy does for a class without __deepcopy__
+            reduced = cls.__reduce_ex__(module, 4)
+            new = copy._reconstruct(module, memo, *reduced)  # type: ignore[attr-defined]
+        _strip(new)
+        return new
+
+    def reduce_ex(self, protocol: int) -> Any:
+        module = self.module
+        reduced = type(module).__reduce_ex__(module, protocol)
+        if isinstance(reduced, tuple) and len(reduced) >= 3 and isinstance(reduced[2], dict):
+            reduced = (reduced[0], reduced[1], plain_state(reduced[2]), *reduced[3:])
+        return reduced
+
+    def prepare_scriptable(self) -> nn.Module:
+        module = self.module
+        shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
+        new = copy.deepcopy(module, shared)
+        own = getattr(type(new), "__prepare_scriptable__", None)
+        return own(new) if own is not None else new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Entries:
+        return self  # only ever reached through an entry, which the copy drops
+
+    def __reduce__(self) -> Any:
+        raise TypeError("ctxreplay's copy entries are never pickled")  # plain_state drops them
+
+
+def signed(holder: Any, function: Callable[..., Any], wrapped: Callable[..., Any]
+           ) -> types.MethodType:
+    """``function`` bound to ``holder``, as a fresh function object that
+    carries ``wrapped``'s signature (``inspect.signature`` of the bound
+    method is then ``wrapped``'s); the same code, so the same speed."""
+    code = getattr(function, "__code__", None)
+    try:
+        sig = inspect.signature(wrapped)
+    except (TypeError, ValueError):
+        sig = None
+    if code is None or sig is None:
+        return types.MethodType(function, holder)
+    fn = types.FunctionType(code, function.__globals__, function.__name__,
+                            function.__defaults__, function.__closure__)
+    fn.__kwdefaults__ = function.__kwdefaults__
+    fn.__qualname__ = function.__qualname__
+    fn.__doc__ = function.__doc__
+    first = inspect.Parameter("__ctxreplay_self", inspect.Parameter.POSITIONAL_ONLY)
+    try:
+        fn.__signature__ = sig.replace(  # type: ignore[attr-defined]
+            parameters=[first, *sig.parameters.values()])
+    except ValueError:  # a signature that takes no leading positional
+        return types.MethodType(function, holder)
+    return types.MethodType(fn, holder)
