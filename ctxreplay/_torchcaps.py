@@ -22,12 +22,19 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["CAPS", "SDP_GETTERS", "GlobalStateGuard", "TensorGuards", "TorchCaps",
+__all__ = ["AUTOCAST_DEVICE_TYPES", "CAPS", "SDP_GETTERS", "GlobalStateGuard", "TensorGuards",
+           "TorchCaps", "dynamo_compiling", "dynamo_exporting", "is_autocast_available",
            "parse_version"]
+
+#: the device types whose autocast state ctxreplay may observe, where
+#: ``torch.amp.is_autocast_available`` says this torch has it
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia",
+                         "privateuseone")
 
 #: the scaled-dot-product-attention backend getters ctxreplay may read, in
 #: ``torch._C`` (``torch.backends.cuda.sdp_kernel`` / ``sdpa_kernel`` state)
@@ -39,6 +46,35 @@ SDP_GETTERS = (
     "_get_overrideable_sdp_enabled",
     "_get_sdp_priority_order",
 )
+
+
+def dynamo_exporting() -> bool:
+    """True while Dynamo traces for an export (``torch._dynamo.export``,
+    strict ``torch.export``); false under ``torch.compile`` and outside Dynamo.
+
+    ``torch.compiler.is_exporting()`` cannot tell: Dynamo folds it to True
+    under ``torch.compile`` too on 2.7, 2.9.1 and 2.11.0 (measured; false on
+    2.13-2.14).  This asks the translator that is tracing, once per trace:
+    Dynamo calls a function marked as below at trace time and keeps its
+    result as a constant, so no guard or graph node comes of it."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # not tracing (2.14 raises there; older return None)
+        return False
+    return bool(getattr(tx, "export", False))
+
+
+# What torch._dynamo.assume_constant_result does (the same two lines on
+# 2.7-2.14; tests/test_torchcaps.py checks), without importing torch._dynamo
+# at import time.
+dynamo_exporting._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+#: ``torch.amp.is_autocast_available(device_type)``, from where it is defined:
+#: ``torch.amp`` re-exports it explicitly only from 2.13 (mypy --strict refuses
+#: the re-export against older releases' stubs)
+is_autocast_available: Callable[[str], bool] = torch.amp.autocast_mode.is_autocast_available
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -58,24 +94,31 @@ class TorchCaps:
     #: version-derived fields below, never compared anywhere else
     version: tuple[int, int, int]
 
+    #: the :data:`AUTOCAST_DEVICE_TYPES` ``torch.amp.is_autocast_available``
+    #: names, in that order (a device type whose query raises is left out).
+    #: Even a CPU build names most of them (DESIGN.md fact 7).
+    autocast_devices: tuple[str, ...]
+
     # -- GlobalStateGuard (torch._C._dynamo.guards) ----------------------------
     #: ``torch._C._dynamo.guards.GlobalStateGuard`` imports (all supported
     #: releases have it; a stripped build may not)
     global_state_guard: bool
     #: ``GlobalStateGuard().check()`` turns false when autocast's enabled flag
-    #: (``torch.set_autocast_enabled("cpu", ...)``) or its cache flag
-    #: (``torch.set_autocast_cache_enabled``) changes.  Detected by flipping
-    #: each flag and restoring it.  The guard's C++ state gained the autocast
-    #: fields in torch 2.7 (DESIGN.md fact 12); before that a snapshot cache
-    #: built on the guard must watch both flags itself.
+    #: of any device in ``autocast_devices`` (``torch.set_autocast_enabled(d,
+    #: ...)``) or its cache flag (``torch.set_autocast_cache_enabled``)
+    #: changes.  Detected by flipping each flag and restoring it.  The guard's
+    #: C++ state gained the autocast fields in torch 2.7 (DESIGN.md fact 12);
+    #: before that a snapshot cache built on the guard must watch both flags
+    #: itself.
     guard_sees_autocast_flags: bool
     #: ``GlobalStateGuard().check()`` turns false when the autocast dtype of a
     #: device whose autocast is *enabled* changes (``torch.set_autocast_dtype``;
     #: reason ``autocast`` on 2.7-2.9, ``autocast(cpu)_dtype`` on 2.13).  The
     #: dtype of a disabled device is not seen -- it has no effect on what runs.
-    #: Detected by enabling CPU autocast, flipping its dtype and restoring
-    #: both.  True on every release measured (2.7-2.14): a snapshot cache on
-    #: the guard need not watch the dtypes of enabled devices itself.
+    #: Detected for every device in ``autocast_devices`` by enabling its
+    #: autocast, flipping its dtype and restoring both.  True on every release
+    #: measured (2.7-2.14, each device type): a snapshot cache on the guard
+    #: need not watch those dtypes itself.
     guard_sees_autocast_dtype: bool
     #: ``torch._C._dynamo.guards.TensorGuards(*tensors, dynamic_dims_sizes=
     #: [[sizes]], dynamic_dims_strides=[[strides]])`` constructs and its
@@ -151,11 +194,21 @@ class TorchCaps:
     fp32_precision_api: bool
     #: ``torch._C._get_cublas_allow_{fp16,bf16}_reduced_precision_reduction()``
     #: returns ``(allow_reduced_precision, allow_splitk)`` and the setters take
-    #: both (torch >= 2.9), instead of one bool.  Detected from the getter's
+    #: both, instead of one bool.  Measured: one bool on 2.7.0 and 2.9.1, the
+    #: pair on 2.11.0-2.14.1 (2.10 not measured).  Detected from the getter's
     #: return type.
     cublas_reduced_precision_pair: bool
     #: which of :data:`SDP_GETTERS` ``torch._C`` has (all six on 2.7-2.14)
     sdp_getters: frozenset[str]
+    #: the order ``torch._C._get_sdp_priority_order()`` gives in a fresh
+    #: process, as backend names.  ATen's ``Context.h`` holds a five-slot array:
+    #: its initializer lists four backends on older releases, so the fifth
+    #: slot is value 0 -- ``math`` again (measured on 2.7.0) -- and all five,
+    #: ``overrideable`` last, on newer ones (measured on 2.9.1-2.14.1).  2.8 is
+    #: not measured and taken as 2.7: a wrong guess there makes the default
+    #: look non-neutral (listed as ambient-only), never the reverse.  From
+    #: the version: the current order may already have been changed.
+    sdp_default_priority: tuple[str, ...]
 
     # -- autocast ------------------------------------------------------------
     #: ``torch._C._is_any_autocast_enabled`` exists (the probe's fast path)
@@ -201,33 +254,57 @@ def _guard_sees(guard_cls: Any, flip: Any, restore: Any) -> bool:
         restore()
 
 
-def _guard_sees_autocast_flags(guard_cls: Any) -> bool:
+def _autocast_devices() -> tuple[str, ...]:
+    out = []
+    for d in AUTOCAST_DEVICE_TYPES:
+        try:
+            if is_autocast_available(d):
+                out.append(d)
+        except Exception:  # an exotic backend whose query fails is not observed
+            continue
+    return tuple(out)
+
+
+def _guard_sees_enabled(guard_cls: Any, device: str) -> bool:
+    enabled = torch.is_autocast_enabled(device)
+    return _guard_sees(guard_cls,
+                       lambda: torch.set_autocast_enabled(device, not enabled),
+                       lambda: torch.set_autocast_enabled(device, enabled))
+
+
+def _guard_sees_autocast_flags(guard_cls: Any, devices: tuple[str, ...]) -> bool:
     if guard_cls is None:
         return False
-    enabled = torch.is_autocast_enabled("cpu")
     cache = torch.is_autocast_cache_enabled()
-    sees_enabled = _guard_sees(guard_cls,
-                               lambda: torch.set_autocast_enabled("cpu", not enabled),
-                               lambda: torch.set_autocast_enabled("cpu", enabled))
     sees_cache = _guard_sees(guard_cls,
                              lambda: torch.set_autocast_cache_enabled(not cache),
                              lambda: torch.set_autocast_cache_enabled(cache))
-    return sees_enabled and sees_cache
-
-
-def _guard_sees_autocast_dtype(guard_cls: Any) -> bool:
-    if guard_cls is None:
+    try:
+        return sees_cache and all(_guard_sees_enabled(guard_cls, d) for d in devices)
+    except Exception:  # a device type whose raw setter refuses: not proven
         return False
-    enabled = torch.is_autocast_enabled("cpu")
-    dtype = torch.get_autocast_dtype("cpu")
+
+
+def _guard_sees_dtype(guard_cls: Any, device: str) -> bool:
+    enabled = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device)
     other = torch.float16 if dtype != torch.float16 else torch.bfloat16
-    torch.set_autocast_enabled("cpu", True)
+    torch.set_autocast_enabled(device, True)
     try:
         return _guard_sees(guard_cls,
-                           lambda: torch.set_autocast_dtype("cpu", other),
-                           lambda: torch.set_autocast_dtype("cpu", dtype))
+                           lambda: torch.set_autocast_dtype(device, other),
+                           lambda: torch.set_autocast_dtype(device, dtype))
     finally:
-        torch.set_autocast_enabled("cpu", enabled)
+        torch.set_autocast_enabled(device, enabled)
+
+
+def _guard_sees_autocast_dtype(guard_cls: Any, devices: tuple[str, ...]) -> bool:
+    if guard_cls is None:
+        return False
+    try:
+        return all(_guard_sees_dtype(guard_cls, d) for d in devices)
+    except Exception:  # a device type whose raw setter refuses: not proven
+        return False
 
 
 def _tensor_guards_cls() -> Any:
@@ -290,12 +367,14 @@ def _returns_pair(name: str) -> bool:
 def _detect() -> TorchCaps:
     v = parse_version(str(torch.__version__))
     guard_cls = _global_state_guard()
+    devices = _autocast_devices()
     records_inner = v >= (2, 6)
     return TorchCaps(
         version=v,
+        autocast_devices=devices,
         global_state_guard=guard_cls is not None,
-        guard_sees_autocast_flags=_guard_sees_autocast_flags(guard_cls),
-        guard_sees_autocast_dtype=_guard_sees_autocast_dtype(guard_cls),
+        guard_sees_autocast_flags=_guard_sees_autocast_flags(guard_cls, devices),
+        guard_sees_autocast_dtype=_guard_sees_autocast_dtype(guard_cls, devices),
         tensor_guards=_tensor_guards(),
         tensor_guards_see_local_state=_tensor_guards_see_local_state(),
         export_records_inner_autocast=records_inner,
@@ -310,12 +389,19 @@ def _detect() -> TorchCaps:
         cublas_reduced_precision_pair=_returns_pair(
             "_get_cublas_allow_fp16_reduced_precision_reduction"),
         sdp_getters=frozenset(n for n in SDP_GETTERS if hasattr(torch._C, n)),
+        sdp_default_priority=("flash", "mem_efficient", "math", "cudnn",
+                              "math" if v < (2, 9) else "overrideable"),
         is_any_autocast_enabled=hasattr(torch._C, "_is_any_autocast_enabled"),
     )
 
 
 #: the installed torch's capabilities, computed once at import
 CAPS: TorchCaps = _detect()
+
+#: true only while Dynamo traces (``torch.compiler.is_dynamo_compiling``); where
+#: this torch lacks it, ``is_compiling`` (also true under non-strict export)
+dynamo_compiling: Callable[[], bool] = getattr(
+    torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 #: ``torch._C._dynamo.guards.GlobalStateGuard`` / ``TensorGuards`` (None where
 #: missing), typed ``Any``: importing them from here keeps ``mypy --strict``

@@ -103,11 +103,58 @@ def test_tensor_guards_class() -> None:
         assert _torchcaps.TensorGuards is TensorGuards
 
 
+def test_autocast_devices_are_the_ones_torch_names() -> None:
+    from torch.amp.autocast_mode import is_autocast_available
+
+    want = []
+    for d in _torchcaps.AUTOCAST_DEVICE_TYPES:
+        try:
+            if is_autocast_available(d):
+                want.append(d)
+        except Exception:
+            pass
+    assert CAPS.autocast_devices == tuple(want)
+    assert "cpu" in CAPS.autocast_devices
+
+
+@contextlib.contextmanager
+def _raw_autocast(device: str, enabled: bool, dtype: torch.dtype | None = None
+                  ) -> Iterator[None]:
+    """Set one device's autocast flag (and dtype) with the raw setters:
+    ``torch.autocast`` refuses e.g. CUDA on a build without a GPU."""
+    before = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    torch.set_autocast_enabled(device, enabled)
+    if dtype is not None:
+        torch.set_autocast_dtype(device, dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, before[0])
+        torch.set_autocast_dtype(device, before[1])
+
+
+def _guard_sees_enabled(device: str) -> bool:
+    guard = _guard()
+    with _raw_autocast(device, not torch.is_autocast_enabled(device)):
+        sees = not guard.check()
+    assert guard.check()
+    return sees
+
+
+def _guard_sees_dtype(device: str) -> bool:
+    with _raw_autocast(device, True, BF16):
+        guard = _guard()
+        with _raw_autocast(device, True, torch.float16):  # enabled both times
+            sees = not guard.check()
+        assert guard.check()
+    return sees
+
+
 @pytest.mark.skipif(not CAPS.global_state_guard, reason="no GlobalStateGuard in this torch")
 def test_guard_sees_autocast_flags() -> None:
     guard = _guard()
-    with torch.autocast("cpu", dtype=BF16):
-        sees_enabled = not guard.check()
+    with torch.autocast("cpu", dtype=BF16):  # the public path, for one device
+        sees_cpu = not guard.check()
     assert guard.check()
     before = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(not before)
@@ -115,17 +162,21 @@ def test_guard_sees_autocast_flags() -> None:
         sees_cache = not guard.check()
     finally:
         torch.set_autocast_cache_enabled(before)
-    assert (sees_enabled and sees_cache) == CAPS.guard_sees_autocast_flags
+    sees_each = {d: _guard_sees_enabled(d) for d in CAPS.autocast_devices}
+    assert sees_each["cpu"] == sees_cpu
+    assert (sees_cache and all(sees_each.values())) == CAPS.guard_sees_autocast_flags, sees_each
 
 
 @pytest.mark.skipif(not CAPS.global_state_guard, reason="no GlobalStateGuard in this torch")
 def test_guard_sees_autocast_dtype() -> None:
-    with torch.autocast("cpu", dtype=BF16):
+    with torch.autocast("cpu", dtype=BF16):  # the public path, for one device
         guard = _guard()
-        with torch.autocast("cpu", dtype=torch.float16):  # enabled both times
-            sees = not guard.check()
+        with torch.autocast("cpu", dtype=torch.float16):
+            sees_cpu = not guard.check()
         assert guard.check()
-    assert sees == CAPS.guard_sees_autocast_dtype
+    sees_each = {d: _guard_sees_dtype(d) for d in CAPS.autocast_devices}
+    assert sees_each["cpu"] == sees_cpu
+    assert all(sees_each.values()) == CAPS.guard_sees_autocast_dtype, sees_each
     # the dtype of a device whose autocast is off is never part of it
     guard = _guard()
     before = torch.get_autocast_dtype("cpu")
@@ -134,6 +185,24 @@ def test_guard_sees_autocast_dtype() -> None:
         assert guard.check()
     finally:
         torch.set_autocast_dtype("cpu", before)
+
+
+def test_sdp_default_priority_is_a_fresh_process_order() -> None:
+    """The order a process starts with -- read in a fresh one, since this
+    process's may have been changed by another test."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "names = {int(torch._C._SDPBackend.MATH): 'math',"
+            " int(torch._C._SDPBackend.FLASH_ATTENTION): 'flash',"
+            " int(torch._C._SDPBackend.EFFICIENT_ATTENTION): 'mem_efficient',"
+            " int(torch._C._SDPBackend.CUDNN_ATTENTION): 'cudnn',"
+            " int(torch._C._SDPBackend.OVERRIDEABLE): 'overrideable'}\n"
+            "print(','.join(names[int(i)] for i in torch._C._get_sdp_priority_order()))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert tuple(proc.stdout.strip().split(",")) == CAPS.sdp_default_priority
 
 
 # -- TensorGuards --------------------------------------------------------------------
@@ -386,3 +455,42 @@ def test_is_any_autocast_enabled() -> None:
         assert not torch._C._is_any_autocast_enabled()
         with torch.autocast("cpu", dtype=BF16):
             assert torch._C._is_any_autocast_enabled()
+
+
+# -- dynamo_exporting ----------------------------------------------------------------
+
+def test_dynamo_exporting_is_marked_as_assume_constant_result_marks() -> None:
+    import torch._dynamo
+
+    def f() -> bool:
+        return False
+
+    marked = torch._dynamo.assume_constant_result(f)
+    extra = set(vars(marked)) - set(vars(lambda: None))
+    assert extra == {"_dynamo_marked_constant"}
+    assert getattr(_torchcaps.dynamo_exporting, "_dynamo_marked_constant", False) is True
+
+
+def test_dynamo_exporting_is_true_only_while_dynamo_traces_for_an_export() -> None:
+    import torch._dynamo
+
+    seen: list[str] = []
+
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_dynamo_compiling() and not _torchcaps.dynamo_exporting():
+                seen.append("compile")
+            return x + 1
+
+    m, x = M(), torch.rand(2)
+    assert not _torchcaps.dynamo_exporting()
+    torch._dynamo.reset()
+    try:
+        torch.compile(m, backend="eager")(x)
+        assert seen == ["compile"]
+        torch._dynamo.export(m)(x)
+        torch.export.export(m, (x,), strict=True)
+        torch.export.export(m, (x,), strict=False)
+        assert seen == ["compile"]
+    finally:
+        torch._dynamo.reset()
