@@ -2,11 +2,21 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# packages pinned beside torch and installed with it (the matrix: the paired
+# torchvision of a CUDA build, e.g. TORCH_EXTRA='torchvision==0.22.0')
+TORCH_EXTRA ?=
+# the extras installed into $(VENV); the matrix needs only the suite's (test, models)
+EXTRAS ?= dev,docs,models
+# releases `make test-matrix` runs the suite on, each in its own .venv-torch-<version>
+TORCH_MATRIX ?= 2.7.0 2.9.1 2.11.0 2.13.0 2.14.1
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.ctxreplay-$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH_SPEC))))
+comma := ,
+space := $(subst ,, )
+SPECS := $(TORCH_SPEC) $(TORCH_EXTRA)
+STAMP := $(VENV)/.ctxreplay-$(subst $(space),+,$(strip $(subst =,_,$(subst >,_,$(subst <,_,$(SPECS))))))-$(subst $(comma),_,$(EXTRAS))
 
-.PHONY: setup demo test lint typecheck bench docs docs-shots clean
+.PHONY: setup demo pytest test test-matrix lint typecheck bench docs docs-shots clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -15,9 +25,9 @@ $(PY):
 # CUDA build; TORCH_SPEC overrides it (e.g. make test TORCH_SPEC='torch==2.9.1').
 $(STAMP): $(PY) pyproject.toml examples/ctxreplay_example_probe/pyproject.toml
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,docs,models]" "$(TORCH_SPEC)"
-	$(PIP) install -q -e examples/ctxreplay_example_probe "$(TORCH_SPEC)"
+	$(PIP) install -q $(foreach s,$(SPECS),"$(s)")
+	$(PIP) install -q -e ".[$(EXTRAS)]" $(foreach s,$(SPECS),"$(s)")
+	$(PIP) install -q -e examples/ctxreplay_example_probe $(foreach s,$(SPECS),"$(s)")
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -25,12 +35,25 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/ctxreplay demo
 
-test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests examples/ctxreplay_example_probe/tests benchmarks --benchmark-disable
+# the suite: the one pytest command that `make test` and `make test-matrix` both run
+PYTEST_ARGS := -q -p no:cacheprovider tests examples/ctxreplay_example_probe/tests benchmarks --benchmark-disable
+PYTEST_EXTRA ?=
+
+pytest: setup
+	$(PY) -m pytest $(PYTEST_ARGS) $(PYTEST_EXTRA)
+
+test: pytest
 	$(PY) -m mypy --strict ctxreplay
-	$(PY) -m ruff check ctxreplay tests benchmarks examples
+	$(PY) -m ruff check ctxreplay tests benchmarks examples scripts
 	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
+
+# The suite (pytest) and `ctxreplay demo` on every release in TORCH_MATRIX, each in
+# its own venv .venv-torch-<version> made by `make setup`; one table at the end, also
+# written to matrix-results.md.  Each standard torch build is several GB: this is
+# not part of `make test` or CI.  e.g. make test-matrix TORCH_MATRIX='2.7.0 2.14.1'
+test-matrix:
+	$(PYTHON) scripts/torch_matrix.py --make "$(MAKE)" --out matrix-results.md $(TORCH_MATRIX)
 
 # The documentation site (into site/, git-ignored); every API page comes from docstrings.
 docs: setup

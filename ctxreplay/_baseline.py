@@ -16,17 +16,13 @@ import threading
 from contextlib import AbstractContextManager, suppress
 from typing import Any
 
+from ._torchcaps import GlobalStateGuard as _GlobalStateGuard
 from .probe import ContextProbe
 from .registry import resolve_probes
 from .snapshot import describe_state
 
 __all__ = ["Baseline"]
 
-_GlobalStateGuard: Any
-try:  # torch's C-level snapshot of global state (DESIGN.md fact 8)
-    from torch._C._dynamo.guards import GlobalStateGuard as _GlobalStateGuard
-except ImportError:  # pragma: no cover - very old or stripped torch
-    _GlobalStateGuard = None
 
 # Replays entered to put a leaked state back.  They are not exited while the
 # process runs: exiting one would restore the leaked state, and so would

@@ -312,6 +312,7 @@ def _guard_inside(inside: Callable[[], AbstractContextManager[Any]],
     def guarded() -> Iterator[None]:
         try:
             cm = inside()
+            cm.__enter__()
         except Exception as exc:
             faults.append(exc)
             raise
@@ -382,8 +383,11 @@ class _Flattened(nn.Module):
 
     def forward(self, *leaves: torch.Tensor) -> Any:
         args, kwargs = inputs_for(self._inputs, "native", leaves=leaves)
-        with self._inside() if self._inside is not None else ExitStack():
+        if self._inside is None:  # no context object at all: any Dynamo traces this
             out = self.inner(*args, **kwargs)
+        else:
+            with self._inside():
+                out = self.inner(*args, **kwargs)
         if self._flatten_out:
             return tuple(tensor_values(out))
         return out

@@ -28,6 +28,8 @@ import attrs
 import torch
 from torch import nn
 
+from ._torchcaps import TensorGuards as _TensorGuards
+from ._torchcaps import dynamo_compiling as _dynamo_compiling
 from .loading import (
     LoadedCapture,
     LoadedManifest,
@@ -69,14 +71,6 @@ MISS_REASONS = ("signature", "context", "training", "identity", "object_argument
                 "not_rebuildable", "backend_not_dispatchable", "compile_failed",
                 "observe_error")
 
-_TensorGuards: Any
-try:  # checks dtype, shape, stride, device, requires_grad and dispatch keys in C
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - stripped torch
-    _TensorGuards = None
-
-_dynamo_compiling: Callable[[], bool] = getattr(
-    torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 _is_tracing = torch._C._is_tracing
 _ABSENT = object()
 _MEMO_LIMIT = 4096

@@ -29,7 +29,7 @@ import sys
 import threading
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +37,9 @@ from torch import nn
 
 from ._copies import is_ours
 from ._frozen import freeze_constants
+from ._torchcaps import TensorGuards as _TensorGuards
+from ._torchcaps import dynamo_compiling as _dynamo_compiling
+from ._torchcaps import dynamo_exporting as _dynamo_exporting
 from .records import RetainedCall
 from .signature import NotRealError, call_key, call_spec, spec_of, tensor_values
 from .snapshot import ContextSnapshot, Observer, ProbeObservationError, call
@@ -45,16 +48,8 @@ from .variants import MemberVariant, Scope
 
 __all__ = ["ABSENT"]
 
-_TensorGuards: Any
-try:  # checks dtype, shape, stride, device, requires_grad and dispatch keys in C
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - stripped torch
-    _TensorGuards = None
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
-_dynamo_compiling: Callable[[], bool] = getattr(
-    torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
-_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
 _Tensor = torch.Tensor
 
 
@@ -168,7 +163,7 @@ class _Member:
             # it and recompile every call; torch.export warns about side
             # effects.)  Under jit tracing, reading a tensor's shape would be
             # recorded into the trace.
-            if _dynamo_compiling() and not self.off and not _exporting():
+            if _dynamo_compiling() and not self.off and not _dynamo_exporting():
                 self.compiled.seen = True
             return self.orig(*args, **kwargs)
         failed: BaseException | None = None

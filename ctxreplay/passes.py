@@ -4,7 +4,7 @@ fingerprints and explanations compare."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -169,6 +169,7 @@ def _pin_graph(gm: torch.fx.GraphModule) -> int:
         node.replace_all_uses_with(cast, delete_user_cb=lambda user, c=cast: user is not c)
         changed += 1
     if changed:
-        graph.lint()
+        lint: Callable[[], None] = graph.lint  # untyped in torch < 2.13's stubs
+        lint()
         gm.recompile()
     return changed

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["ContextProbe", "NotPortableError", "applying", "restoring"]
+from ._torchcaps import CAPS, dynamo_compiling
+
+__all__ = ["ContextProbe", "NotPortableError", "Part", "applying", "composed", "restoring"]
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -167,3 +169,48 @@ def restoring(get: Callable[[], T], set_: Callable[[T], object], value: T) -> It
         yield
     finally:
         set_(before)
+
+
+#: a part of a composed replay: makes its context just before it is entered
+#: (``None``: nothing to enter)
+Part = Callable[[], "AbstractContextManager[Any] | None"]
+
+
+def composed(parts: Iterable[Part]) -> AbstractContextManager[None]:
+    """One context that enters the context each part makes, in order, and exits
+    them in reverse -- on success, on error, and when one fails to enter (the
+    ones already entered are exited then).  Each part is called just before
+    its context is entered, so a context that acts when it is made
+    (``torch.set_grad_enabled``) acts in order too.
+
+    An ``ExitStack`` where the tracer can trace one; while Dynamo traces on a
+    torch whose Dynamo cannot (before 2.11, ``CAPS.dynamo_traces_exitstack``),
+    plain nested ``with`` statements, which mean the same."""
+    made = tuple(parts)
+    if not CAPS.dynamo_traces_exitstack and dynamo_compiling():
+        return _nested(made, 0)
+    return _stacked(made)
+
+
+@contextmanager
+def _stacked(parts: Sequence[Part]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for make in parts:
+            cm = make()
+            if cm is not None:
+                stack.enter_context(cm)
+        yield
+
+
+@contextmanager
+def _nested(parts: Sequence[Part], i: int) -> Iterator[None]:
+    if i == len(parts):
+        yield
+        return
+    cm = parts[i]()
+    if cm is None:
+        with _nested(parts, i + 1):
+            yield
+        return
+    with cm, _nested(parts, i + 1):
+        yield

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -12,13 +13,8 @@ import attrs
 
 from . import registry
 from ._json import key_path, read_bool, read_mapping, read_str
-from .probe import ContextProbe, NotPortableError
-
-_GlobalStateGuard: Any
-try:  # torch's C-level snapshot of global state; ~0.2 us (DESIGN.md fact 8)
-    from torch._C._dynamo.guards import GlobalStateGuard as _GlobalStateGuard
-except ImportError:  # pragma: no cover - very old or stripped torch
-    _GlobalStateGuard = None
+from ._torchcaps import GlobalStateGuard as _GlobalStateGuard
+from .probe import ContextProbe, NotPortableError, composed
 
 __all__ = ["DECODE_MODES", "SCHEMA", "ContextSnapshot", "Observer", "ProbeDiff",
            "ProbeObservationError", "UnknownProbe", "UnknownProbeWarning", "UnknownState",
@@ -181,7 +177,9 @@ class ContextSnapshot:
         """Split the replay for a capture.
 
         Returns ``(inside, around, inside_names, around_names)``: ``inside()``
-        makes a fresh context to enter inside the traced callable (each call),
+        makes a fresh context, not yet entered, to enter inside the traced
+        callable (each call; nested ``with`` statements instead of an
+        ``ExitStack`` while a Dynamo that cannot trace one traces it),
         ``around`` is entered once around the capture, and the names list the
         probes that contributed to each part.  With ``embedded=False``
         everything is around.
@@ -195,16 +193,12 @@ class ContextSnapshot:
         arounds = [a for _, _, (_i, a) in pairs if a is not None]
         inside_items = [(p, s) for p, s, (i, _a) in pairs if i is not None]
 
-        def inside() -> ExitStack[bool | None]:
-            # If one probe's part fails, unwind the parts already entered now:
-            # an abandoned generator context would restore its "before" state
-            # whenever it is garbage-collected -- long after the capture.
-            with ExitStack() as stack:
-                for p, s in inside_items:
-                    cm = p.split_replay(s)[0]
-                    if cm is not None:
-                        stack.enter_context(cm)
-                return stack.pop_all()
+        def inside() -> AbstractContextManager[None]:
+            # If one probe's part fails, composed() unwinds the parts already
+            # entered then: an abandoned generator context would restore its
+            # "before" state whenever it is garbage-collected -- long after
+            # the capture.
+            return composed([functools.partial(_inside_part, p, s) for p, s in inside_items])
 
         @contextmanager
         def around() -> Iterator[None]:
@@ -371,6 +365,10 @@ _MAX_DESCRIBE = 80
 
 def _null_stack() -> AbstractContextManager[None]:
     return nullcontext()
+
+
+def _inside_part(probe: ContextProbe[Any], state: Any) -> AbstractContextManager[None] | None:
+    return probe.split_replay(state)[0]
 
 
 class ProbeObservationError(RuntimeError):

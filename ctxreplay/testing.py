@@ -25,9 +25,9 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import torch
 import torch.utils.deterministic as _deterministic
-from torch._C._dynamo.guards import GlobalStateGuard
 
 from . import registry
+from ._torchcaps import CAPS, GlobalStateGuard
 from .probe import ContextProbe, NotPortableError
 from .snapshot import ContextSnapshot, snapshot
 
@@ -36,22 +36,7 @@ __all__ = ["GlobalState", "check_probe", "global_state", "leak_check", "state_ch
 S = TypeVar("S")
 T = TypeVar("T")
 
-_AUTOCAST_CANDIDATES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia",
-                        "privateuseone")
-
-
-def _autocast_devices() -> tuple[str, ...]:
-    out = []
-    for d in _AUTOCAST_CANDIDATES:
-        try:
-            if torch.amp.is_autocast_available(d):
-                out.append(d)
-        except Exception:  # an exotic backend whose query fails is not observed
-            continue
-    return tuple(out)
-
-
-_DEVICES = _autocast_devices()
+_DEVICES = CAPS.autocast_devices
 
 
 class GlobalState(NamedTuple):

@@ -19,9 +19,25 @@ from metadata_check import assert_metadata_only
 from torch import nn
 
 import ctxreplay
+from ctxreplay._torchcaps import CAPS
 
 THREADS = 4
 CALLS = 500  # per thread
+
+# torch's own race, reproduced without ctxreplay by
+# test_torch_alone_races_in_its_autocast_weight_cache below: autocast caches
+# the low-precision casts of fp32 weights in ONE process-wide map keyed by the
+# weight alone (aten/src/ATen/autocast_mode.cpp, cached_cast / get_cached_casts),
+# while the autocast dtype is per thread.  Two threads calling one nn.Linear,
+# one under CPU bfloat16 and one under float16 autocast, then pick up each
+# other's casts: "mat1 and mat2 must have the same dtype, but got BFloat16 and
+# Half".  With grad enabled in both threads it happens on every release
+# measured (2.7.0, 2.9.1, 2.11.0, 2.13.0, 2.14.1).  When the float16 thread is
+# in inference_mode -- this file's thread 3 -- it happens only before 2.11:
+# from then on cached_cast skips the cache in inference mode
+# (``!c10::InferenceMode::is_enabled()``, the fix of pytorch issue 158232);
+# measured: races on 2.7.0 and 2.9.1, never on 2.11.0, 2.13.0, 2.14.1.
+CACHE_RACE_IN_INFERENCE = CAPS.version < (2, 11)
 
 
 @contextmanager
@@ -66,6 +82,11 @@ def _shapes(i: int) -> tuple[int, int]:
     return 2 + 2 * i, 3 + 2 * i  # two variants per thread, distinct across threads
 
 
+@pytest.mark.xfail(CACHE_RACE_IN_INFERENCE, strict=True, raises=AssertionError,
+                   reason="torch < 2.11: autocast's weight-cast cache is shared by threads "
+                          "also in inference_mode, so the bfloat16 and float16 threads "
+                          "get each other's casts (reproduced without ctxreplay: "
+                          "test_torch_alone_races_in_its_autocast_weight_cache)")
 def test_many_threads_observe_at_once_and_every_call_is_counted() -> None:
     model = Net()
     errors: list[BaseException] = []
@@ -263,3 +284,51 @@ def test_a_third_party_wrapper_between_two_sessions_is_kept() -> None:
     del model.forward
     a.finalize()
     b.finalize()
+
+
+# -- torch's autocast weight-cast cache, without ctxreplay -------------------------------
+
+def _torch_alone_races(fp16_in_inference: bool, rounds: int) -> bool:
+    """Whether two plain threads -- no ctxreplay -- calling one nn.Linear, one
+    under CPU bfloat16 autocast (grad enabled) and one under float16 autocast
+    (in inference_mode or with grad enabled), ever see each other's casts."""
+    errors: list[BaseException] = []
+
+    def work(lin: nn.Linear, start: threading.Barrier, dtype: torch.dtype,
+             inference: bool) -> None:
+        try:
+            start.wait()
+            with torch.inference_mode() if inference else nullcontext(), \
+                    torch.autocast("cpu", dtype=dtype):
+                for _ in range(CALLS):
+                    lin(torch.rand(4, 8))
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    for _ in range(rounds):
+        lin = nn.Linear(8, 8)
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=work, args=(lin, start, torch.bfloat16, False)),
+                   threading.Thread(target=work,
+                                    args=(lin, start, torch.float16, fp16_in_inference))]
+        with _fast_switching():
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            assert all("must have the same dtype" in str(e) for e in errors), errors
+            return True
+    return False
+
+
+@pytest.mark.parametrize("fp16_in_inference", [True, False], ids=["inference", "grad"])
+def test_torch_alone_races_in_its_autocast_weight_cache(fp16_in_inference: bool) -> None:
+    """The justification of the xfail above, and its range: torch alone races
+    where the xfail says, and only there (a race is seen within a few rounds
+    where it exists: 5 of 5 rounds on every release measured)."""
+    expected = CACHE_RACE_IN_INFERENCE if fp16_in_inference else True
+    raced = _torch_alone_races(fp16_in_inference, rounds=10 if expected else 5)
+    assert raced == expected, (
+        f"torch {torch.__version__}: autocast cache race "
+        f"{'seen' if raced else 'not seen'}; update CACHE_RACE_IN_INFERENCE / this test")

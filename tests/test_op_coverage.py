@@ -1,10 +1,11 @@
-"""Every op CPU autocast casts, captured faithfully.
+"""Every op CPU autocast casts, captured faithfully -- or refused for torch's reason.
 
 The cases are the ``AutocastCPU`` kernels of ``aten/src/ATen/autocast_mode.cpp``
 (the lists behind the AMP documentation's "CPU Ops that can autocast to
-bfloat16", "CPU Ops that can autocast to float32" and the promote list), and
-the test checks them against the registrations of the installed torch: an op
-torch autocasts that has no case here fails ``test_every_autocast_cpu_op_has_a_case``.
+bfloat16", "CPU Ops that can autocast to float32" and the promote list) of
+every supported torch release; the ops *this* torch registers for
+``AutocastCPU`` are the ones tested, and an op it registers that has no case
+fails ``test_every_autocast_cpu_op_has_a_case``.
 
 For each op a tiny module calls it (inputs inside the op's domain: SPD
 matrices for Cholesky, probabilities for BCE, in-range indices), it runs live
@@ -12,16 +13,37 @@ under CPU bfloat16 autocast, and ctxreplay captures it (``backend="export"``,
 ``verify="execute"``).  Lower-precision ops get float32 inputs and must give
 bfloat16; float32 ops get bfloat16 inputs and must give float32 (complex64,
 or an integer result where the op returns one); promote ops get mixed inputs
-and must give the widest.  Then live dtype == captured graph dtype ==
-executed-artifact dtype.  An op export cannot trace is a classified failure,
-asserted by its reason code in ``EXPECTED_FAILURES`` -- never a skip.
+and must give the widest.
+
+What ctxreplay must produce is derived from the installed torch, never from
+a list written for one release: the same module is exported by torch alone
+(``torch.export.export``, non-strict, the autocast entered inside ``forward``
+-- what embedded replay does, DESIGN.md fact 3).  Then
+
+* torch refuses it: ctxreplay reports exactly one ``CaptureFailure`` whose
+  reason is the reason code of torch's exception, looked up by its type in
+  ``TORCH_REFUSALS`` (a type not listed there fails the test: classify it);
+* torch's program disagrees with the live call (its output metadata or its
+  outputs when run): ctxreplay's fidelity reports exactly those differences,
+  at those levels, and is not ok;
+* torch's program agrees: ctxreplay's capture is ok, and live dtype ==
+  captured graph dtype == executed-artifact dtype.
+
+Which ops fall where differs by release (measured): quantile / nanquantile
+are data-dependent for export up to 2.11 and trace from 2.13;
+``_grid_sampler_2d_cpu_fallback`` has no fake kernel up to 2.13 and traces on
+2.14; nn.LSTM's ``mkldnn_rnn_layer`` is kept whole as ``aten.lstm.input``,
+whose fake kernel reports float32 (and, up to 2.11, other shapes) for a
+program that computes bfloat16.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +65,9 @@ class Case(NamedTuple):
     inputs: Callable[[], tuple[torch.Tensor, ...]]
     expect: torch.dtype  # dtype of the first output leaf under autocast
     make: Callable[[], nn.Module] | None = None  # a submodule holding parameters
+    # registered for autocast, but aten's kernel refuses every call: the text
+    # it raises (asserted -- an op that starts working needs a real case)
+    unrunnable: str | None = None
 
 
 def r(*shape: int, dtype: torch.dtype = F32) -> Callable[[], torch.Tensor]:
@@ -160,6 +185,9 @@ FP32 = [  # bfloat16 in, float32 (complex64, int64) out
     Case("polar", torch.polar, ins(b(4), b(4)), C64),
     Case("prod", lambda x: torch.prod(x), ins(b(6)), F32),
     Case("prod.dim_int", lambda x: torch.prod(x, 1), ins(b(2, 3)), F32),
+    # named-tensor overload (registered up to 2.12)
+    Case("prod.dim_Dimname", lambda x: torch.prod(x.refine_names("N", "C"), "C"),
+         ins(b(2, 3)), F32),
     Case("quantile", lambda x, q: torch.quantile(x, q), ins(b(8), b(2)), F32),
     Case("quantile.scalar", lambda x: torch.quantile(x, 0.5), ins(b(8)), F32),
     Case("nanquantile", lambda x, q: torch.nanquantile(x, q), ins(b(8), b(2)), F32),
@@ -270,6 +298,8 @@ FP32 = [  # bfloat16 in, float32 (complex64, int64) out
     Case("linalg_svdvals", torch.linalg.svdvals, ins(b(4, 3)), F32),
     Case("linalg_eigvals", lambda x: torch.linalg.eigvals(dominant(x)), ins(b(4, 4)), C64),
     Case("linalg_eigvalsh", lambda x: torch.linalg.eigvalsh(spd(x)), ins(b(4, 4)), F32),
+    # new in 2.14 (torch.linalg.matrix_sqrth: square root of an SPD matrix)
+    Case("linalg_matrix_sqrth", lambda x: torch.linalg.matrix_sqrth(spd(x)), ins(b(4, 4)), F32),
     Case("linalg_inv", lambda x: torch.linalg.inv(dominant(x)), ins(b(4, 4)), F32),
     Case("linalg_householder_product", torch.linalg.householder_product,
          ins(b(4, 3), b(3)), F32),
@@ -311,30 +341,35 @@ PROMOTE = [  # mixed bfloat16 / float32 in, the widest out
     Case("cat", lambda x, y: torch.cat([x, y]), ins(b(3), r(3)), F32),
     Case("index_copy", lambda x, src: x.index_copy(0, torch.arange(2), src),
          ins(b(4, 3), r(2, 3)), F32),
+    # named-tensor overload (registered up to 2.12); aten's kernel raises
+    # for every call (measured on 2.7.0, 2.9.1, 2.11.0)
+    Case("index_copy.dimname",
+         lambda x, src: x.refine_names("A", "B").index_copy(
+             "A", torch.arange(2), src.refine_names("A", "B")),
+         ins(b(4, 3), r(2, 3)), F32,
+         unrunnable="passed a dimname (string) to this op in place of a dimension index"),
 ]
 
 CASES = {c.op: c for c in LOWER + FP32 + PROMOTE}
 
-#: ops torch.export cannot capture here, by reason code (a CaptureFailure):
-#: each is asserted, and an op that starts working must be moved out
-EXPECTED_FAILURES: dict[str, str] = {
+#: why torch.export refuses an op, by the type of the exception it raises (or of
+#: its cause), as ctxreplay's reason code; an exception type not listed here
+#: is a new kind of refusal: the test fails until it is classified
+TORCH_REFUSALS: dict[str, str] = {
+    # the output shape depends on input values (ctc_loss, lstsq): fake
+    # tensors cannot know it
+    "DynamicOutputShapeException": "data_dependent_output_shape",
+    # a value read during tracing (quantile's checks up to 2.11): a guard on
+    # data-dependent state
+    "DataDependentOutputException": "data_dependent_control_flow",
+    "GuardOnDataDependentSymNode": "data_dependent_control_flow",
     # no fake (meta) kernel: tracing runs the CPU kernel on a data-less fake
-    # tensor, which raises a plain RuntimeError
-    "_grid_sampler_2d_cpu_fallback": "trace_error",
-    # the output shape depends on input values (fake tensors raise
-    # DynamicOutputShapeException)
-    "ctc_loss.IntList": "data_dependent_output_shape",
-    "ctc_loss.Tensor": "data_dependent_output_shape",
-    "linalg_lstsq": "data_dependent_output_shape",
-}
-
-#: ops export traces, but whose graph disagrees with the live call: reported
-#: as mismatches at these levels (never ok), asserted here
-EXPECTED_MISMATCHES: dict[str, tuple[str, ...]] = {
-    # export keeps aten.lstm.input whole, and its fake kernel does not pass
-    # through mkldnn_rnn_layer's autocast kernel: node metadata says float32
-    # although the program (running the autocast wrapper) computes bfloat16
-    "mkldnn_rnn_layer": ("signature",),
+    # tensor, which raises a plain RuntimeError (_grid_sampler_2d_cpu_fallback
+    # up to 2.13); a subclass of RuntimeError is not matched by this entry
+    "RuntimeError": "trace_error",
+    # fake tensors do not support named tensors (the Dimname overloads, up
+    # to 2.12)
+    "UnsupportedFakeTensorException": "unsupported_graph",
 }
 
 
@@ -349,8 +384,6 @@ REGISTERED = _registered()
 def test_every_autocast_cpu_op_has_a_case() -> None:
     missing = sorted(REGISTERED - set(CASES))
     assert not missing, f"torch autocasts these CPU ops; add a case for each: {missing}"
-    assert set(EXPECTED_FAILURES) <= set(CASES)
-    assert set(EXPECTED_MISMATCHES) <= set(CASES)
 
 
 class OpModule(nn.Module):
@@ -370,35 +403,140 @@ def _leaf_dtypes(value: Any) -> list[torch.dtype]:
     return [s.dtype for s in flat_tensor_spec(spec).items]  # type: ignore[union-attr]
 
 
+@attrs.frozen
+class TorchExport:
+    """What torch alone makes of a case: refused (``reason``) or a program
+    whose output metadata and outputs disagree with the live call in
+    ``differences`` (``(level, field)`` pairs, empty when it agrees)."""
+
+    reason: str | None
+    exc_type: str
+    differences: frozenset[tuple[str, str]]
+
+
+class EmbeddedOpModule(OpModule):
+    """The op with CPU bfloat16 autocast entered inside ``forward`` (DESIGN.md
+    fact 3): what ctxreplay's embedded replay makes torch trace, without ctxreplay."""
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        ctx = torch.autocast("cpu", dtype=BF16)
+        ctx.__enter__()
+        try:
+            out = super().forward(*inputs)
+        except BaseException:
+            # not __exit__(*exc_info): during export on torch 2.7-2.8 it returns
+            # a truthy value and would swallow torch's own error
+            # (CAPS.autocast_exit_swallows_errors)
+            ctx.__exit__(None, None, None)
+            raise
+        ctx.__exit__(None, None, None)
+        return out
+
+
+def _refusal(exc: BaseException) -> str:
+    chain: list[str] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(chain) < 8:
+        for cls in type(cur).__mro__:
+            # RuntimeError only as itself: most of torch's errors derive from it
+            if cls.__name__ in TORCH_REFUSALS and (cls is not RuntimeError
+                                                   or type(cur) is RuntimeError):
+                return TORCH_REFUSALS[cls.__name__]
+        chain.append(f"{type(cur).__module__}.{type(cur).__qualname__}")
+        cur = cur.__cause__ or cur.__context__
+    pytest.fail(f"torch.export refused the case with {chain} (torch {torch.__version__}): "
+                f"an unclassified refusal; add its type to TORCH_REFUSALS with the reason")
+
+
+def _fields(live: Any, other: Any) -> set[str]:
+    """The fields in which two flat output specs differ, as ctxreplay's
+    ``compare_specs`` names them: dtype, shape (an int against an int; a
+    symbolic size matches any), device type, or the structure."""
+    a, b = flat_tensor_spec(live).items, flat_tensor_spec(other).items
+    if len(a) != len(b):
+        return {"structure"}
+    out = set()
+    for x, y in zip(a, b):
+        if x.dtype != y.dtype:
+            out.add("dtype")
+        if len(x.shape) != len(y.shape) or any(
+                type(i) is int and type(j) is int and i != j for i, j in zip(x.shape, y.shape)):
+            out.add("shape")
+        if torch.device(x.device).type != torch.device(y.device).type:
+            out.add("device")
+    return out
+
+
+def _torch_export(case: Case, live: Any) -> TorchExport:
+    torch.manual_seed(0)
+    module = EmbeddedOpModule(case.fn, case.make() if case.make is not None else None)
+    try:
+        ep = torch.export.export(module, case.inputs(), strict=False)
+    except Exception as exc:
+        return TorchExport(_refusal(exc), type(exc).__name__, frozenset())
+    gm = ep.graph_module
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    user = [a for a, s in zip(out.args[0], ep.graph_signature.output_specs)
+            if s.kind.name == "USER_OUTPUT"]
+    graph = ctxreplay.signature.spec_of(
+        [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in user])
+    differences = {("signature", f) for f in _fields(live, graph)}
+    assert not torch.is_autocast_enabled("cpu")
+    try:
+        executed = ctxreplay.signature.spec_of(ep.module()(*case.inputs()))
+    except Exception:
+        differences.add(("execute", "ran"))
+    else:
+        differences |= {("execute", f) for f in _fields(live, executed)}
+    return TorchExport(None, "", frozenset(differences))
+
+
+def _leaf_specs(value: Any) -> Any:
+    return flat_tensor_spec(ctxreplay.signature.spec_of(value))
+
+
 @pytest.mark.parametrize("op", sorted(set(CASES) & REGISTERED))
 def test_op_is_captured_in_its_autocast_dtype(op: str) -> None:
     case = CASES[op]
     torch.manual_seed(0)
     module = OpModule(case.fn, case.make() if case.make is not None else None)
     inputs = case.inputs()
+    if case.unrunnable is not None:  # nothing runs live, so nothing to capture
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                pytest.raises(RuntimeError, match=re.escape(case.unrunnable)):
+            module(*inputs)
+        return
     with ctxreplay.capture_with(module, backend="export", verify="execute") as session, \
             torch.autocast("cpu", dtype=torch.bfloat16):
-        live = _leaf_dtypes(module(*inputs))
+        out = module(*inputs)
+        live_spec = _leaf_specs(out)
+    live = _leaf_dtypes(out)
+    del out
     assert live[0] == case.expect, f"{op}: the case itself is wrong ({live[0]} live)"
     report = session.finalize()
-    if op in EXPECTED_FAILURES:
-        assert not report.captures
+    expected = _torch_export(case, live_spec)
+
+    if expected.reason is not None:  # torch refuses it: ctxreplay says why
+        assert not report.captures, f"{op}: torch.export refuses it ({expected.exc_type})"
         (failure,) = report.failures
-        assert failure.reason == EXPECTED_FAILURES[op], failure
+        assert (failure.reason, failure.exc_type) == (expected.reason, expected.exc_type), \
+            failure
         return
     assert not report.failures, report.failures
     (c,) = report.captures
     assert c.fidelity.checked == ("signature", "execute")
     assert c.graph_outputs is not None
     graph = [s.dtype for s in flat_tensor_spec(c.graph_outputs).items]  # type: ignore[union-attr]
-    if op in EXPECTED_MISMATCHES:
+    found = {(m.level, m.field) for m in c.fidelity.mismatches}
+    assert found == expected.differences, \
+        f"{op}: ctxreplay found {sorted(found)}, torch.export alone {sorted(expected.differences)}"
+    if expected.differences:  # torch's program disagrees with the live call
         assert not c.fidelity.ok and not report.ok
-        assert {(m.level, m.field) for m in c.fidelity.mismatches} == {
-            (level, "dtype") for level in EXPECTED_MISMATCHES[op]}
-        assert graph != live
-    else:
-        assert c.fidelity.ok, c.fidelity.mismatches
-        assert graph == live
+        if ("signature", "dtype") in expected.differences:
+            assert graph != live
+        return
+    assert c.fidelity.ok, c.fidelity.mismatches
+    assert graph == live
     # the artifact on its own, outside autocast, on fresh inputs
     assert not torch.is_autocast_enabled("cpu")
     executed = _leaf_dtypes(c.artifact.module()(*case.inputs()))

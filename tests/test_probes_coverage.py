@@ -90,6 +90,9 @@ def _dynamo_global_guards() -> set[str]:
             if getattr(getattr(builder, n, None), "guard_check_spec", None) is skip}
 
 
+@pytest.mark.xfail(GlobalStateGuard().__getstate__() is None, strict=True, raises=TypeError,
+                   reason="torch 2.7: GlobalStateGuard has no __getstate__ (returns None), so "
+                          "the fields it checks cannot be listed; 2.9.1 and later list them")
 def test_every_guard_field_has_a_row() -> None:
     missing = sorted(_guard_fields() - {k for k, r in ROWS.items() if r["seen_by"] == "guard"})
     assert not missing, (f"GlobalStateGuard checks {missing}, which the coverage table in "

@@ -12,6 +12,7 @@ precision name torch does not know, contradictory TF32 flags).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Iterator
@@ -209,10 +210,11 @@ def test_matmul_refuses_a_precision_name_torch_does_not_know(key: str, value: st
     doc["fp32_precision"][key] = value
     with pytest.raises(ValueError, match=rf"^\$\.state\.fp32_precision\[{key!r}\]: "):
         ctxreplay.get_probe("matmul_precision").decode(doc, "$.state")
-    # torch refuses the same name
+    # torch refuses the same name: it raises (2.11 on), or only logs "call has
+    # no effect" (2.9.1) -- either way the setting stays what it was
     b, _, op = key.partition(".")
     before = torch._C._get_fp32_precision_getter(b, op)
-    with pytest.raises(RuntimeError):
+    with contextlib.suppress(RuntimeError):
         torch._C._set_fp32_precision_setter(b, op, value)
     assert torch._C._get_fp32_precision_getter(b, op) == before
 

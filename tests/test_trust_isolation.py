@@ -20,6 +20,7 @@ ambient context.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -225,9 +226,27 @@ def _next_forward(model: Hazards, cpu: torch.Tensor
 
 VERIFY = ("off", "signature", "execute", "values")
 BACKENDS = ("export", "dynamo", "symbolic", "auto")
-# what each backend captures of the hazards (auto: gated falls back to symbolic)
-CAPTURED = {"export": set(HAZARDS) - {"gated"}, "dynamo": None, "symbolic": None,
-            "auto": set(HAZARDS)}
+
+
+@functools.cache
+def _torch_exports_a_held_generator() -> bool:
+    """Whether torch.export alone traces ``torch.rand(..., generator=g)`` of a
+    generator the module holds (measured: torch 2.7.0 raises
+    NotImplementedError "argument of type: <class 'torch._C.Generator'>", and
+    neither Dynamo nor symbolic tracing takes it there; 2.9.1-2.14.1 export it)."""
+    try:
+        torch.export.export(OwnGenerator(), (torch.rand(4, DIM),), strict=False)
+    except Exception:
+        return False
+    return True
+
+
+def _captured(backend: str) -> set[str] | None:
+    """What each backend captures of the hazards (auto: gated falls back to
+    symbolic); own_gen only where torch can trace it at all."""
+    untraceable = set() if _torch_exports_a_held_generator() else {"own_gen"}
+    return {"export": set(HAZARDS) - {"gated"} - untraceable, "dynamo": None,
+            "symbolic": None, "auto": set(HAZARDS) - untraceable}[backend]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -246,8 +265,8 @@ def test_finalize_changes_nothing_of_the_users(verify: str, backend: str) -> Non
     # every hazard was tried (captured or failed), so isolation was exercised
     tried = {c.scope for c in report.captures} | {f.scope for f in report.failures}
     assert tried == set(HAZARDS)
-    if CAPTURED[backend] is not None:
-        assert {c.scope for c in report.captures} == CAPTURED[backend], report.failures
+    if _captured(backend) is not None:
+        assert {c.scope for c in report.captures} == _captured(backend), report.failures
     if backend == "auto":
         assert {c.scope: c.backend for c in report.captures}["gated"] == "symbolic"
 
@@ -269,7 +288,9 @@ def _bare_capture(model: Hazards) -> None:
     with torch.no_grad():
         model(x)
     for name in HAZARDS:
-        if name != "gated":
+        if name == "own_gen" and not _torch_exports_a_held_generator():
+            model.own_gen(x)  # what a trace of it would do to the generator
+        elif name != "gated":
             torch.export.export(getattr(model, name), (x,), strict=False)
 
 
@@ -346,7 +367,7 @@ def test_the_generator_check_sees_a_bare_run() -> None:
     model = SharedGenerators()
     x = torch.rand(4, DIM)
     before = UserState(model, (), (SHARED_GEN,))
-    torch.fx.symbolic_trace(copy.deepcopy(model.gated))(x)
+    copy.deepcopy(model.gated)(x)  # a bare run of a copy (symbolic_trace: torch >= 2.9)
     assert before.changes() == ["generator 0"]
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from .._torchcaps import CAPS
 from ..passes import lower_wrappers
 from ..signature import SeqSpec, Spec, flatten_spec, spec_of
 from .base import Backend, BackendError, classify_exception, share_tensors_copy
@@ -69,12 +72,42 @@ class DynamoBackend(Backend):
 
         # static like torch.export: the live call ran with these exact shapes
         # (dynamo's own default makes every dimension symbolic)
-        result = torch._dynamo.export(module, aten_graph=True,
-                                      assume_static_by_default=True)(*args, **kwargs)
+        with _forward_on_the_class(module):
+            result = torch._dynamo.export(module, aten_graph=True,
+                                          assume_static_by_default=True)(*args, **kwargs)
         return result.graph_module
 
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return artifact(*args, **kwargs)
+
+
+@contextmanager
+def _forward_on_the_class(module: torch.nn.Module) -> Iterator[None]:
+    """Dynamo before 2.10 (``CAPS.dynamo_traces_instance_forward``) refuses to
+    export a module whose ``forward`` is an instance attribute -- how a
+    capture enters its embedded replay -- once that forward reads the
+    module's own parameters ("references tensors that are neither
+    buffers/parameters/constants nor are direct inputs").  There the instance
+    forward moves onto a one-off subclass for the trace; the module's class
+    and ``__dict__`` are put back exactly after."""
+    inst = module.__dict__.get("forward")
+    if inst is None or CAPS.dynamo_traces_instance_forward:
+        yield
+        return
+    cls = type(module)
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return inst(*args, **kwargs)
+
+    one_off = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+    del module.__dict__["forward"]
+    module.__class__ = one_off
+    try:
+        yield
+    finally:
+        module.__class__ = cls
+        module.__dict__["forward"] = inst
 
 
 class SymbolicBackend(Backend):

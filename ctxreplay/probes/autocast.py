@@ -5,32 +5,18 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import attrs
 import torch
 
 from .._json import dtype_name, read_bool, read_dtype, read_list, read_mapping, read_str
-from ..probe import ContextProbe
+from .._torchcaps import AUTOCAST_DEVICE_TYPES, CAPS, dynamo_compiling
+from ..probe import ContextProbe, Part, composed
 from ..registry import register_probe
 
 __all__ = ["AutocastProbe", "AutocastState"]
-
-_CANDIDATES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia",
-               "privateuseone")
-
-
-def _available_devices() -> tuple[str, ...]:
-    out = []
-    for d in _CANDIDATES:
-        try:
-            if torch.amp.is_autocast_available(d):
-                out.append(d)
-        except Exception:  # an exotic backend whose query fails is simply not observed
-            continue
-    return tuple(out)
-
 
 # torch.autocast's own rule (torch/amp/autocast_mode.py): every device type
 # runs in bfloat16 or float16, a privateuse1 backend in what its module's
@@ -89,10 +75,12 @@ class AutocastProbe(ContextProbe[AutocastState]):
     description = "torch.autocast enabled flag and dtype for every device type, and its cache flag"
     default = True
     traceable = True
-    guarded = True  # the guard sees enabled flags and the cache flag, not dtypes
+    # GlobalStateGuard sees every device's enabled flag and (when enabled) its
+    # dtype, and the cache flag, on every release from 2.7 (CAPS.guard_sees_*)
+    guarded = True
 
     def __init__(self) -> None:
-        self.devices = _available_devices()
+        self.devices = CAPS.autocast_devices
         self._off = {c: AutocastState((), c) for c in (True, False)}
 
     def observe(self) -> AutocastState:
@@ -102,23 +90,28 @@ class AutocastProbe(ContextProbe[AutocastState]):
         return AutocastState(enabled, _cache_enabled())
 
     def watch(self, state: AutocastState) -> tuple[tuple[Callable[[], object], object], ...]:
-        # the guard sees enabled flags, not dtypes
-        return tuple((functools.partial(_get_dtype, d), dt) for d, dt in state.enabled)
+        if CAPS.guard_sees_autocast_flags and CAPS.guard_sees_autocast_dtype:
+            return ()
+        # a torch whose guard is blind to part of it: the whole observation
+        return ((self.observe, state),)
 
     def replay(self, state: AutocastState) -> AbstractContextManager[None]:
         return self._replay(state)
 
     @contextmanager
     def _replay(self, state: AutocastState) -> Iterator[None]:
-        with ExitStack() as stack:
-            want = dict(state.enabled)
-            for d in self.devices:
-                on = d in want
-                if on == _is_enabled(d) and (not on or _get_dtype(d) == want[d]):
-                    continue
-                stack.enter_context(_device_autocast(d, on, want.get(d), state.cache_enabled))
-            if _cache_enabled() != state.cache_enabled:
-                stack.enter_context(_raw_cache(state.cache_enabled))
+        want = dict(state.enabled)
+        parts: list[Part] = []
+        for d in self.devices:
+            on = d in want
+            if on == _is_enabled(d) and (not on or _get_dtype(d) == want[d]):
+                continue
+            parts.append(functools.partial(_device_autocast, d, on, want.get(d),
+                                           state.cache_enabled))
+        # made after the devices' parts are entered: torch.autocast sets the
+        # cache flag itself, and Dynamo refuses the raw setter
+        parts.append(functools.partial(_cache_part, state.cache_enabled))
+        with composed(parts):  # no ExitStack where this torch's Dynamo cannot trace one
             yield
 
     def neutral_state(self) -> AutocastState:
@@ -142,7 +135,7 @@ class AutocastProbe(ContextProbe[AutocastState]):
             pair = read_list(item, where, max_len=2)
             if len(pair) != 2:
                 raise ValueError(f"{where}: expected [device_type, dtype]")
-            device = read_str(pair[0], f"{where}[0]", choices=set(_CANDIDATES))
+            device = read_str(pair[0], f"{where}[0]", choices=set(AUTOCAST_DEVICE_TYPES))
             if device not in self.devices:
                 raise ValueError(f"{where}[0]: autocast is not available for {device!r} on "
                                  f"this torch; available: {list(self.devices)}")
@@ -173,8 +166,22 @@ def _device_autocast(device: str, enabled: bool, dtype: torch.dtype | None,
     raw setters where it would refuse it (e.g. CUDA autocast on a CPU build)."""
     if torch.compiler.is_compiling():
         # Dynamo cannot trace warning filters; it records torch.autocast itself.
-        with torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache):
+        ctx = torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+        if dynamo_compiling():
+            with ctx:
+                yield
+            return
+        # Under export, torch 2.7-2.8's __exit__ returns a truthy value and so
+        # would swallow an error raised inside -- a probe's replay error, say
+        # (CAPS.autocast_exit_swallows_errors).  Exiting it without the error,
+        # then letting the error go on, is the same on every release.
+        enter: Callable[[], object] = ctx.__enter__  # untyped in torch's stubs
+        exit_: Callable[[None, None, None], object] = ctx.__exit__
+        enter()
+        try:
             yield
+        finally:
+            exit_(None, None, None)
         return
     before = (_is_enabled(device), _get_dtype(device))
     with warnings.catch_warnings():
@@ -192,6 +199,10 @@ def _device_autocast(device: str, enabled: bool, dtype: torch.dtype | None,
     finally:
         torch.set_autocast_enabled(device, before[0])
         torch.set_autocast_dtype(device, before[1])
+
+
+def _cache_part(enabled: bool) -> AbstractContextManager[None] | None:
+    return _raw_cache(enabled) if _cache_enabled() != enabled else None
 
 
 @contextmanager

@@ -43,7 +43,9 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.overrides import _pop_mode as _pop_function_mode
 from torch.overrides import _push_mode as _push_function_mode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    _get_current_dispatch_mode_stack as _untyped_dispatch_mode_stack,
+)
 from torch.utils._python_dispatch import _pop_mode as _pop_dispatch_mode
 from torch.utils._python_dispatch import _push_mode as _push_dispatch_mode
 
@@ -52,6 +54,9 @@ from ..probe import ContextProbe, NotPortableError
 from ..registry import register_probe
 
 __all__ = ["ModeNotReplayableError", "ModeStackProbe", "ModeStackState"]
+
+# untyped in the stubs of torch before 2.11
+_get_current_dispatch_mode_stack: Callable[[], list[Any]] = _untyped_dispatch_mode_stack
 
 _fn_len = torch._C._len_torch_function_stack
 _dispatch_len = torch._C._len_torch_dispatch_stack

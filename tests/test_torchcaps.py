@@ -1,0 +1,496 @@
+"""``ctxreplay._torchcaps`` cannot lie: every capability is checked against
+what the installed torch really does.
+
+Each test exercises the behaviour the field describes -- through a path other
+than the one ``_torchcaps`` detects it by where there is one (``torch.autocast``
+rather than the raw setters, a real export, a real Dynamo export) -- and
+asserts that the observed behaviour equals the field, whichever way it goes.
+So on every torch release the suite runs on, a field that is wrong fails here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ctxreplay import _torchcaps
+from ctxreplay._torchcaps import CAPS, SDP_GETTERS, parse_version
+
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+BF16 = torch.bfloat16
+
+
+def test_the_module_imports_only_torch_and_the_standard_library() -> None:
+    import ast
+    import sys
+    from pathlib import Path
+
+    tree = ast.parse(Path(_torchcaps.__file__).read_text(encoding="utf-8"))
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a relative import: _torchcaps imports no ctxreplay module"
+            roots.add((node.module or "").split(".")[0])
+    assert roots - {"torch"} <= set(sys.stdlib_module_names) | {"__future__"}, roots
+
+
+def test_version_is_the_installed_release() -> None:
+    assert CAPS.version == parse_version(torch.__version__)
+    assert CAPS.version >= (2, 0, 0)
+    assert parse_version("2.7.0+cu126") == (2, 7, 0)
+    assert parse_version("2.10.0.dev20250101+cpu") == (2, 10, 0)
+    assert parse_version("2.11.0a0+git1234") == (2, 11, 0)
+    assert parse_version("2.9") == (2, 9, 0)
+    assert parse_version("nonsense") == (0, 0, 0)
+
+
+def test_caps_are_frozen_and_json_safe() -> None:
+    import dataclasses
+    import json
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CAPS.tensor_guards = False  # type: ignore[misc]
+    doc = CAPS.as_dict()
+    assert json.loads(json.dumps(doc)) == doc
+    assert set(doc) == {f.name for f in dataclasses.fields(CAPS)}
+
+
+def test_detecting_again_gives_the_same_record_and_leaves_no_state() -> None:
+    before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+              torch.is_autocast_cache_enabled(), torch.is_grad_enabled())
+    assert _torchcaps._detect() == CAPS
+    after = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+             torch.is_autocast_cache_enabled(), torch.is_grad_enabled())
+    assert after == before
+
+
+# -- GlobalStateGuard --------------------------------------------------------------
+
+def _guard() -> Any:
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    return GlobalStateGuard()
+
+
+def test_global_state_guard() -> None:
+    try:
+        from torch._C._dynamo.guards import GlobalStateGuard
+    except ImportError:
+        assert not CAPS.global_state_guard
+        assert _torchcaps.GlobalStateGuard is None
+    else:
+        assert CAPS.global_state_guard
+        assert _torchcaps.GlobalStateGuard is GlobalStateGuard
+
+
+def test_tensor_guards_class() -> None:
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:
+        assert _torchcaps.TensorGuards is None
+    else:
+        assert _torchcaps.TensorGuards is TensorGuards
+
+
+def test_autocast_devices_are_the_ones_torch_names() -> None:
+    from torch.amp.autocast_mode import is_autocast_available
+
+    want = []
+    for d in _torchcaps.AUTOCAST_DEVICE_TYPES:
+        try:
+            if is_autocast_available(d):
+                want.append(d)
+        except Exception:
+            pass
+    assert CAPS.autocast_devices == tuple(want)
+    assert "cpu" in CAPS.autocast_devices
+
+
+@contextlib.contextmanager
+def _raw_autocast(device: str, enabled: bool, dtype: torch.dtype | None = None
+                  ) -> Iterator[None]:
+    """Set one device's autocast flag (and dtype) with the raw setters:
+    ``torch.autocast`` refuses e.g. CUDA on a build without a GPU."""
+    before = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    torch.set_autocast_enabled(device, enabled)
+    if dtype is not None:
+        torch.set_autocast_dtype(device, dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, before[0])
+        torch.set_autocast_dtype(device, before[1])
+
+
+def _guard_sees_enabled(device: str) -> bool:
+    guard = _guard()
+    with _raw_autocast(device, not torch.is_autocast_enabled(device)):
+        sees = not guard.check()
+    assert guard.check()
+    return sees
+
+
+def _guard_sees_dtype(device: str) -> bool:
+    with _raw_autocast(device, True, BF16):
+        guard = _guard()
+        with _raw_autocast(device, True, torch.float16):  # enabled both times
+            sees = not guard.check()
+        assert guard.check()
+    return sees
+
+
+@pytest.mark.skipif(not CAPS.global_state_guard, reason="no GlobalStateGuard in this torch")
+def test_guard_sees_autocast_flags() -> None:
+    guard = _guard()
+    with torch.autocast("cpu", dtype=BF16):  # the public path, for one device
+        sees_cpu = not guard.check()
+    assert guard.check()
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(not before)
+    try:
+        sees_cache = not guard.check()
+    finally:
+        torch.set_autocast_cache_enabled(before)
+    sees_each = {d: _guard_sees_enabled(d) for d in CAPS.autocast_devices}
+    assert sees_each["cpu"] == sees_cpu
+    assert (sees_cache and all(sees_each.values())) == CAPS.guard_sees_autocast_flags, sees_each
+
+
+@pytest.mark.skipif(not CAPS.global_state_guard, reason="no GlobalStateGuard in this torch")
+def test_guard_sees_autocast_dtype() -> None:
+    with torch.autocast("cpu", dtype=BF16):  # the public path, for one device
+        guard = _guard()
+        with torch.autocast("cpu", dtype=torch.float16):
+            sees_cpu = not guard.check()
+        assert guard.check()
+    sees_each = {d: _guard_sees_dtype(d) for d in CAPS.autocast_devices}
+    assert sees_each["cpu"] == sees_cpu
+    assert all(sees_each.values()) == CAPS.guard_sees_autocast_dtype, sees_each
+    # the dtype of a device whose autocast is off is never part of it
+    guard = _guard()
+    before = torch.get_autocast_dtype("cpu")
+    torch.set_autocast_dtype("cpu", torch.float16 if before != torch.float16 else BF16)
+    try:
+        assert guard.check()
+    finally:
+        torch.set_autocast_dtype("cpu", before)
+
+
+def test_sdp_default_priority_is_a_fresh_process_order() -> None:
+    """The order a process starts with -- read in a fresh one, since this
+    process's may have been changed by another test."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "names = {int(torch._C._SDPBackend.MATH): 'math',"
+            " int(torch._C._SDPBackend.FLASH_ATTENTION): 'flash',"
+            " int(torch._C._SDPBackend.EFFICIENT_ATTENTION): 'mem_efficient',"
+            " int(torch._C._SDPBackend.CUDNN_ATTENTION): 'cudnn',"
+            " int(torch._C._SDPBackend.OVERRIDEABLE): 'overrideable'}\n"
+            "print(','.join(names[int(i)] for i in torch._C._get_sdp_priority_order()))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert tuple(proc.stdout.strip().split(",")) == CAPS.sdp_default_priority
+
+
+# -- TensorGuards --------------------------------------------------------------------
+
+def _tensor_guard(*tensors: torch.Tensor) -> Any:
+    from torch._C._dynamo.guards import TensorGuards
+
+    return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.size()) for t in tensors],
+                        dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+
+def _tensor_guards_work() -> bool:
+    """Two tensors at once, each property changed on each position in turn."""
+    try:
+        a, b = torch.rand(4, 5), torch.rand(3, dtype=torch.float64)
+        guard = _tensor_guard(a, b)
+    except Exception:
+        return False
+    if not guard.check(torch.zeros(4, 5), torch.zeros(3, dtype=torch.float64)):
+        return False
+    changed = [
+        (a.half(), b),                                          # dtype
+        (a, b.float()),
+        (torch.rand(4, 6), b),                                  # size
+        (a, torch.rand(4, dtype=torch.float64)),
+        (torch.rand(5, 4).t(), b),                              # stride
+        (a, torch.rand(6, dtype=torch.float64)[::2]),
+        (torch.rand(4, 5, device="meta"), b),                   # device
+        (a, torch.rand(3, dtype=torch.float64, device="meta")),
+        (a.clone().requires_grad_(True), b),                    # requires_grad
+        (a, b.clone().requires_grad_(True)),
+    ]
+    return not any(guard.check(x, y) for x, y in changed)
+
+
+def test_tensor_guards() -> None:
+    assert _tensor_guards_work() == CAPS.tensor_guards
+
+
+@pytest.mark.skipif(not CAPS.tensor_guards, reason="TensorGuards unusable in this torch")
+def test_tensor_guards_see_local_state() -> None:
+    x = torch.rand(2, 3)
+    guard = _tensor_guard(x)
+    with torch.autocast("cpu", dtype=BF16):
+        in_autocast = guard.check(x)
+    with torch.inference_mode():
+        in_inference = guard.check(x)
+    assert guard.check(x)
+    assert (not in_autocast) == CAPS.tensor_guards_see_local_state
+    # inference mode excludes the autograd keys too: the same blind spot or none
+    assert (not in_inference) == CAPS.tensor_guards_see_local_state
+
+
+# -- torch.export --------------------------------------------------------------------
+
+class InnerAutocast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return self.lin(x)
+
+
+def test_export_records_inner_autocast() -> None:
+    ep = torch.export.export(InnerAutocast(), (torch.rand(2, 4),), strict=False)
+    assert not torch.is_autocast_enabled("cpu")
+    out = ep.module()(torch.rand(2, 4))
+    assert (out.dtype == BF16) == CAPS.export_records_inner_autocast
+
+
+class _Marker(Exception):
+    pass
+
+
+class RaisesInsideAutocast(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            if x.dim() > 0:  # always: an error raised inside the block
+                raise _Marker("raised inside torch.autocast during export")
+        return x + 1  # reached only when __exit__ swallowed the error
+
+
+def test_autocast_exit_swallows_errors() -> None:
+    try:
+        torch.export.export(RaisesInsideAutocast(), (torch.rand(2),), strict=False)
+    except _Marker:
+        swallowed = False
+    else:
+        swallowed = True
+    assert not torch.is_autocast_enabled("cpu")
+    assert swallowed == CAPS.autocast_exit_swallows_errors
+    # eagerly the error always propagates
+    with pytest.raises(_Marker):
+        RaisesInsideAutocast()(torch.rand(2))
+
+
+# -- Dynamo ----------------------------------------------------------------------------
+
+@pytest.fixture
+def dynamo_reset() -> Iterator[None]:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _dynamo_export(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The output of the exported graph on ``x``, or None when export refused."""
+    import torch._dynamo
+
+    try:
+        result = torch._dynamo.export(module, aten_graph=True,
+                                      assume_static_by_default=True)(x)
+    except Exception:
+        return None
+    out: torch.Tensor = result.graph_module(x)
+    return out
+
+
+@contextlib.contextmanager
+def _bf16() -> Iterator[None]:
+    with torch.autocast("cpu", dtype=BF16):
+        yield
+
+
+class GeneratorContext(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with _bf16():
+            return self.lin(x)
+
+
+class ExitStackContext(nn.Module):
+    """What ctxreplay's replay is: generator contexts composed in an ExitStack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_bf16())
+            return self.lin(x)
+
+
+def _instance_forward() -> nn.Module:
+    """A forward set on the instance, as ctxreplay swaps in its capture wrapper."""
+    module = nn.Linear(4, 4)
+    orig = module.forward
+
+    @functools.wraps(orig)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return orig(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    return module
+
+
+def test_dynamo_traces_contextmanager(dynamo_reset: None) -> None:
+    out = _dynamo_export(GeneratorContext(), torch.rand(2, 4))
+    traced = out is not None and out.dtype == BF16
+    assert traced == CAPS.dynamo_traces_contextmanager
+
+
+def test_dynamo_traces_exitstack(dynamo_reset: None) -> None:
+    out = _dynamo_export(ExitStackContext(), torch.rand(2, 4))
+    traced = out is not None and out.dtype == BF16
+    assert traced == CAPS.dynamo_traces_exitstack
+
+
+def test_dynamo_traces_instance_forward(dynamo_reset: None) -> None:
+    module = _instance_forward()
+    x = torch.rand(2, 4)
+    out = _dynamo_export(module, x)
+    traced = out is not None and torch.allclose(out, module(x))
+    assert traced == CAPS.dynamo_traces_instance_forward
+
+
+# -- torch.compiler ------------------------------------------------------------------
+
+def test_is_dynamo_compiling(dynamo_reset: None) -> None:
+    assert hasattr(torch.compiler, "is_dynamo_compiling") == CAPS.is_dynamo_compiling
+    if not CAPS.is_dynamo_compiling:
+        return
+    assert not torch.compiler.is_dynamo_compiling()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if torch.compiler.is_dynamo_compiling() else x
+
+    x = torch.zeros(2)
+    assert torch.equal(torch.compile(f, backend="eager", fullgraph=True)(x), x + 1)
+
+
+def test_is_exporting() -> None:
+    assert hasattr(torch.compiler, "is_exporting") == CAPS.is_exporting
+    if CAPS.is_exporting:
+        assert not torch.compiler.is_exporting()
+
+
+# -- precision and attention backends ----------------------------------------------------
+
+def test_fp32_precision_api() -> None:
+    has = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    assert has == CAPS.fp32_precision_api
+    if not CAPS.fp32_precision_api:
+        return
+    getter = torch._C._get_fp32_precision_getter
+    assert isinstance(getter("cuda", "matmul"), str)
+    assert torch.backends.cuda.matmul.fp32_precision == getter("cuda", "matmul")
+
+
+def test_cublas_reduced_precision_pair() -> None:
+    get = torch._C._get_cublas_allow_fp16_reduced_precision_reduction
+    set_ = torch._C._set_cublas_allow_fp16_reduced_precision_reduction
+    before = get()
+    try:
+        if CAPS.cublas_reduced_precision_pair:
+            set_(False, False)  # the setter takes the pair
+            assert tuple(map(bool, get())) == (False, False)
+        else:
+            set_(False)
+            assert get() is False
+    finally:
+        if isinstance(before, tuple):
+            set_(*before)
+        else:
+            set_(before)
+    assert get() == before
+
+
+def test_sdp_getters() -> None:
+    assert CAPS.sdp_getters == {n for n in SDP_GETTERS if hasattr(torch._C, n)}
+    for name in CAPS.sdp_getters:
+        value = getattr(torch._C, name)()
+        if name == "_get_sdp_priority_order":
+            assert len(value) >= 1
+        else:
+            assert isinstance(value, bool), (name, value)
+
+
+def test_is_any_autocast_enabled() -> None:
+    assert hasattr(torch._C, "_is_any_autocast_enabled") == CAPS.is_any_autocast_enabled
+    if CAPS.is_any_autocast_enabled:
+        assert not torch._C._is_any_autocast_enabled()
+        with torch.autocast("cpu", dtype=BF16):
+            assert torch._C._is_any_autocast_enabled()
+
+
+# -- dynamo_exporting ----------------------------------------------------------------
+
+def test_dynamo_exporting_is_marked_as_assume_constant_result_marks() -> None:
+    import torch._dynamo
+
+    def f() -> bool:
+        return False
+
+    marked = torch._dynamo.assume_constant_result(f)
+    extra = set(vars(marked)) - set(vars(lambda: None))
+    assert extra == {"_dynamo_marked_constant"}
+    assert getattr(_torchcaps.dynamo_exporting, "_dynamo_marked_constant", False) is True
+
+
+def test_dynamo_exporting_is_true_only_while_dynamo_traces_for_an_export() -> None:
+    import torch._dynamo
+
+    seen: list[str] = []
+
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_dynamo_compiling() and not _torchcaps.dynamo_exporting():
+                seen.append("compile")
+            return x + 1
+
+    m, x = M(), torch.rand(2)
+    assert not _torchcaps.dynamo_exporting()
+    torch._dynamo.reset()
+    try:
+        torch.compile(m, backend="eager")(x)
+        assert seen == ["compile"]
+        torch._dynamo.export(m)(x)
+        torch.export.export(m, (x,), strict=True)
+        torch.export.export(m, (x,), strict=False)
+        assert seen == ["compile"]
+    finally:
+        torch._dynamo.reset()
