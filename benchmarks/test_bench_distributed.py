@@ -84,6 +84,7 @@ def _rank(rank: int, world: int, port: int, variants: int, out: str) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps(
         {"seconds": seconds, "calls": backend.calls, "size": size, "ok": rep.ok,
          "captures": len(rep.captures)}))
+    dist.barrier()  # every rank done before any leaves (gloo aborts a rank whose peer exits)
     dist.destroy_process_group()
 
 

@@ -55,6 +55,7 @@ def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     doc = json.dumps(report.to_json(), sort_keys=True)
     (out / f"report-{rank}.json").write_text(doc)
+    dist.barrier()  # no rank leaves while another still talks to it
     dist.destroy_process_group()
 
 

@@ -109,6 +109,14 @@ def _live(model: Stack, rank: int) -> list[list[Any]]:
     return ran
 
 
+def _teardown() -> None:
+    """Every rank done before any leaves: rank 0 hosts the store, and a rank
+    whose peer exits mid-teardown aborts in gloo ("terminate called without
+    an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def overlap(rank: int, world: int, port: int, out: str) -> None:
     _setup(rank, world, port)
     model = Stack().eval()
@@ -122,7 +130,7 @@ def overlap(rank: int, world: int, port: int, out: str) -> None:
     assert_metadata_only(report.to_json())
     Path(out, f"{rank}.json").write_text(json.dumps(
         {"report": _doc(report), "ran": ran, "backend_calls": backend.calls}))
-    dist.destroy_process_group()
+    _teardown()
 
 
 def collective(rank: int, world: int, port: int, out: str) -> None:
@@ -136,7 +144,7 @@ def collective(rank: int, world: int, port: int, out: str) -> None:
             model(torch.rand(2, 8))
         results[label] = _doc(session.finalize())
     Path(out, f"{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    _teardown()
 
 
 def backend_raises(rank: int, world: int, port: int, out: str) -> None:
@@ -148,7 +156,7 @@ def backend_raises(rank: int, world: int, port: int, out: str) -> None:
         model(torch.rand(2 + rank, 8))  # one variant each rank alone sees
     report = session.finalize()
     Path(out, f"{rank}.json").write_text(json.dumps({"report": _doc(report)}))
-    dist.destroy_process_group()
+    _teardown()
 
 
 def skips_finalize(rank: int, world: int, port: int, out: str) -> None:
@@ -187,7 +195,7 @@ def probes_differ(rank: int, world: int, port: int, out: str) -> None:
     except ctxreplay.DistributedError as exc:
         result = {"error": str(exc), "ranks": list(exc.ranks)}
     Path(out, f"{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    _teardown()
 
 
 def save_all(rank: int, world: int, port: int, out: str) -> None:
@@ -203,4 +211,4 @@ def save_all(rank: int, world: int, port: int, out: str) -> None:
         "wrote": sorted(s.path.name for s in saved.saved),
         "elsewhere": [list(e) for e in saved.elsewhere],
         "manifest_there": saved.manifest.is_file()}))
-    dist.destroy_process_group()
+    _teardown()
