@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 import pytest
+from test_docs import _resolve  # as mkdocstrings resolves a ::: path
 
 import ctxreplay
 from ctxreplay import artifact, dispatch, explain, loading, manifest, records, verify
@@ -227,19 +228,8 @@ def _description(contents: Node) -> str:
 def _api_entries() -> dict[str, Any]:
     """``::: path`` entries of docs/api.md -> the object each one renders."""
     text = (DOCS / "api.md").read_text(encoding="utf-8")
-    out = {}
-    for path in re.findall(r"^:::\s+([\w.]+)\s*$", text, flags=re.MULTILINE):
-        parts = path.split(".")
-        for i in range(len(parts), 0, -1):
-            try:
-                obj: Any = importlib.import_module(".".join(parts[:i]))
-            except ImportError:
-                continue
-            for attr in parts[i:]:
-                obj = getattr(obj, attr)
-            out[path] = obj
-            break
-    return out
+    return {path: _resolve(path)
+            for path in re.findall(r"^:::\s+([\w.]+)\s*$", text, flags=re.MULTILINE)}
 
 
 def test_every_public_name_is_described(site: Path) -> None:
