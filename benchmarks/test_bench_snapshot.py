@@ -68,18 +68,15 @@ def _median_per_call(timers: dict[str, timeit.Timer], number: int,
 def _session_check(model: torch.nn.Module
                    ) -> tuple[Callable[[], bool], ctxreplay.CaptureSession]:
     """The snapshot check an observed call makes (``observe._Member.forward``):
-    the guard, then the per-call watched getters against what they returned."""
-    from ctxreplay.snapshot import call
-
+    the guard and the per-call watched getters against what they returned
+    (all of them: a call whose inputs passed a ``TensorGuards`` check skips
+    the inference-mode getter too)."""
     session = ctxreplay.capture_with(model)
     observer = session._observer
     model(torch.zeros(2, 4))
     cache = observer.cache
     assert cache is not None
-    guard_check, getters, expected = cache[0], cache[2], cache[3]
-
-    def check() -> bool:
-        return bool(guard_check() and list(map(call, getters)) == expected)
+    check = cache.check  # the guard's, then the per-call watched getters'
     assert check()
     return check, session
 

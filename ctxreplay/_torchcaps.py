@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTOCAST_DEVICE_TYPES", "CAPS", "SDP_GETTERS", "GlobalStateGuard", "TensorGuards",
+__all__ = ["AUTOCAST_DEVICE_TYPES", "CAPS", "SDP_GETTERS", "TENSOR_GUARDED_GETTERS",
+           "GlobalStateGuard", "TensorGuards",
            "TorchCaps", "dynamo_compiling", "dynamo_exporting", "is_autocast_available",
            "parse_version"]
 
@@ -408,3 +409,11 @@ dynamo_compiling: Callable[[], bool] = getattr(
 #: clean against every torch's stubs (2.7's lack the module)
 GlobalStateGuard: Any = _global_state_guard()
 TensorGuards: Any = _tensor_guards_cls()
+
+#: getters of the state a passing ``TensorGuards`` check has seen already: the
+#: thread-local dispatch-key sets of the call are part of it
+#: (``tensor_guards_see_local_state``), and inference mode is one of them.  A
+#: caller whose inputs just passed such a check skips these.
+TENSOR_GUARDED_GETTERS: tuple[Callable[[], Any], ...] = (
+    (torch.is_inference_mode_enabled,) if CAPS.tensor_guards and CAPS.tensor_guards_see_local_state
+    else ())

@@ -169,6 +169,8 @@ class Observation:
                 c.owner.__dict__[c.attr] = c.orig
         for h in reversed(holders):
             h.off = True
+            if isinstance(h, _Member):
+                h.memo = None  # the memo's hit path does not read ``off``
             mod = h.module
             current = mod.__dict__.get("forward")
             if isinstance(current, types.MethodType) and current.__self__ is h:

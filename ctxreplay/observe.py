@@ -42,7 +42,7 @@ from ._torchcaps import dynamo_compiling as _dynamo_compiling
 from ._torchcaps import dynamo_exporting as _dynamo_exporting
 from .records import RetainedCall
 from .signature import NotRealError, call_key, call_spec, spec_of, tensor_values
-from .snapshot import ContextSnapshot, Observer, ProbeObservationError, call
+from .snapshot import ContextSnapshot, Observer, ProbeObservationError
 from .targets import _Uninitialized, identity_of
 from .variants import MemberVariant, Scope
 
@@ -154,6 +154,29 @@ class _Member:
 
     # -- the hot path -----------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # The memo (``_memoize``) holds everything a repeat of the member's
+        # last variant needs, in one tuple: a hit reads one attribute of
+        # ``self`` and makes one C-level check of the state (the guard and the
+        # watched getters) and one of the inputs (``TensorGuards``).  Every
+        # operation here is paid on every observed call.
+        # (Dynamo folds ``_dynamo_compiling()`` first, so it guards on nothing here.)
+        if not _dynamo_compiling():
+            memo = self.memo
+            if memo is not None and not kwargs and not _is_tracing():
+                cache, state, check, n, counter, training, module, orig, obs, shared = memo
+                if obs.cache is cache and len(args) == n and module.training is training:
+                    try:
+                        hit = (state() and check(*args)
+                               and (shared.active or not obs.forward_changed()))
+                    except Exception:  # a getter or check that raises: the slow path decides
+                        hit = False
+                    if hit:
+                        next(counter)
+                        return orig(*args)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Every call the memo does not answer."""
         if self.off or _dynamo_compiling() or _is_tracing():
             # Under torch.compile the check is a constant and orig is
             # inlined: compiled regions are not observed and get no graph
@@ -172,24 +195,15 @@ class _Member:
         try:
             shared = self.shared
             obs = shared.observer
-            cache = obs.cache
-            try:  # one expression: each statement costs here
-                if cache is not None and cache[0]() and list(map(call, cache[2])) == cache[3]:
-                    snap = cache[1]
-                else:
-                    snap = obs.refresh()
+            try:
+                snap = obs()
             except ProbeObservationError:
                 raise
             except Exception:  # a watched getter that raises: the state changed
                 snap = obs.refresh()
             if not shared.active and obs.forward_changed():
                 snap = obs.refresh()  # called outside the model: check those flags here
-            memo = self.memo
-            if memo is not None and memo[0] is snap and not kwargs and len(args) == memo[2] \
-                    and self.module.training is memo[4] and memo[1].check(*args):
-                mv = memo[3]
-            else:
-                mv = self._lookup(snap, args, kwargs)
+            mv = self._lookup(snap, args, kwargs)
         except NotRealError:  # fx proxies, fake or functorch tensors: a tracer's call
             real = False
         except Exception as exc:  # observation must never disturb the forward
@@ -210,6 +224,28 @@ class _Member:
             return self.orig(*args, **kwargs)
         return self._first(snap, args, kwargs)
 
+    def _memoize(self, snap: ContextSnapshot, args: tuple[Any, ...], sig: Any,
+                 mv: MemberVariant) -> None:
+        """Make ``mv`` the member's memo: what ``forward`` checks first.  Only
+        while ``snap`` is the observer's cached snapshot and still holds (and
+        never while profiling, whose calls each open a profiler range)."""
+        self.memo = None
+        shared = self.shared
+        obs = shared.observer
+        cache = obs.cache
+        if cache is None or cache[1] is not snap or shared.profile or self.off:
+            return
+        check = _memo_check(args, sig)
+        # a TensorGuards check of at least one tensor sees the dispatch keys
+        state = cache.beside_tensors if args and not isinstance(check, _Python) else cache.check
+        try:
+            if not (state() and check.check(*args)):
+                return
+        except Exception:
+            return
+        self.memo = (cache, state, check.check, len(args), mv.counter, self.training,
+                     self.module, self.orig, obs, shared)
+
     # -- the slow paths ---------------------------------------------------
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> MemberVariant | None:
@@ -220,7 +256,7 @@ class _Member:
         if mv is None or not mv.completed:
             return None
         if not kwargs:
-            self.memo = (snap, _memo_check(args, sig), len(args), mv, self.training)
+            self._memoize(snap, args, sig, mv)
         return mv
 
     def _first(self, snap: ContextSnapshot, args: tuple[Any, ...],
@@ -342,8 +378,9 @@ class _Member:
             mv.retained_inputs = None
         mv.completed = True
         if not kwargs:
-            self.memo = (snap, _memo_check(args, call_key(args, kwargs)), len(args), mv,
-                         self.training)
+            sig = call_key(args, kwargs)
+            if self.table.get((snap, sig)) is mv:  # the forward left its inputs as they were
+                self._memoize(snap, args, sig, mv)
 
     def refresh_identity(self) -> None:
         """Recompute the member's identity (after ``train()``/``eval()``, or on

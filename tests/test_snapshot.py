@@ -400,3 +400,30 @@ def test_cached_snapshot_sees_blind_spot_switches_under_an_unchanged_guard() -> 
         assert ctxreplay.snapshot() == high
     with torch.device("meta"):
         assert ctxreplay.snapshot()["default_device"] == "meta"
+
+
+# -- the cached check ----------------------------------------------------------------
+
+def test_checker_compares_by_identity_then_equality_and_stops_at_the_first_miss() -> None:
+    from ctxreplay.snapshot import checker
+
+    calls: list[str] = []
+
+    def getter(name: str, value: object) -> Callable[[], object]:
+        def get() -> object:
+            calls.append(name)
+            return value
+        return get
+
+    nan = float("nan")
+    same = checker(((getter("a", nan), nan), (getter("b", [1, 2]), [1, 2])))
+    assert same() and calls == ["a", "b"]  # nan is itself; equal lists are equal
+    calls.clear()
+    differs = checker(((getter("a", 1), 2), (getter("b", 3), 3)))
+    assert not differs() and calls == ["a"]
+    assert checker(())()
+
+    def broken() -> object:
+        raise RuntimeError("a getter that raises")
+    with pytest.raises(RuntimeError, match="raises"):
+        checker(((getter("a", 1), 1), (broken, 0)))()

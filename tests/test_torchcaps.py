@@ -256,6 +256,26 @@ def test_tensor_guards_see_local_state() -> None:
     assert (not in_inference) == CAPS.tensor_guards_see_local_state
 
 
+def test_tensor_guarded_getters_are_states_a_tensor_guard_sees() -> None:
+    """The getters a session skips after a passing TensorGuards check: each
+    state flipped must fail a guard built before the flip, and one built
+    after it once flipped back."""
+    flips = {torch.is_inference_mode_enabled: torch.inference_mode}
+    assert bool(_torchcaps.TENSOR_GUARDED_GETTERS) == (
+        CAPS.tensor_guards and CAPS.tensor_guards_see_local_state)
+    for getter in _torchcaps.TENSOR_GUARDED_GETTERS:
+        flip = flips[getter]  # a getter added there needs its flip here
+        x = torch.rand(2, 3)
+        before = _tensor_guard(x)
+        with flip():
+            assert getter() is True
+            assert not before.check(x)
+            inside = _tensor_guard(x)
+            assert inside.check(x)
+        assert not inside.check(x)
+        assert before.check(x)
+
+
 # -- torch.export --------------------------------------------------------------------
 
 class InnerAutocast(nn.Module):
