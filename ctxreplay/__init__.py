@@ -24,6 +24,7 @@ from .loading import (
     load,
 )
 from .manifest import SavedManifest
+from .observer import ProbeObservationError, snapshot
 from .probe import ContextProbe, NotPortableError
 from .probes import ContextVarProbe, DistributedProbe, ForwardContextProbe
 from .records import Capture, CaptureFailure, Notice, Problem
@@ -39,13 +40,7 @@ from .registry import (
 )
 from .report import CaptureReport, FidelityError
 from .session import CaptureSession, SessionError, capture_with
-from .snapshot import (
-    ContextSnapshot,
-    ProbeDiff,
-    ProbeObservationError,
-    UnknownProbeWarning,
-    snapshot,
-)
+from .snapshot import ContextSnapshot, ProbeDiff, UnknownProbeWarning
 from .verify import Fidelity, Mismatch
 
 __all__ = [

@@ -23,7 +23,7 @@ member would be replaced by its copy).  ``signed`` gives a wrapper the
 signature of the forward it wraps.
 
 A holder of ctxreplay's wrappers (``observe._Member``, ``_Root``,
-``_Detached``) has ``ctxreplay_holder = True`` and ``user_forward()``: the
+``_observed.Detached``) has ``ctxreplay_holder = True`` and ``user_forward()``: the
 instance ``forward`` the module had before ctxreplay, or ``None``.
 """
 

@@ -12,9 +12,10 @@ from typing import Any
 from torch import nn
 
 from ._copies import Entries, signed
-from .observe import ABSENT, _CompiledCounter, _Member, _Root, _Shared
+from ._observed import ABSENT, CompiledCounter
+from .observe import _Member, _Root, _Shared
+from .observer import Observer
 from .records import MemberCall, VariantRequest
-from .snapshot import Observer
 from .targets import (
     describe_identity_change,
     identity_digest,
@@ -57,9 +58,9 @@ class Observation:
         dropped: set[tuple[Any, ...]] = set()
         # compiled entry points that exist now are counted exactly; blocks
         # compiled later are only marked (see observe._Member.forward)
-        self.compiled: list[_CompiledCounter] = []
+        self.compiled: list[CompiledCounter] = []
         for name, owner, attr in _compiled_entry_points(root):
-            counter = _CompiledCounter(owner, attr, name)
+            counter = CompiledCounter(owner, attr, name)
             owner.__dict__[attr] = counter
             self.compiled.append(counter)
         for name, mod in targets:

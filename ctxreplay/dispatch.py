@@ -13,7 +13,7 @@ Every other call runs eagerly and is counted as a miss with a reason.
 The program runs with the member's own weights: ``program.module()`` with
 the member's parameters and buffers assigned (DESIGN.md fact 20), made once
 per member -- and, with ``compile``, compiled once per member on its first
-hit.  Per call: the cached snapshot check (``snapshot.Observer``), the call
+hit.  Per call: the cached snapshot check (``observer.Observer``), the call
 key (``signature.call_key``) and one dictionary lookup.
 """
 
@@ -40,6 +40,7 @@ from .loading import (
     static_differences,
 )
 from .materialize import build
+from .observer import Observer
 from .records import Capture
 from .report import CaptureReport
 from .signature import (
@@ -55,7 +56,7 @@ from .signature import (
     is_native,
     tensor_values,
 )
-from .snapshot import ContextSnapshot, Observer, UnknownProbe, UnknownState, Unresolved
+from .snapshot import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
 from .targets import identity_digest, identity_of
 
 __all__ = ["MISS_REASONS", "OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]

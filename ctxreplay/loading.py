@@ -13,7 +13,7 @@ that is a difference too -- never a silent pass.
 
 The guarded call checks on every call through the observation fast path: a
 snapshot cached behind ``GlobalStateGuard().check()`` plus the probes'
-watched getters (``snapshot.Observer``), compared by identity with the last
+watched getters (``observer.Observer``), compared by identity with the last
 snapshot that passed.
 """
 
@@ -41,11 +41,11 @@ from .artifact import (
     warn_unknown,
 )
 from .manifest import MANIFEST_NAME, MANIFEST_SCHEMA, ManifestEntry, entry_devices, read_manifest
+from .observer import Observer
 from .probe import ContextProbe
 from .signature import CallSpec, Spec, TensorSpec, tensor_leaves
 from .snapshot import (
     ContextSnapshot,
-    Observer,
     UnknownProbe,
     UnknownState,
     Unresolved,

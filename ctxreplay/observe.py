@@ -8,7 +8,7 @@ DESIGN.md fact 14); ``attach`` sets and unsets it.  A
 call's key is (snapshot, input signature) inside a table per *identity*
 (``targets.identity_of``: class, shapes, ``training`` and plain attributes),
 so members share a capture only when nothing but their weights differ.
-The hot path reuses a cached snapshot (``snapshot.Observer``) and a memo of
+The hot path reuses a cached snapshot (``observer.Observer``) and a memo of
 the member's last variant checked in C by ``TensorGuards``.
 
 The module passed to ``capture_with`` gets a ``_Root`` wrapper too: per
@@ -19,15 +19,13 @@ reads them on every block call instead).
 
 Copies of an observed module (``copy.deepcopy``, ``pickle``, ``torch.save``)
 are plain models (``_copies``); a copy of a wrapper that another tool holds
-calls the copy's own forward and observes nothing (``_Detached``).
+calls the copy's own forward and observes nothing (``Detached``).
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 import threading
-import types
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -35,15 +33,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._copies import is_ours
 from ._frozen import freeze_constants
+from ._observed import (
+    ABSENT,
+    Detached,
+    before_ctxreplay,
+    held_changes,
+    held_state,
+    in_jit_check,
+    uninitialized,
+)
 from ._torchcaps import TensorGuards as _TensorGuards
 from ._torchcaps import dynamo_compiling as _dynamo_compiling
 from ._torchcaps import dynamo_exporting as _dynamo_exporting
+from .observer import Observer, ProbeObservationError
 from .records import RetainedCall
 from .signature import NotRealError, call_key, call_spec, spec_of, tensor_values
-from .snapshot import ContextSnapshot, Observer, ProbeObservationError
-from .targets import _Uninitialized, identity_of
+from .snapshot import ContextSnapshot
+from .targets import identity_of
 from .variants import MemberVariant, Scope
 
 __all__ = ["ABSENT"]
@@ -119,10 +126,6 @@ class _Shared:
                 self.failing_probes[probe] += 1
 
 
-#: what a module's ``__dict__`` held under ``forward`` when it had nothing
-ABSENT = object()
-
-
 class _Member:
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
@@ -144,7 +147,7 @@ class _Member:
         self.prev = module.__dict__.get("forward", ABSENT)
         self.orig = module.forward
         self.tables: dict[int, dict[Any, MemberVariant]] = {}
-        self.lazy = _uninitialized(module)
+        self.lazy = uninitialized(module)
         self.identity_value: Any = None
         self.identity = -1
         self.training = module.training
@@ -276,14 +279,14 @@ class _Member:
         if mv is None:
             return self.orig(*args, **kwargs)
         next(mv.counter)
-        held = _held_state(self.module, self.ignore)
+        held = held_state(self.module, self.ignore)
         if self.shared.profile:
             with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
                 out = self.orig(*args, **kwargs)
         else:
             out = self.orig(*args, **kwargs)
         try:
-            changed = _held_changes(held)
+            changed = held_changes(held)
             if self.lazy:  # a lazy module materialises in its first call
                 self._rekey()
         except Exception:  # an object whose __dict__ went away: not our business
@@ -301,7 +304,7 @@ class _Member:
 
     def _record(self, snap: ContextSnapshot, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> MemberVariant | None:
-        if _in_jit_check():
+        if in_jit_check():
             return None  # torch.jit.trace running the module again to check its trace
         sig = call_key(args, kwargs)
         key = (snap, sig)
@@ -387,7 +390,7 @@ class _Member:
         a lazy module's first call) and switch to that identity's table."""
         self.training = self.module.training
         self.identity_value = identity_of(self.module, self.ignore)
-        self.lazy = _uninitialized(self.module)
+        self.lazy = uninitialized(self.module)
         with self.shared.lock:
             self.identity = self.scope.identity_id(self.identity_value)
         self.table = self.tables.setdefault(self.identity, {})
@@ -396,7 +399,7 @@ class _Member:
     def _rekey(self) -> None:
         """A lazy module's first call made its parameters (and class): its
         variants move to the identity it has now."""
-        if _uninitialized(self.module):
+        if uninitialized(self.module):
             return
         self.lazy = False
         value = identity_of(self.module, self.ignore)
@@ -436,96 +439,17 @@ class _Member:
         return before_ctxreplay(self.prev)
 
     # A copy of this wrapper (held by the copy of a module, or by another
-    # tool's wrapper) is this function bound to a ``_Detached``: ``off`` is
+    # tool's wrapper) is this function bound to a ``Detached``: ``off`` is
     # set, so it passes straight through to the copy's own forward.
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Detached:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Detached:
         # copy.deepcopy of the module maps it to its copy before copying its
         # state (copy._reconstruct), so the twin is in ``memo`` here
         twin = memo.get(id(self.module))
         prev = None if self.prev is ABSENT else copy.deepcopy(self.prev, memo)
-        return _Detached(twin if twin is not None else self.module, prev)
+        return Detached(twin if twin is not None else self.module, prev)
 
     def __reduce__(self) -> Any:
-        return (_Detached, (self.module, None if self.prev is ABSENT else self.prev))
-
-
-def before_ctxreplay(fn: Any) -> Any:
-    """``fn`` with every ctxreplay wrapper in its chain skipped (``None``: a
-    module's class forward)."""
-    while fn is not ABSENT and fn is not None and is_ours(fn):
-        fn = fn.__self__.prev
-    return None if fn is ABSENT else fn
-
-
-def _uninitialized(module: nn.Module) -> bool:
-    return any(isinstance(p, _Uninitialized) for p in (*module.parameters(), *module.buffers()))
-
-
-_HELD_LIMIT = 64
-
-
-def _held_state(module: nn.Module, ignore: tuple[str, ...]
-                ) -> list[tuple[str, Any, dict[str, Any]]]:
-    """``(label, object, shallow copy of its __dict__)`` of the plain Python
-    objects the module tree holds (a caching hook's state): a forward that
-    writes them depends on what earlier calls left there."""
-    out = []
-    for path, m in module.named_modules():
-        for name, value in m.__dict__.items():
-            if name.startswith("_") or name in ignore or isinstance(
-                    value, (nn.Module, torch.Tensor, type)) or callable(value):
-                continue
-            d = getattr(value, "__dict__", None)
-            if type(d) is dict:
-                out.append((f"{path}.{name}" if path else name, value, dict(d)))
-                if len(out) >= _HELD_LIMIT:
-                    return out
-    return out
-
-
-def _held_changes(held: list[tuple[str, Any, dict[str, Any]]]) -> list[str]:
-    changed = []
-    for label, obj, before in held:
-        now = obj.__dict__
-        for k in set(before) | set(now):
-            if before.get(k, ABSENT) is not now.get(k, ABSENT):
-                changed.append(f"{label}.{k}")
-    return changed
-
-
-def _in_jit_check(depth: int = 40) -> bool:
-    """Whether ``torch.jit.trace`` is re-running the module to check its
-    trace (``check_trace=True``): torch's own second run, not a call."""
-    frame: types.FrameType | None = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        code = frame.f_code
-        if code.co_name in ("_check_trace", "run_mod_and_filter_tensor_outputs") and \
-                code.co_filename.endswith(("jit/_trace.py", "jit\\_trace.py")):
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _Detached:
-    """The wrapper state of a copy of an observed module: observes nothing,
-    calls the copy's own forward (or what the copy had before)."""
-
-    ctxreplay_holder = True
-    __slots__ = ("off", "orig", "prev")
-
-    def __init__(self, module: nn.Module, prev: Any) -> None:
-        self.off = True
-        self.prev = prev
-        self.orig = prev if prev is not None else types.MethodType(type(module).forward,
-                                                                   module)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.orig(*args, **kwargs)
-
-    def user_forward(self) -> Any:
-        return before_ctxreplay(self.prev)
+        return (Detached, (self.module, None if self.prev is ABSENT else self.prev))
 
 
 class _Root:
@@ -562,32 +486,3 @@ class _Root:
     user_forward = _Member.user_forward
     __deepcopy__ = _Member.__deepcopy__
     __reduce__ = _Member.__reduce__
-
-
-class _CompiledCounter:
-    """Counts calls of a compiled entry point that exists when the session
-    attaches (an ``OptimizedModule``'s forward, a module's
-    ``_compiled_call_impl``): the blocks inside run compiled, unobserved."""
-
-    __slots__ = ("attr", "calls", "name", "orig", "owner")
-
-    def __init__(self, owner: nn.Module, attr: str, name: str) -> None:
-        self.owner, self.attr, self.name = owner, attr, name
-        self.orig = owner.__dict__[attr]
-        self.calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.orig(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return copy.deepcopy(self.orig, memo)
-
-    def __reduce__(self) -> Any:
-        return (_identity, (self.orig,))
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-

@@ -21,11 +21,11 @@ from ._progress import Progress
 from .attach import Observation
 from .backends import Backend, get_backend
 from .capture import CaptureFailed, capture_variant
+from .observer import Observer
 from .probe import ContextProbe
 from .records import Capture, CaptureFailure, CaptureOptions, Notice, Problem, VariantRequest
 from .registry import resolve_probes
 from .report import CaptureReport, FidelityError
-from .snapshot import Observer
 from .targets import resolve_targets
 from .variants import Scope, VariantView
 

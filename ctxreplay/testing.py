@@ -28,8 +28,9 @@ import torch.utils.deterministic as _deterministic
 
 from . import registry
 from ._torchcaps import CAPS, GlobalStateGuard
+from .observer import snapshot
 from .probe import ContextProbe, NotPortableError
-from .snapshot import ContextSnapshot, snapshot
+from .snapshot import ContextSnapshot
 
 __all__ = ["GlobalState", "check_probe", "global_state", "leak_check", "state_changes"]
 

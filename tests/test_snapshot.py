@@ -405,7 +405,7 @@ def test_cached_snapshot_sees_blind_spot_switches_under_an_unchanged_guard() -> 
 # -- the cached check ----------------------------------------------------------------
 
 def test_checker_compares_by_identity_then_equality_and_stops_at_the_first_miss() -> None:
-    from ctxreplay.snapshot import checker
+    from ctxreplay.observer import checker
 
     calls: list[str] = []
 
