@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torchstate as ts
 from torch import nn
 
 from ctxreplay import _torchcaps
@@ -117,34 +118,18 @@ def test_autocast_devices_are_the_ones_torch_names() -> None:
     assert "cpu" in CAPS.autocast_devices
 
 
-@contextlib.contextmanager
-def _raw_autocast(device: str, enabled: bool, dtype: torch.dtype | None = None
-                  ) -> Iterator[None]:
-    """Set one device's autocast flag (and dtype) with the raw setters:
-    ``torch.autocast`` refuses e.g. CUDA on a build without a GPU."""
-    before = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-    torch.set_autocast_enabled(device, enabled)
-    if dtype is not None:
-        torch.set_autocast_dtype(device, dtype)
-    try:
-        yield
-    finally:
-        torch.set_autocast_enabled(device, before[0])
-        torch.set_autocast_dtype(device, before[1])
-
-
 def _guard_sees_enabled(device: str) -> bool:
     guard = _guard()
-    with _raw_autocast(device, not torch.is_autocast_enabled(device)):
+    with ts.raw_autocast(device, enabled=not torch.is_autocast_enabled(device)):
         sees = not guard.check()
     assert guard.check()
     return sees
 
 
 def _guard_sees_dtype(device: str) -> bool:
-    with _raw_autocast(device, True, BF16):
+    with ts.raw_autocast(device, BF16):
         guard = _guard()
-        with _raw_autocast(device, True, torch.float16):  # enabled both times
+        with ts.raw_autocast(device, torch.float16):  # enabled both times
             sees = not guard.check()
         assert guard.check()
     return sees

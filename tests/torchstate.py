@@ -117,12 +117,15 @@ def autocast_cache(enabled: bool) -> AbstractContextManager[None]:
 
 
 @contextmanager
-def raw_autocast(device: str, dtype: torch.dtype) -> Iterator[None]:
+def raw_autocast(device: str, dtype: torch.dtype | None = None, *,
+                 enabled: bool = True) -> Iterator[None]:
     """Autocast for a device this build cannot run (``torch.autocast`` refuses
-    CUDA on a CPU build), through the raw per-device setters."""
+    CUDA on a CPU build), through the raw per-device setters; ``dtype=None``
+    keeps the device's dtype."""
     before = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-    torch.set_autocast_enabled(device, True)
-    torch.set_autocast_dtype(device, dtype)
+    torch.set_autocast_enabled(device, enabled)
+    if dtype is not None:
+        torch.set_autocast_dtype(device, dtype)
     try:
         yield
     finally:
