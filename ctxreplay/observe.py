@@ -166,8 +166,10 @@ class _Member:
         if not _dynamo_compiling():
             memo = self.memo
             if memo is not None and not kwargs and not _is_tracing():
-                cache, state, check, n, counter, training, module, orig, obs, shared = memo
-                if obs.cache is cache and len(args) == n and module.training is training:
+                # (another argument count fails ``check``: TensorGuards raises, the
+                # Python key differs)
+                cache, state, check, counter, training, module, orig, obs, shared = memo
+                if obs.cache is cache and module.training is training:
                     try:
                         hit = (state() and check(*args)
                                and (shared.active or not obs.forward_changed()))
@@ -246,8 +248,8 @@ class _Member:
                 return
         except Exception:
             return
-        self.memo = (cache, state, check.check, len(args), mv.counter, self.training,
-                     self.module, self.orig, obs, shared)
+        self.memo = (cache, state, check.check, mv.counter, self.training, self.module,
+                     self.orig, obs, shared)
 
     # -- the slow paths ---------------------------------------------------
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],

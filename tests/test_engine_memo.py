@@ -124,3 +124,25 @@ def test_a_held_wrapper_observes_nothing_after_close() -> None:
             held(torch.rand(4, 8))
     report = session.finalize()
     assert [c.calls for c in report.captures] == [10]
+
+
+def test_another_argument_count_is_another_variant_on_both_memo_kinds() -> None:
+    """The memo keeps no argument count: its input check must fail on one."""
+
+    class Optional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, y: Any = None) -> torch.Tensor:
+            out = self.lin(x)
+            return out if y is None else out * y
+
+    model = Optional().eval()
+    x = torch.rand(4, 8)
+    with torch.no_grad(), ctxreplay.capture_with(model, backend="export") as session:
+        for args in [(x,), (x,), (x, x), (x, x), (x, x), (x,), (x, 2.0), (x, 2.0), (x,)]:
+            model(*args)
+    report = session.finalize()
+    assert report.ok, report.failures
+    assert sorted(c.calls for c in report.captures) == [2, 3, 4]
