@@ -13,17 +13,10 @@ from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sideca
 from .backends import Backend, BackendError
 from .dispatch import DispatchStats, InstallHandle, install
 from .explain import CaptureExplanation, Explanation, ProbeEffect
-from .loading import (
-    Difference,
-    GuardedCapture,
-    GuardError,
-    GuardWarning,
-    LoadedCapture,
-    LoadedManifest,
-    WeightsError,
-    load,
-)
+from .guard import GuardedCapture, GuardError, GuardWarning
+from .loading import LoadedCapture, LoadedManifest, load
 from .manifest import SavedManifest
+from .needs import Difference
 from .observer import ProbeObservationError, snapshot
 from .probe import ContextProbe, NotPortableError
 from .probes import ContextVarProbe, DistributedProbe, ForwardContextProbe
@@ -42,6 +35,7 @@ from .report import CaptureReport, FidelityError
 from .session import CaptureSession, SessionError, capture_with
 from .snapshot import ContextSnapshot, ProbeDiff, UnknownProbeWarning
 from .verify import Fidelity, Mismatch
+from .weights import WeightsError
 
 __all__ = [
     "ArtifactError",

@@ -170,7 +170,7 @@ def _failure_lines(failures: Any, problems: Any) -> list[str]:
 
 
 def _inspect(ns: argparse.Namespace) -> int:
-    from .loading import detect
+    from ._detect import detect
     from .manifest import read_manifest
 
     kind, target, data = detect(ns.path)
@@ -211,15 +211,9 @@ def _inspect(ns: argparse.Namespace) -> int:
 
 
 def _check(ns: argparse.Namespace) -> int:
-    from .loading import (
-        LoadedManifest,
-        Needs,
-        detect,
-        load,
-        merge_differences,
-        needs_from_document,
-        static_differences,
-    )
+    from ._detect import detect
+    from .loading import LoadedManifest, load
+    from .needs import Needs, merge_differences, needs_from_document, static_differences
     from .snapshot import describe_state
 
     kind, target, data = detect(ns.path)

@@ -30,16 +30,9 @@ from torch import nn
 
 from ._torchcaps import TensorGuards as _TensorGuards
 from ._torchcaps import dynamo_compiling as _dynamo_compiling
-from .loading import (
-    LoadedCapture,
-    LoadedManifest,
-    Needs,
-    WeightsError,
-    bind_weights,
-    needs_of,
-    static_differences,
-)
+from .loading import LoadedCapture, LoadedManifest
 from .materialize import build
+from .needs import Needs, needs_of, static_differences
 from .observer import Observer
 from .records import Capture
 from .report import CaptureReport
@@ -58,6 +51,7 @@ from .signature import (
 )
 from .snapshot import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
 from .targets import identity_digest, identity_of
+from .weights import WeightsError, bind_weights
 
 __all__ = ["MISS_REASONS", "OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
 

@@ -1,26 +1,11 @@
 """Using saved captures: ``load`` a manifest directory or one saved capture,
-``check`` what it needs against this process, call it guarded.
-
-What a capture needs where it runs is what its files were verified under
-(``verify.neutral_replay``): every probe it does not carry (``ambient_only``)
-at the state the live call had, every other probe either neutral or at that
-same state; the torch it was made with; the accelerator its tensors live on
-(and that accelerator's capability); torch's autocast op policy for those
-devices; and a fidelity check that passed.  ``check()`` says, per probe or
-field, what differs (empty when all holds).  A probe this process does not
-have cannot be checked: when the capture needs its state re-established,
-that is a difference too -- never a silent pass.
-
-The guarded call checks on every call through the observation fast path: a
-snapshot cached behind ``GlobalStateGuard().check()`` plus the probes'
-watched getters (``observer.Observer``), compared by identity with the last
-snapshot that passed.
+``check`` what it needs against this process (``needs``), call it guarded
+(``guard``), run it with a member's weights (``weights``).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -30,360 +15,32 @@ import attrs
 import torch
 from torch import nn
 
-from ._environment import autocast_policy, capability, device_available
-from ._json import loads, read_int, read_list, read_mapping, read_str
+from ._detect import detect
 from .artifact import (
-    SIDECAR_SCHEMA,
     ArtifactError,
     ArtifactSidecar,
     read_sidecar,
-    sidecar_path,
     warn_unknown,
 )
-from .manifest import MANIFEST_NAME, MANIFEST_SCHEMA, ManifestEntry, entry_devices, read_manifest
-from .observer import Observer
-from .probe import ContextProbe
-from .signature import CallSpec, Spec, TensorSpec, tensor_leaves
-from .snapshot import (
-    ContextSnapshot,
-    UnknownProbe,
-    UnknownState,
-    Unresolved,
-    describe_state,
+from .guard import GuardedCapture
+from .manifest import ManifestEntry, read_manifest
+from .needs import (
+    Difference,
+    Needs,
+    Probes,
+    check_needs,
+    devices_of,
+    document_fidelity,
+    merge_differences,
+    probe_map,
 )
+from .signature import CallSpec, Spec
+from .snapshot import ContextSnapshot, Unresolved
 from .specjson import resolve_opaque, spec_from_json
-from .verify import combined_status, fidelity_status, is_neutral
+from .verify import combined_status
+from .weights import Weights, bind_weights
 
-__all__ = ["DIFFERENCE_KINDS", "ENVIRONMENT_FIELDS", "EXPECTED_FILES", "GUARD_MODES", "Difference",
-           "GuardError", "GuardWarning", "GuardedCapture", "LoadedCapture", "LoadedManifest",
-           "Needs", "WeightsError", "bind_weights", "check_needs", "detect", "load",
-           "merge_differences", "needs_from_document", "needs_of", "state_differences",
-           "static_differences"]
-
-GUARD_MODES = ("raise", "warn", "fallback")
-
-#: ``Difference.kind``: a probe's state, the environment, or the fidelity check
-DIFFERENCE_KINDS = ("state", "environment", "fidelity")
-#: ``Difference.field`` of an ``environment`` difference
-ENVIRONMENT_FIELDS = ("torch", "device", "capability", "autocast_policy")
-
-#: what ``load`` and the command line accept, in words
-EXPECTED_FILES = ("a manifest directory or its manifest.json (report.save_all), a .pt2 "
-                  "with its .pt2.json sidecar (Capture.save), a sidecar, or a report JSON "
-                  "(report.save)")
-
-Probes = Iterable[ContextProbe[Any]] | Mapping[str, ContextProbe[Any]] | None
-
-
-# -- differences ------------------------------------------------------------------
-
-@attrs.frozen
-class Difference:
-    """One thing that differs between now and what a capture needs.
-
-    ``kind``: ``"state"`` (a probe: ``field`` is its name), ``"environment"``
-    (``torch``, ``device``, ``capability``, ``autocast_policy``) or
-    ``"fidelity"``; ``needed`` / ``found`` say it in words; ``captures`` lists
-    the ``scope#variant`` labels it concerns.  ``str()`` is one line."""
-
-    field: str
-    """What differs: a probe's name, an environment field (``torch``, ``device``, ``capability``,
-    ``autocast_policy``) or ``fidelity``."""
-    needed: str
-    """What the capture needs, in words."""
-    found: str
-    """What this process has now, in words."""
-    kind: str = "state"
-    """One of ``DIFFERENCE_KINDS``: ``state``, ``environment`` or ``fidelity``."""
-    captures: tuple[str, ...] = ()
-    """The ``scope#variant`` labels it concerns."""
-
-    @property
-    def text(self) -> str:
-        """The difference as one line of words."""
-        if self.kind == "environment":
-            line = f"{self.field}: made with {self.needed}, now {self.found}"
-        elif self.kind == "fidelity":
-            line = f"fidelity: {self.found}"
-        else:
-            line = f"{self.field}: needs {self.needed}, now {self.found}"
-        if self.captures:
-            shown = ", ".join(self.captures[:4]) + (", ..." if len(self.captures) > 4 else "")
-            line += f" [{shown}]"
-        return line
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def merge_differences(found: Iterable[Difference]) -> tuple[Difference, ...]:
-    """One difference per distinct finding, listing every capture it concerns."""
-    merged: dict[tuple[str, str, str, str], list[str]] = {}
-    for d in found:
-        labels = merged.setdefault((d.field, d.needed, d.found, d.kind), [])
-        labels += [c for c in d.captures if c not in labels]
-    return tuple(Difference(f, n, o, k, tuple(c)) for (f, n, o, k), c in merged.items())
-
-
-class GuardError(RuntimeError):
-    """A guarded call found that the current process differs from what the
-    capture needs (``on_mismatch="raise"``).  ``differences`` lists them."""
-
-    def __init__(self, label: str, differences: tuple[Difference, ...]) -> None:
-        self.label = label
-        """The ``scope#variant`` of the guarded capture."""
-        self.differences = differences
-        """What differs, one ``Difference`` each."""
-        super().__init__(f"{label}: this process differs from what the capture needs, so it "
-                         "would not reproduce its live call:\n  "
-                         + "\n  ".join(d.text for d in differences))
-
-
-class GuardWarning(UserWarning):
-    """A guarded call ran although the process differs from what the capture
-    needs (``on_mismatch="warn"``); once per distinct state."""
-
-
-@attrs.frozen(eq=False)
-class Needs:
-    """What a capture needs where it runs (see the module docstring).
-    ``environment`` ``None``: the capture was made in this process."""
-
-    label: str
-    snapshot: ContextSnapshot
-    ambient_only: tuple[str, ...]
-    context: Mapping[str, str]
-    environment: Mapping[str, Any] | None
-    devices: frozenset[str]
-    #: ``Fidelity.status`` of its checks (live and saved file together)
-    fidelity: str
-
-    def observable(self, ignore: Iterable[str] = ()) -> tuple[ContextProbe[Any], ...]:
-        """The probes whose current state can be observed and compared."""
-        skip = set(ignore)
-        return tuple(p for n, p, s in zip(self.snapshot.names, self.snapshot.probes,
-                                          self.snapshot.states)
-                     if n not in skip and not isinstance(p, UnknownProbe)
-                     and not isinstance(s, UnknownState))
-
-
-def _devices(specs: Iterable[TensorSpec]) -> frozenset[str]:
-    return frozenset(s.device.split(":")[0] for s in specs)
-
-
-def needs_of(capture: Any) -> Needs:
-    """The needs of a live ``ctxreplay.Capture`` (made in this process)."""
-    specs = [s for _, s in capture.signature.leaves()]
-    if capture.outputs is not None:
-        specs += [s for _, s in tensor_leaves(capture.outputs)]
-    return Needs(f"{capture.scope}#{capture.variant}", capture.snapshot,
-                 tuple(capture.ambient_only), capture.snapshot.describe(), None,
-                 _devices(specs), capture.fidelity.status)
-
-
-def needs_from_document(capture: Any, environment: Mapping[str, Any] | None, path: str,
-                        probes: Probes = None) -> Needs:
-    """The needs of a capture record in a report or manifest
-    (``Capture.to_json()``), checked strictly where used; unknown probes
-    load as opaque states (``.snapshot.unknown``)."""
-    doc = read_mapping(capture, path, required={"scope", "variant", "snapshot",
-                                                "ambient_only", "fidelity", "inputs"})
-    snap = ContextSnapshot.from_json(doc["snapshot"], _probe_map(probes),
-                                     path=f"{path}.snapshot", unknown="opaque")
-    ambient = tuple(read_str(v, f"{path}.ambient_only[{i}]")
-                    for i, v in enumerate(read_list(doc["ambient_only"], f"{path}.ambient_only")))
-    context = doc.get("context")
-    label = f"{read_str(doc['scope'], f'{path}.scope', max_len=4096)}#" \
-            f"{read_int(doc['variant'], f'{path}.variant', lo=0)}"
-    return Needs(label, snap, ambient, dict(context) if isinstance(context, Mapping) else {},
-                 environment if environment is not None else {"torch": "unknown"},
-                 frozenset(entry_devices([doc["inputs"], doc.get("outputs")])),
-                 _fidelity(doc, "fidelity"))
-
-
-_FIDELITY_WORDS = {
-    "failed": "the capture did not reproduce its live call when it was checked",
-    "unchecked": "the capture was never checked against its live call (verify='off', or "
-                 "saved with verify=False)",
-}
-
-
-def static_differences(needs: Needs, ignore: Iterable[str] = ()) -> list[Difference]:
-    """What differs whatever the ambient state: environment, fidelity, and
-    needed states of probes this process does not have."""
-    label = (needs.label,)
-    out: list[Difference] = []
-    if needs.fidelity in _FIDELITY_WORDS:  # ok_with_needs: its needs are checked below
-        out.append(Difference("fidelity", "ok", _FIDELITY_WORDS[needs.fidelity], "fidelity",
-                              label))
-    skip = set(ignore)
-    for name, probe, state in zip(needs.snapshot.names, needs.snapshot.probes,
-                                  needs.snapshot.states):
-        if name in skip or name not in needs.ambient_only:
-            continue  # carried by the artifact, or neutral when it was made
-        if isinstance(state, UnknownState) or isinstance(probe, UnknownProbe):
-            out.append(Difference(name, needs.context.get(name, "its recorded state"),
-                                  "a probe that is not registered in this process, so it "
-                                  "cannot be checked", "state", label))
-    env = needs.environment
-    if env is None:
-        return out
-    then, now = str(env.get("torch", "?")), str(torch.__version__)
-    if then != now:
-        out.append(Difference("torch", then, now, "environment", label))
-    for device in sorted(needs.devices - {"cpu", "meta"}):
-        if not device_available(device):
-            out.append(Difference("device", device, f"no {device} device", "environment",
-                                  label))
-            continue
-        made = env.get("capability")
-        if env.get("device") == device and isinstance(made, str):
-            here = capability(device)
-            if here != made:
-                out.append(Difference("capability", f"{device} {made}",
-                                      f"{device} {here or 'unknown'}", "environment", label))
-    policy = env.get("autocast_policy")
-    if isinstance(policy, Mapping):
-        current = autocast_policy()
-        for device in sorted(needs.devices):
-            recorded = policy.get(device)
-            if isinstance(recorded, str) and current.get(device) != recorded:
-                out.append(Difference("autocast_policy", f"{device} {recorded}",
-                                      f"{device} {current.get(device, 'none')}",
-                                      "environment", label))
-    return out
-
-
-def _needed(needs: Needs, name: str, probe: ContextProbe[Any], state: Any) -> str:
-    if isinstance(state, Unresolved):
-        return f"{needs.context.get(name, state.state_type)} (a live state a document " \
-               "cannot carry)"
-    if name in needs.ambient_only:
-        return describe_state(probe, state)
-    parts = []
-    try:
-        neutral = probe.neutral_state()
-    except Exception:  # a probe that cannot say: only its own state will do
-        neutral = None
-    if neutral is not None:
-        parts.append(describe_state(probe, neutral))
-    if not is_neutral(probe, state) or neutral is None:
-        parts.append(describe_state(probe, state))
-    return " or ".join(dict.fromkeys(parts))
-
-
-def state_differences(needs: Needs, current: Mapping[str, Any],
-                      ignore: Iterable[str] = ()) -> list[Difference]:
-    """What differs between the current probe states (``name -> state``; a
-    ``BaseException`` for a probe that could not observe) and what the
-    capture needs."""
-    skip = set(ignore)
-    label = (needs.label,)
-    out = []
-    for name, probe, state in zip(needs.snapshot.names, needs.snapshot.probes,
-                                  needs.snapshot.states):
-        if name in skip or isinstance(probe, UnknownProbe) or isinstance(state, UnknownState):
-            continue
-        now = current.get(name)
-        if isinstance(now, BaseException):
-            out.append(Difference(name, _needed(needs, name, probe, state),
-                                  f"unobservable ({type(now).__name__})", "state", label))
-            continue
-        same = not isinstance(state, Unresolved) and now == state
-        if same or (name not in needs.ambient_only and is_neutral(probe, now)):
-            continue
-        out.append(Difference(name, _needed(needs, name, probe, state),
-                              describe_state(probe, now), "state", label))
-    return out
-
-
-def _observe(probes: Iterable[ContextProbe[Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for p in probes:
-        try:
-            out[p.name] = p.observe()
-        except Exception as exc:  # reported as a difference, never fatal
-            out[p.name] = exc
-    return out
-
-
-def check_needs(needs: Needs, ignore: Iterable[str] = ()) -> tuple[Difference, ...]:
-    """Every difference between now and what ``needs`` says."""
-    ignore = tuple(ignore)
-    current = _observe(needs.observable(ignore))
-    return tuple(static_differences(needs, ignore) + state_differences(needs, current, ignore))
-
-
-# -- weights ----------------------------------------------------------------------
-
-class WeightsError(ValueError):
-    """Weights given for a capture do not fit its program (a name missing, or
-    another shape, dtype or device)."""
-
-
-Weights = nn.Module | Mapping[str, torch.Tensor] | None
-
-
-def _tensor_at(gm: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor | None]:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = gm.get_submodule(owner_name) if owner_name else gm
-    t: torch.Tensor | None = owner._parameters.get(leaf)
-    if t is None:
-        t = owner._buffers.get(leaf)
-    return owner, leaf, t
-
-
-def bind_weights(program: Any, weights: Weights, binding: str) -> nn.Module:
-    """``program.module()`` running with ``weights``: a member module (its own
-    parameters and buffers, shared, not copied) or a state dict.  Only this
-    module changes (DESIGN.md fact 20); buffers the graph updates in place
-    are the member's own, as they are when it runs eagerly.  A flattened
-    capture's program names them with an ``inner.`` prefix."""
-    gm: nn.Module = program.module()
-    if weights is None:
-        return gm
-    prefix = "inner." if binding == "flattened" else ""
-    if isinstance(weights, nn.Module):
-        source: dict[str, torch.Tensor] = dict(weights.named_parameters(remove_duplicate=False))
-        source.update(weights.named_buffers(remove_duplicate=False))
-    else:
-        source = dict(weights)
-    sig = program.graph_signature
-    optional = set() if isinstance(weights, nn.Module) else set(sig.non_persistent_buffers)
-    plan: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
-    problems: list[str] = []
-    for name in (*sig.parameters, *sig.buffers):
-        key = name[len(prefix):] if name.startswith(prefix) else name
-        owner, leaf, mine = _tensor_at(gm, name)
-        src = source.get(key)
-        if src is None:
-            if name not in optional:
-                problems.append(f"{key}: missing")
-            continue
-        if mine is None:
-            problems.append(f"{key}: not a tensor of the program")
-            continue
-        if tuple(src.shape) != tuple(mine.shape) or src.dtype != mine.dtype or \
-                src.device != mine.device:
-            problems.append(f"{key}: {str(src.dtype).removeprefix('torch.')}"
-                            f"{list(src.shape)} on {src.device}, the program has "
-                            f"{str(mine.dtype).removeprefix('torch.')}{list(mine.shape)} on "
-                            f"{mine.device}")
-            continue
-        plan.append((owner, leaf, src, leaf in owner._parameters))
-    if problems:
-        shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
-        raise WeightsError(f"weights do not fit the program: {shown}")
-    for owner, leaf, src, is_param in plan:
-        if is_param:
-            owner._parameters[leaf] = src if isinstance(src, nn.Parameter) else \
-                nn.Parameter(src, requires_grad=src.requires_grad)
-        else:
-            owner._buffers[leaf] = src
-    return gm
-
-
-# -- loaded captures ---------------------------------------------------------------
+__all__ = ["LoadedCapture", "LoadedManifest", "load"]
 
 @attrs.frozen(eq=False)
 class LoadedCapture:
@@ -475,7 +132,7 @@ class LoadedCapture:
             context = side.document.get("context")
             needs = Needs(self.label, side.snapshot, side.ambient_only,
                           dict(context) if isinstance(context, Mapping) else {},
-                          self.environment, _devices(specs), self.fidelity)
+                          self.environment, devices_of(specs), self.fidelity)
             self._cache["needs"] = needs
         return needs
 
@@ -573,71 +230,6 @@ class LoadedCapture:
                               fallback=fallback, ignore=ignore)
 
 
-class GuardedCapture:
-    """A capture's program behind a per-call check (made by
-    :meth:`LoadedCapture.guarded`).  ``mismatches`` counts calls that found
-    a difference; ``check()`` is the check now."""
-
-    __slots__ = ("_fallback", "_label", "_mode", "_needs", "_observer", "_ok", "_run",
-                 "_static", "_verdicts", "ignore", "mismatches")
-
-    def __init__(self, needs: Needs, run: Callable[..., Any], *, on_mismatch: str = "raise",
-                 fallback: Callable[..., Any] | None = None,
-                 ignore: Iterable[str] = ()) -> None:
-        if on_mismatch not in GUARD_MODES:
-            raise ValueError(f"on_mismatch: {on_mismatch!r} is not one of {list(GUARD_MODES)}")
-        if on_mismatch == "fallback" and not callable(fallback):
-            raise ValueError("on_mismatch='fallback' needs fallback=<a callable taking the "
-                             "same arguments>")
-        self._needs, self._run, self._mode, self._fallback = needs, run, on_mismatch, fallback
-        self._label = needs.label
-        self.ignore = tuple(ignore)
-        """Probe names the guard leaves out."""
-        self._static = tuple(static_differences(needs, self.ignore))
-        self._observer = Observer(needs.observable(self.ignore), per_call=True)
-        self._ok: ContextSnapshot | None = None
-        self._verdicts: dict[ContextSnapshot, tuple[Difference, ...]] = {}
-        self.mismatches = 0
-        """Calls that found a difference so far."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            snap: ContextSnapshot | None = self._observer()
-        except Exception:  # a probe that cannot observe: the slow path says which
-            snap = None
-        if snap is not None and snap is self._ok:
-            return self._run(*args, **kwargs)
-        return self._slow(snap, args, kwargs)
-
-    def check(self) -> tuple[Difference, ...]:
-        """What differs now (as :meth:`LoadedCapture.check`)."""
-        return check_needs(self._needs, self.ignore)
-
-    def _slow(self, snap: ContextSnapshot | None, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> Any:
-        found = self._verdicts.get(snap) if snap is not None else None
-        first = found is None
-        if found is None:
-            current = dict(snap.items()) if snap is not None else \
-                _observe(self._needs.observable(self.ignore))
-            found = self._static + tuple(state_differences(self._needs, current, self.ignore))
-            if snap is not None:
-                if len(self._verdicts) >= 256:  # a state that changes every call
-                    self._verdicts.clear()
-                self._verdicts[snap] = found
-        if not found:
-            self._ok = snap
-            return self._run(*args, **kwargs)
-        self.mismatches += 1
-        if self._mode == "raise":
-            raise GuardError(self._label, found)
-        if self._mode == "warn":
-            if first:
-                warnings.warn(str(GuardError(self._label, found)), GuardWarning, stacklevel=3)
-            return self._run(*args, **kwargs)
-        assert self._fallback is not None
-        return self._fallback(*args, **kwargs)
-
 
 @attrs.frozen(eq=False)
 class LoadedManifest:
@@ -692,52 +284,6 @@ class LoadedManifest:
 
 # -- load ---------------------------------------------------------------------------
 
-def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
-    """``(kind, file, document)``: ``kind`` is ``"manifest"``, ``"artifact"``
-    (a ``.pt2``; ``file`` is it), ``"sidecar"`` or ``"report"``; ``document``
-    the parsed JSON (``None`` for a ``.pt2``).  Anything else raises
-    ``ValueError`` naming what was expected."""
-    given = Path(os.fspath(path))
-    if given.is_dir():
-        manifest = given / MANIFEST_NAME
-        if not manifest.is_file():
-            raise ValueError(f"$: a directory without {MANIFEST_NAME}; expected "
-                             f"{EXPECTED_FILES} (in {given})")
-        given = manifest
-    if not given.exists():
-        raise FileNotFoundError(f"{given}: no such file or directory")
-    with given.open("rb") as f:
-        head = f.read(4)
-    if head == b"PK\x03\x04":  # a zip archive: what torch.export.save writes
-        side = sidecar_path(given)
-        if not side.is_file():
-            raise ValueError(f"$: a .pt2 archive without its sidecar {side.name} "
-                             f"(Capture.save writes it beside the .pt2) (in {given})")
-        return "artifact", given, None
-    try:
-        data = loads(given.read_bytes(), "$", source=str(given))
-    except ValueError:
-        raise ValueError(f"$: not a ctxreplay file (neither a .pt2 archive nor a JSON "
-                         f"document); expected {EXPECTED_FILES} (in {given})") from None
-    schema = data.get("schema") if isinstance(data, Mapping) else None
-    # by family: a reader of the kind then names an unsupported version
-    families = {MANIFEST_SCHEMA: "manifest", SIDECAR_SCHEMA: "sidecar",
-                "ctxreplay.report/": "report"}
-    for prefix, kind in families.items():
-        if isinstance(schema, str) and schema.startswith(prefix.partition("/")[0] + "/"):
-            return kind, given, data
-    shown = repr(schema[:60]) if isinstance(schema, str) else "none"
-    raise ValueError(f"$.schema: a JSON document that is not a ctxreplay manifest, sidecar "
-                     f"or report (schema {shown}); expected {EXPECTED_FILES} (in {given})")
-
-
-def _fidelity(doc: Mapping[str, Any], key: str) -> str:
-    value = doc.get(key)
-    if value is None:
-        return "unchecked"
-    return fidelity_status(value, f"$.{key}")
-
-
 def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
              fidelity: str, environment: Mapping[str, Any] | None,
              merged: tuple[int, ...] = ()) -> LoadedCapture:
@@ -752,11 +298,11 @@ def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
 
 
 def _load_single(path: Path, probes: Probes) -> LoadedCapture:
-    side = read_sidecar(path, _probe_map(probes))
+    side = read_sidecar(path, probe_map(probes))
     warn_unknown(side.snapshot.unknown, side.path.name)
     doc = side.document
-    saved = None if doc.get("saved_fidelity") is None else _fidelity(doc, "saved_fidelity")
-    return _capture(side, (), "", combined_status(_fidelity(doc, "fidelity"), saved), None)
+    saved = None if doc.get("saved_fidelity") is None else document_fidelity(doc, "saved_fidelity")
+    return _capture(side, (), "", combined_status(document_fidelity(doc, "fidelity"), saved), None)
 
 
 def _check_entry(e: ManifestEntry, side: ArtifactSidecar) -> None:
@@ -776,7 +322,7 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
         doc = read_manifest(path, data)
     except ValueError as exc:
         raise ValueError(f"{exc} (in {path})") from None
-    given = _probe_map(probes)
+    given = probe_map(probes)
     captures = []
     unknown: list[str] = []
     not_saved = []
@@ -809,13 +355,6 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
                           doc.probes, tuple(captures), tuple(not_saved),
                           doc.failures, doc.problems, names)
 
-
-def _probe_map(probes: Probes) -> dict[str, ContextProbe[Any]] | None:
-    if probes is None:
-        return None
-    if isinstance(probes, Mapping):
-        return dict(probes)
-    return {p.name: p for p in probes}
 
 
 def load(path: str | os.PathLike[str], *,

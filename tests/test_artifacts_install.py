@@ -18,7 +18,7 @@ from test_artifacts_manifest import manifests_are_metadata_only  # noqa: F401
 from torch import nn
 
 import ctxreplay
-from ctxreplay.loading import bind_weights
+from ctxreplay.weights import bind_weights
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")]
 

@@ -31,7 +31,7 @@ import pytest
 from test_docs import _resolve  # as mkdocstrings resolves a ::: path
 
 import ctxreplay
-from ctxreplay import artifact, dispatch, explain, loading, manifest, records, verify
+from ctxreplay import artifact, dispatch, explain, manifest, needs, records, verify
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("mkdocstrings")
@@ -354,7 +354,7 @@ CODES: dict[str, tuple[str, ...]] = {
     "fidelity": verify.FIDELITY_STATUSES,
     "explain": (*explain.STATUSES, *explain.EFFECT_REASONS),
     "saving": (*artifact.ARTIFACT_ERRORS, *manifest.NOT_SAVED_REASONS),
-    "loading-and-checking": (*loading.DIFFERENCE_KINDS, *loading.ENVIRONMENT_FIELDS),
+    "loading-and-checking": (*needs.DIFFERENCE_KINDS, *needs.ENVIRONMENT_FIELDS),
     "dispatch-misses": dispatch.MISS_REASONS,
 }
 
