@@ -19,9 +19,8 @@ key (``signature.call_key``) and one dictionary lookup.
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -31,27 +30,12 @@ from torch import nn
 from ._torchcaps import TensorGuards as _TensorGuards
 from ._torchcaps import dynamo_compiling as _dynamo_compiling
 from .loading import LoadedCapture, LoadedManifest
-from .materialize import build
-from .needs import Needs, needs_of, static_differences
 from .observer import Observer
+from .programs import Compiler, Entry, Programs, Target, entry, sources
 from .records import Capture
 from .report import CaptureReport
-from .signature import (
-    CallSpec,
-    DataclassSpec,
-    NotRealError,
-    ObjectSpec,
-    PytreeSpec,
-    Spec,
-    call_key,
-    call_spec,
-    children,
-    is_native,
-    tensor_values,
-)
-from .snapshot import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
-from .targets import identity_digest, identity_of
-from .weights import WeightsError, bind_weights
+from .signature import NotRealError, call_key, call_spec
+from .snapshot import UnknownProbe, UnknownState
 
 __all__ = ["MISS_REASONS", "OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
 
@@ -110,138 +94,6 @@ class DispatchStats:
         return sum(self.misses.values())
 
 
-@attrs.define(eq=False)
-class _Entry:
-    """One capture, as dispatch uses it."""
-
-    label: str
-    members: tuple[str, ...]
-    binding: str
-    program: Any
-    signature: CallSpec | None
-    outputs: Spec | None
-    flatten_out: bool
-    match: ContextSnapshot
-    unusable: str | None
-    #: member -> identity digest when it ran, and the attributes left out
-    identities: dict[str, str] = attrs.field(factory=dict)
-    ignore_attributes: tuple[str, ...] = ()
-    hits: int = 0
-
-
-def _has_objects(spec: Spec) -> bool:
-    if isinstance(spec, (DataclassSpec, ObjectSpec, PytreeSpec)):
-        return True
-    return any(_has_objects(c) for _, c in children(spec) or ())
-
-
-def _entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
-           object_args: str) -> _Entry:
-    needs: Needs
-    if isinstance(source, LoadedCapture):
-        needs = source.needs
-        program: Any = source.program
-        signature, outputs = source.signature(), source.outputs()
-        backend_ok = True
-    else:
-        needs = needs_of(source)
-        program = source.artifact
-        signature, outputs = source.signature, source.outputs
-        backend_ok = isinstance(program, torch.export.ExportedProgram)
-    snap = needs.snapshot.without(*ignore)
-    binding = source.binding
-    flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
-    unusable = _unusable(needs, snap, signature, outputs, flatten_out, backend_ok, ignore,
-                         object_args)
-    return _Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
-                  flatten_out, snap, unusable, dict(source.identities),
-                  tuple(source.ignore_attributes))
-
-
-def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
-              outputs: Spec | None, flatten_out: bool, backend_ok: bool,
-              ignore: tuple[str, ...], object_args: str) -> str | None:
-    if not backend_ok:
-        return "backend_not_dispatchable"
-    static = static_differences(needs, ignore)
-    if static:
-        return static[0].kind if static[0].kind != "state" else "unknown_probe"
-    if any(isinstance(s, UnknownState) or isinstance(p, UnknownProbe)
-           for _, p, s in zip(snap.names, snap.probes, snap.states)):
-        return "unknown_probe"
-    if any(isinstance(s, Unresolved) for s in snap.states):
-        return "live_state"
-    if signature is None or (flatten_out and outputs is None):
-        return "not_rebuildable"
-    if object_args != "dispatch" and any(_has_objects(s) for _, s in signature.items()):
-        return "object_arguments"
-    return None
-
-
-def _identity(module: nn.Module, ignore: tuple[str, ...]) -> str:
-    try:
-        return identity_digest(identity_of(module, ignore))
-    except Exception:  # an attribute that cannot be read: not the same member
-        return "unreadable"
-
-
-def _sources(source: object) -> list[Capture | LoadedCapture]:
-    if isinstance(source, (CaptureReport, LoadedManifest)):
-        return list(source.captures)
-    if isinstance(source, (Capture, LoadedCapture)):
-        return [source]
-    if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
-        raise TypeError("install: source must be a CaptureReport, a loaded manifest or "
-                        "capture (ctxreplay.load), a Capture, or an iterable of them; got "
-                        f"{type(source).__name__}")
-    out: list[Capture | LoadedCapture] = []
-    for s in source:
-        out += _sources(s)
-    return out
-
-
-class _Target:
-    """One capture's program for one member: built (and compiled) on first use."""
-
-    __slots__ = ("entry", "failed", "fn", "member", "slot")
-
-    def __init__(self, entry: _Entry, slot: _Slot) -> None:
-        self.entry, self.slot = entry, slot
-        self.fn: Callable[..., Any] | None = None
-        self.failed = False
-
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        e = self.entry
-        fn = self.fn
-        first = fn is None
-        if fn is None:
-            fn = self.slot.handle._make(e, self.slot)
-            if fn is None:
-                self.failed = True
-                return None
-            self.fn = fn
-        try:
-            if e.binding == "flattened":
-                leaves = [t for a in args for t in tensor_values(a)]
-                leaves += [t for v in kwargs.values() for t in tensor_values(v)]
-                out = fn(*leaves)
-            else:
-                out = fn(*args, **kwargs)
-        except Exception:
-            if not first or self.slot.handle.compile is None:
-                raise
-            # torch.compile compiles on the first call: a compiler that fails
-            # there costs this capture, not the user's forward
-            self.slot.handle._compile_failed(e, self.slot)
-            self.failed = True
-            return None
-        if e.flatten_out:
-            it = iter(out)
-            assert e.outputs is not None
-            return build(e.outputs, lambda _s: next(it))
-        return out
-
-
 def _last_hit_check(args: tuple[Any, ...]) -> Any:
     """A C-level check that positional tensor arguments still have the
     metadata of these (``None`` where it does not apply)."""
@@ -266,12 +118,12 @@ class _Slot:
         self.orig = module.forward
         self.training = module.training
         self.off = False
-        self.entries: list[_Entry] = []
-        self.groups: list[tuple[Observer, list[_Entry]]] = []
+        self.entries: list[Entry] = []
+        self.groups: list[tuple[Observer, list[Entry]]] = []
         self.memo: dict[Any, Any] = {}
         #: the last hit of a call of positional tensors: (snapshot, count, check, target)
-        self.last: tuple[Any, int, Any, _Target] | None = None
-        self.targets: dict[int, _Target] = {}
+        self.last: tuple[Any, int, Any, Target] | None = None
+        self.targets: dict[int, Target] = {}
         self.misses = 0
         self.reasons: Counter[str] = Counter()
 
@@ -301,14 +153,14 @@ class _Slot:
                 target = self.memo.get(key)
                 if target is None:
                     target = self._resolve(snaps, key, args, kwargs)
-                if type(target) is _Target and not kwargs:
+                if type(target) is Target and not kwargs:
                     check = _last_hit_check(args)
                     self.last = None if check is None else (snaps, len(args), check, target)
         except NotRealError:  # a tracer's stand-ins: not a live call
             return self.orig(*args, **kwargs)
         except Exception:  # dispatch must never break the forward
             target = "observe_error"
-        if type(target) is _Target:
+        if type(target) is Target:
             if not target.failed:
                 out = target.run(args, kwargs)
                 if not target.failed:
@@ -342,7 +194,7 @@ class _Slot:
                         reason = "context"
                     continue
                 found = self._target(e)
-                if type(found) is _Target:
+                if type(found) is Target:
                     break
                 reason = found
                 found = None
@@ -359,15 +211,15 @@ class _Slot:
         self.last = None
         self.memo.clear()
         self.targets.clear()
-        self.handle._forget(self)
+        self.handle._programs.forget(self.name)
 
-    def _target(self, e: _Entry) -> Any:
+    def _target(self, e: Entry) -> Any:
         t = self.targets.get(id(e))
         if t is None:
-            reason = self.handle._fits(e, self)
+            reason = self.handle._programs.fits(e, self.name, self.module)
             if reason is not None:
                 return reason
-            t = self.targets[id(e)] = _Target(e, self)
+            t = self.targets[id(e)] = Target(e, self.handle._programs, self.name)
         return t
 
 
@@ -404,8 +256,8 @@ class InstallHandle:
     misses, ``remove()`` restores the model exactly (also on ``with``
     exit)."""
 
-    def __init__(self, model: nn.Module, entries: list[_Entry],
-                 compile: Callable[[nn.Module], Callable[..., Any]] | None) -> None:
+    def __init__(self, model: nn.Module, entries: list[Entry],
+                 compile: Compiler | None) -> None:
         self.model = model
         """The model whose members dispatch to captures."""
         self.compile = compile
@@ -413,9 +265,7 @@ class InstallHandle:
         programs as they are)."""
         self._entries = entries
         self._slots: list[_Slot] = []
-        self._built: dict[tuple[int, str], nn.Module | None] = {}
-        self._unfit: dict[str, str] = {}
-        self._compiled: list[str] = []
+        self._programs = Programs(compile)
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
         self._observers: tuple[Observer, ...] = ()
@@ -449,54 +299,10 @@ class InstallHandle:
             if isinstance(value, nn.Module):
                 self._owners = {id(m): s for s in self._slots for m in s.module.modules()}
 
-    def _forget(self, slot: _Slot) -> None:
-        for key in [k for k in self._built if k[1] == slot.name]:
-            del self._built[key]
-
     @property
     def members(self) -> tuple[str, ...]:
         """The members whose calls are dispatched."""
         return tuple(s.name for s in self._slots)
-
-    def _fits(self, e: _Entry, slot: _Slot) -> str | None:
-        """Whether ``slot``'s member can run ``e``'s program: it is what the
-        member was when it ran the variant (its identity) and its weights fit."""
-        key = (id(e), slot.name)
-        if key not in self._built:
-            where = f"{e.label}@{slot.name}"
-            try:
-                gm: nn.Module | None = bind_weights(e.program, slot.module, e.binding)
-            except WeightsError:
-                gm = None
-                self._unfit[where] = "structure"
-            if gm is not None and e.identities.get(slot.name, "") not in (
-                    "", _identity(slot.module, e.ignore_attributes)):
-                gm = None
-                self._unfit[where] = "identity"
-            self._built[key] = gm
-        if self._built[key] is not None:
-            return None
-        return self._unfit.get(f"{e.label}@{slot.name}", "structure")
-
-    def _make(self, e: _Entry, slot: _Slot) -> Callable[..., Any] | None:
-        gm = self._built.get((id(e), slot.name))
-        if gm is None:
-            return None
-        if self.compile is None:
-            return gm
-        try:
-            fn = self.compile(gm)
-        except Exception:
-            self._compile_failed(e, slot)
-            return None
-        self._compiled.append(f"{e.label}@{slot.name}")
-        return fn
-
-    def _compile_failed(self, e: _Entry, slot: _Slot) -> None:
-        where = f"{e.label}@{slot.name}"
-        self._unfit[where] = "compile_failed"
-        warnings.warn(f"ctxreplay.install: compiling {where} failed; its calls run eagerly",
-                      RuntimeWarning, stacklevel=4)
 
     def stats(self) -> DispatchStats:
         """Hits per capture, misses per member and their reasons."""
@@ -504,10 +310,10 @@ class InstallHandle:
         for s in self._slots:
             reasons.update(s.reasons)
         unusable = {e.label: e.unusable for e in self._entries if e.unusable is not None}
-        unusable.update(self._unfit)
+        unusable.update(self._programs.unfit)
         return DispatchStats({e.label: e.hits for e in self._entries},
                              {s.name: s.misses for s in self._slots}, dict(reasons),
-                             unusable, tuple(self._compiled))
+                             unusable, tuple(self._programs.compiled))
 
     def remove(self) -> None:
         """Put back every member's ``forward`` as it was; a wrapper another
@@ -529,7 +335,7 @@ class InstallHandle:
             s.memo.clear()
             s.last = None
             s.targets.clear()
-        self._built.clear()
+        self._programs.clear()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -545,7 +351,7 @@ class InstallHandle:
 def install(model: nn.Module,
             source: CaptureReport | LoadedManifest | Capture | LoadedCapture
             | Iterable[CaptureReport | LoadedManifest | Capture | LoadedCapture], *,
-            compile: Callable[[nn.Module], Callable[..., Any]] | None = None,
+            compile: Compiler | None = None,
             ignore: Iterable[str] = (), object_args: str = "eager") -> InstallHandle:
     """Route each captured member's calls to the capture whose key matches.
 
@@ -589,7 +395,7 @@ def install(model: nn.Module,
     if object_args not in OBJECT_POLICIES:
         raise ValueError(f"object_args: {object_args!r} is not one of {list(OBJECT_POLICIES)}")
     ignore = tuple(ignore)
-    entries = [_entry(s, ignore, object_args) for s in _sources(source)]
+    entries = [entry(s, ignore, object_args) for s in sources(source)]
     modules: dict[str, nn.Module] = {}
     for e in entries:
         for m in e.members:
@@ -605,7 +411,7 @@ def install(model: nn.Module,
     for name, module in modules.items():
         slot = _Slot(handle, name, module)
         slot.entries = [e for e in entries if name in e.members]
-        by_probes: dict[tuple[Any, ...], list[_Entry]] = {}
+        by_probes: dict[tuple[Any, ...], list[Entry]] = {}
         for e in slot.entries:
             probes = tuple(p for p, s in zip(e.match.probes, e.match.states)
                            if not isinstance(p, UnknownProbe) and not isinstance(s, UnknownState))
