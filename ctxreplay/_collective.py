@@ -41,8 +41,9 @@ from torch import nn
 
 from ._lockstep import run_collective_checks
 from ._wire import from_wire, portable, to_wire
+from .options import VariantRequest
 from .probe import ContextProbe
-from .records import Capture, CaptureFailure, Problem, VariantRequest
+from .records import Capture, CaptureFailure, Problem
 from .signature import CallSpec, ConstSpec, Spec
 from .snapshot import ContextSnapshot
 from .specjson import call_to_json

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .attach import Observation
-from .records import Capture, CaptureOptions, Notice, Problem, VariantRequest
+from .options import CaptureOptions, VariantRequest
+from .records import Capture, Notice, Problem
 
 __all__ = ["coverage"]
 

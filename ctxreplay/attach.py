@@ -15,7 +15,7 @@ from ._copies import Entries, signed
 from ._observed import ABSENT, CompiledCounter
 from .observe import _Member, _Root, _Shared
 from .observer import Observer
-from .records import MemberCall, VariantRequest
+from .options import MemberCall, VariantRequest
 from .targets import (
     describe_identity_change,
     identity_digest,

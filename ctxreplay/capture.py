@@ -26,9 +26,10 @@ from ._isolate import isolated, rng_guard
 from .backends import Backend, BackendError, classify_exception, exception_message
 from .checking import Checker
 from .materialize import inputs_for, materialize_leaves
+from .options import CaptureOptions, MemberCall, VariantRequest
 from .passes import graph_code, graph_op_args, graph_ops, has_collectives, pin_factory_defaults
 from .probe import ContextProbe
-from .records import Capture, CaptureFailure, CaptureOptions, MemberCall, VariantRequest
+from .records import Capture, CaptureFailure
 from .signature import CallSpec, ConstSpec, Spec, TensorSpec, children, is_native, tensor_values
 from .specjson import call_to_json
 from .verify import is_neutral, neutral_replay

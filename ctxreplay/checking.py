@@ -21,8 +21,8 @@ from torch import nn
 from ._isolate import isolated, rng_guard
 from .backends import Backend, exception_message
 from .materialize import bind_call, inputs_for, materialize_leaves
+from .options import CaptureOptions, MemberCall, VariantRequest
 from .probe import ContextProbe
-from .records import CaptureOptions, MemberCall, VariantRequest
 from .signature import Spec, TensorSpec, tensor_values
 from .verify import (
     Fidelity,

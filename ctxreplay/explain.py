@@ -20,7 +20,8 @@ from torch import nn
 from ._json import read_int, read_list, read_mapping, read_str
 from .backends import BUILTIN_BACKENDS, Backend, get_backend
 from .capture import CaptureFailed, recapture
-from .records import Capture, CaptureOptions
+from .options import CaptureOptions
+from .records import Capture
 from .signature import Spec, TensorSpec, flatten_spec
 from .snapshot import ContextSnapshot
 from .verify import is_neutral

@@ -47,7 +47,7 @@ from ._torchcaps import TensorGuards as _TensorGuards
 from ._torchcaps import dynamo_compiling as _dynamo_compiling
 from ._torchcaps import dynamo_exporting as _dynamo_exporting
 from .observer import Observer, ProbeObservationError
-from .records import RetainedCall
+from .options import RetainedCall
 from .signature import NotRealError, call_key, call_spec, spec_of, tensor_values
 from .snapshot import ContextSnapshot
 from .targets import identity_of

@@ -13,7 +13,8 @@ import attrs
 from . import manifest as _manifest
 from ._version import environment
 from .explain import CaptureExplanation, Explanation, explain_captures
-from .records import Capture, CaptureFailure, CaptureOptions, Notice, Problem
+from .options import CaptureOptions
+from .records import Capture, CaptureFailure, Notice, Problem
 from .verify import Mismatch
 
 if TYPE_CHECKING:

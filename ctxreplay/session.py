@@ -22,8 +22,9 @@ from .attach import Observation
 from .backends import Backend, get_backend
 from .capture import CaptureFailed, capture_variant
 from .observer import Observer
+from .options import CaptureOptions, VariantRequest
 from .probe import ContextProbe
-from .records import Capture, CaptureFailure, CaptureOptions, Notice, Problem, VariantRequest
+from .records import Capture, CaptureFailure, Notice, Problem
 from .registry import resolve_probes
 from .report import CaptureReport, FidelityError
 from .targets import resolve_targets

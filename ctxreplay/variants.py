@@ -10,7 +10,7 @@ import attrs
 import torch
 from torch import nn
 
-from .records import RetainedCall
+from .options import RetainedCall
 from .signature import CallSpec, Spec
 from .snapshot import ContextSnapshot
 
