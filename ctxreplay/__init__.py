@@ -9,7 +9,7 @@ from __future__ import annotations
 from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
 from ._collective import DistributedError
 from ._version import __version__ as __version__
-from .artifact import ArtifactError, ArtifactSidecar, SavedArtifact, load_sidecar
+from .artifact import SavedArtifact
 from .backends import Backend, BackendError
 from .dispatch import DispatchStats, InstallHandle, install
 from .explain import CaptureExplanation, Explanation, ProbeEffect
@@ -33,6 +33,7 @@ from .registry import (
 )
 from .report import CaptureReport, FidelityError
 from .session import CaptureSession, SessionError, capture_with
+from .sidecar import ArtifactError, ArtifactSidecar, load_sidecar
 from .snapshot import ContextSnapshot, ProbeDiff, UnknownProbeWarning
 from .verify import Fidelity, Mismatch
 from .weights import WeightsError

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ._json import loads
-from .artifact import SIDECAR_SCHEMA, sidecar_path
 from .manifest import MANIFEST_NAME, MANIFEST_SCHEMA
+from .sidecar import SIDECAR_SCHEMA, sidecar_path
 
 __all__ = ["EXPECTED_FILES", "detect"]
 

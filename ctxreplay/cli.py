@@ -193,7 +193,7 @@ def _inspect(ns: argparse.Namespace) -> int:
               f"{_environment(data.get('environment'))})")
         extra = _failure_lines(data.get("failures"), data.get("problems"))
     else:
-        from .artifact import read_sidecar
+        from .sidecar import read_sidecar
 
         side = read_sidecar(target)
         doc_ = side.document

@@ -16,12 +16,6 @@ import torch
 from torch import nn
 
 from ._detect import detect
-from .artifact import (
-    ArtifactError,
-    ArtifactSidecar,
-    read_sidecar,
-    warn_unknown,
-)
 from .guard import GuardedCapture
 from .manifest import ManifestEntry, read_manifest
 from .needs import (
@@ -34,6 +28,7 @@ from .needs import (
     merge_differences,
     probe_map,
 )
+from .sidecar import ArtifactError, ArtifactSidecar, read_sidecar, warn_unknown
 from .signature import CallSpec, Spec
 from .snapshot import ContextSnapshot, Unresolved
 from .specjson import resolve_opaque, spec_from_json

@@ -25,8 +25,9 @@ import attrs
 from ._environment import full_environment
 from ._json import loads, read_bool, read_int, read_list, read_mapping, read_str
 from ._version import __version__
-from .artifact import ArtifactError, SavedArtifact, sidecar_path
+from .artifact import SavedArtifact
 from .records import Capture, CaptureFailure, Notice, Problem
+from .sidecar import ArtifactError, sidecar_path
 from .verify import fidelity_status
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_SCHEMA", "NOT_SAVED_REASONS", "ManifestDoc", "ManifestEntry",

@@ -31,7 +31,7 @@ import pytest
 from test_docs import _resolve  # as mkdocstrings resolves a ::: path
 
 import ctxreplay
-from ctxreplay import artifact, dispatch, explain, manifest, needs, records, verify
+from ctxreplay import dispatch, explain, manifest, needs, records, sidecar, verify
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("mkdocstrings")
@@ -353,7 +353,7 @@ CODES: dict[str, tuple[str, ...]] = {
     "notices": tuple(records.NOTICES),
     "fidelity": verify.FIDELITY_STATUSES,
     "explain": (*explain.STATUSES, *explain.EFFECT_REASONS),
-    "saving": (*artifact.ARTIFACT_ERRORS, *manifest.NOT_SAVED_REASONS),
+    "saving": (*sidecar.ARTIFACT_ERRORS, *manifest.NOT_SAVED_REASONS),
     "loading-and-checking": (*needs.DIFFERENCE_KINDS, *needs.ENVIRONMENT_FIELDS),
     "dispatch-misses": dispatch.MISS_REASONS,
 }
