@@ -16,8 +16,8 @@ from torch import nn
 from ._copies import is_ours
 from .targets import _Uninitialized
 
-__all__ = ["ABSENT", "CompiledCounter", "Detached", "before_ctxreplay", "held_changes",
-           "held_state", "in_jit_check", "uninitialized"]
+__all__ = ["ABSENT", "CompiledCounter", "Detached", "Holder", "before_ctxreplay",
+           "held_changes", "held_state", "in_jit_check", "uninitialized"]
 
 
 #: what a module's ``__dict__`` held under ``forward`` when it had nothing
@@ -101,6 +101,35 @@ class Detached:
 
     def user_forward(self) -> Any:
         return before_ctxreplay(self.prev)
+
+
+class Holder:
+    """What a ctxreplay wrapper (a member's, the root's) is to copies: its
+    bound ``forward`` sits in a module's ``__dict__`` (with what was there
+    before in ``prev``).  A copy of it (held by the copy of a module, or by
+    another tool's wrapper) is the same function bound to a ``Detached``,
+    whose ``off`` is set, so it passes straight through to the copy's own
+    forward."""
+
+    __slots__ = ()
+    ctxreplay_holder = True
+    module: nn.Module
+    prev: Any
+
+    def user_forward(self) -> Any:
+        """The instance ``forward`` the module had before ctxreplay (``None``:
+        its class's)."""
+        return before_ctxreplay(self.prev)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Detached:
+        # copy.deepcopy of the module maps it to its copy before copying its
+        # state (copy._reconstruct), so the twin is in ``memo`` here
+        twin = memo.get(id(self.module))
+        prev = None if self.prev is ABSENT else copy.deepcopy(self.prev, memo)
+        return Detached(twin if twin is not None else self.module, prev)
+
+    def __reduce__(self) -> Any:
+        return (Detached, (self.module, None if self.prev is ABSENT else self.prev))
 
 
 class CompiledCounter:

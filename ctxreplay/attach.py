@@ -91,6 +91,13 @@ class Observation:
             e.install()
 
     # -- reading ------------------------------------------------------------
+    def dropped(self) -> dict[str, int]:
+        """What bookkeeping left out: variants past ``max_variants`` (and
+        their calls), structures past ``max_scopes``."""
+        return {"variants": sum(len(s.dropped) for s in self.scopes),
+                "variant_calls": sum(s.dropped_calls for s in self.scopes),
+                "scopes": self.dropped_structures}
+
     def member_modules(self) -> dict[str, nn.Module]:
         return {m.name: m.module for m in self.members}
 

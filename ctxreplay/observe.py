@@ -24,7 +24,6 @@ calls the copy's own forward and observes nothing (``Detached``).
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -36,19 +35,18 @@ from torch import nn
 from ._frozen import freeze_constants
 from ._observed import (
     ABSENT,
-    Detached,
-    before_ctxreplay,
+    Holder,
     held_changes,
     held_state,
     in_jit_check,
     uninitialized,
 )
+from ._retain import Retention
 from ._torchcaps import TensorGuards as _TensorGuards
 from ._torchcaps import dynamo_compiling as _dynamo_compiling
 from ._torchcaps import dynamo_exporting as _dynamo_exporting
 from .observer import Observer, ProbeObservationError
-from .options import RetainedCall
-from .signature import NotRealError, call_key, call_spec, spec_of, tensor_values
+from .signature import NotRealError, call_key, call_spec, spec_of
 from .snapshot import ContextSnapshot
 from .targets import identity_of
 from .variants import MemberVariant, Scope
@@ -95,9 +93,8 @@ def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
 class _Shared:
     """What every member of one session shares."""
 
-    __slots__ = ("active", "errors", "failing_probes", "lock", "max_variants",
-                 "observer",
-                 "profile", "retain_bytes", "retained_bytes", "retained_skipped", "root")
+    __slots__ = ("active", "errors", "failing_probes", "lock", "max_variants", "observer",
+                 "profile", "retention", "root")
 
     def __init__(self, observer: Observer, *, max_variants: int, profile: bool,
                  retain_bytes: int | None) -> None:
@@ -105,9 +102,7 @@ class _Shared:
         self.lock = threading.Lock()
         self.max_variants = max_variants
         self.profile = profile
-        self.retain_bytes = retain_bytes  # None: values are not retained
-        self.retained_bytes = 0
-        self.retained_skipped = 0
+        self.retention = Retention(retain_bytes, self.lock)
         self.errors: Counter[tuple[str, str]] = Counter()
         self.failing_probes: Counter[str] = Counter()
         self.active = 0  # calls of the root module in progress (approximate across threads)
@@ -126,7 +121,7 @@ class _Shared:
                 self.failing_probes[probe] += 1
 
 
-class _Member:
+class _Member(Holder):
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
     __slots__ = ("__weakref__", "compiled", "identity", "identity_value", "ignore", "lazy",
@@ -333,53 +328,18 @@ class _Member:
                         scope.index[full] = index
                     mv = MemberVariant(index, self.identity, snap, inputs)
                     self.table[key] = mv
-        if shared.retain_bytes is not None:
-            self._forget_retained(mv)
-            mv.retained_inputs = self._retain(args, kwargs)
+        retention = shared.retention
+        if retention.limit is not None:
+            if mv.retained_inputs is not None:
+                retention.release(mv.retained_inputs)
+            mv.retained_inputs = retention.inputs(args, kwargs)
         return mv
-
-    def _forget_retained(self, mv: MemberVariant) -> None:
-        old = mv.retained_inputs
-        if old is not None:
-            with self.shared.lock:
-                self.shared.retained_bytes -= sum(t.numel() * t.element_size() for t in old)
-            mv.retained_inputs = None
-
-    def _retain(self, args: tuple[Any, ...], kwargs: dict[str, Any]
-                ) -> tuple[torch.Tensor, ...] | None:
-        """CPU copies of the call's input tensors, taken before the forward
-        can change them in place, within the session's byte budget."""
-        tensors = [t for a in (*args, *kwargs.values()) for t in tensor_values(a)]
-        need = sum(t.numel() * t.element_size() for t in tensors)
-        shared = self.shared
-        with shared.lock:
-            if shared.retain_bytes is None or shared.retained_bytes + need > shared.retain_bytes:
-                shared.retained_skipped += 1
-                return None
-            shared.retained_bytes += need
-        with torch.no_grad():
-            return tuple(t.detach().to("cpu", copy=True) for t in tensors)
 
     def _complete(self, mv: MemberVariant, snap: ContextSnapshot, args: tuple[Any, ...],
                   kwargs: dict[str, Any], out: Any) -> None:
         mv.outputs = spec_of(out)
         if mv.retained_inputs is not None:
-            outs = tuple(tensor_values(out))
-            need = sum(t.numel() * t.element_size() for t in outs)
-            shared = self.shared
-            with shared.lock:
-                ok = shared.retained_bytes + need <= (shared.retain_bytes or 0)
-                if ok:
-                    shared.retained_bytes += need
-                else:
-                    shared.retained_skipped += 1
-                    shared.retained_bytes -= sum(t.numel() * t.element_size()
-                                                 for t in mv.retained_inputs)
-            if ok:
-                with torch.no_grad():
-                    copies = tuple(t.detach().to("cpu", copy=True) for t in outs)
-                mv.retained = RetainedCall(mv.retained_inputs, copies, need + sum(
-                    t.numel() * t.element_size() for t in mv.retained_inputs))
+            mv.retained = self.shared.retention.call(mv.retained_inputs, out)
             mv.retained_inputs = None
         mv.completed = True
         if not kwargs:
@@ -432,29 +392,8 @@ class _Member:
             for (snap, sig), mv in list(table.items()):
                 yield (identity, snap, sig), mv
 
-    # -- copies -----------------------------------------------------------
-    ctxreplay_holder = True
 
-    def user_forward(self) -> Any:
-        """The instance ``forward`` the module had before ctxreplay (``None``:
-        its class's)."""
-        return before_ctxreplay(self.prev)
-
-    # A copy of this wrapper (held by the copy of a module, or by another
-    # tool's wrapper) is this function bound to a ``Detached``: ``off`` is
-    # set, so it passes straight through to the copy's own forward.
-    def __deepcopy__(self, memo: dict[int, Any]) -> Detached:
-        # copy.deepcopy of the module maps it to its copy before copying its
-        # state (copy._reconstruct), so the twin is in ``memo`` here
-        twin = memo.get(id(self.module))
-        prev = None if self.prev is ABSENT else copy.deepcopy(self.prev, memo)
-        return Detached(twin if twin is not None else self.module, prev)
-
-    def __reduce__(self) -> Any:
-        return (Detached, (self.module, None if self.prev is ABSENT else self.prev))
-
-
-class _Root:
+class _Root(Holder):
     """Wraps the module given to ``capture_with``: per call of the whole
     model, checks the ``watch_forward`` flags once."""
 
@@ -483,8 +422,3 @@ class _Root:
             return self.orig(*args, **kwargs)
         finally:
             shared.active -= 1
-
-    ctxreplay_holder = True
-    user_forward = _Member.user_forward
-    __deepcopy__ = _Member.__deepcopy__
-    __reduce__ = _Member.__reduce__

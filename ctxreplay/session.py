@@ -248,16 +248,9 @@ class CaptureSession:
 
     def _counts(self) -> dict[str, Any]:
         obs = self._observation
-        values = None
-        if self.options.verify == "values":
-            values = {"retain_bytes": self.options.retain_bytes,
-                      "retained_bytes": obs.shared.retained_bytes,
-                      "not_retained": obs.shared.retained_skipped}
         return {"errors": dict(obs.shared.errors),
-                "dropped": {"variants": sum(len(s.dropped) for s in obs.scopes),
-                            "variant_calls": sum(s.dropped_calls for s in obs.scopes),
-                            "scopes": obs.dropped_structures},
-                "retained": values}
+                "dropped": obs.dropped(),
+                "retained": obs.shared.retention.summary()}
 
     def _capture(self, request: VariantRequest, modules: dict[str, nn.Module],
                  baseline_probes: tuple[ContextProbe[Any], ...], net: Baseline) -> None:
@@ -301,19 +294,12 @@ class CaptureSession:
         failures += self._leaks
         obs = self._observation
         problems, notices = coverage_
-        dropped = {"variants": sum(len(s.dropped) for s in obs.scopes),
-                   "variant_calls": sum(s.dropped_calls for s in obs.scopes),
-                   "scopes": obs.dropped_structures}
+        dropped = obs.dropped()
         errors = tuple((w, t, n) for (w, t), n in sorted(obs.shared.errors.items()))
-        values = None
-        if self.options.verify == "values":
-            values = {"retain_bytes": self.options.retain_bytes,
-                      "retained_bytes": obs.shared.retained_bytes,
-                      "not_retained": obs.shared.retained_skipped}
         report = CaptureReport(tuple(captures), tuple(failures), self.options.probe_names,
                                self.options.to_json(), dropped, errors, seconds,
                                problems=problems, notices=notices, options=self.options,
-                               retained=values)
+                               retained=obs.shared.retention.summary())
         if explanation is not None:
             report._keep(explanation)
         return report
