@@ -39,3 +39,15 @@ def test_the_page_follows_the_layers_contract_top_to_bottom() -> None:
     assert set(rows) == set(layer_of), "the contract and the page name other modules"
     order = [layer_of[m] for m in rows]
     assert order == sorted(order), "the page lists a module above a layer it sits below"
+
+
+#: the size past which a module holds more than one job (issue 10)
+MAX_LINES = 450
+
+
+def test_no_module_is_over_the_size_limit() -> None:
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in PACKAGE.rglob("*.py")}
+    assert sizes, "no module found"
+    over = {p: n for p, n in sizes.items() if n > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines: {over}"
