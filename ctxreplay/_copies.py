@@ -22,9 +22,10 @@ submodules, so each module on the path must answer for itself, or a live
 member would be replaced by its copy).  ``signed`` gives a wrapper the
 signature of the forward it wraps.
 
-A holder of ctxreplay's wrappers (``observe._Member``, ``_Root``,
-``_observed.Detached``) has ``ctxreplay_holder = True`` and ``user_forward()``: the
-instance ``forward`` the module had before ctxreplay, or ``None``.
+A holder of ctxreplay's wrappers (observation's and dispatch's, through
+``_observed.Holder``, and ``_observed.Detached``) has ``ctxreplay_holder =
+True`` and ``user_forward()``: the instance ``forward`` the module had before
+ctxreplay, or ``None``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ENTRIES", "Entries", "is_ours", "plain_state", "signed"]
+__all__ = ["ENTRIES", "Entries", "is_ours", "path_modules", "plain_state", "signed"]
 
 #: the instance attributes ``Entries`` sets on a module while observed
 ENTRIES = ("__deepcopy__", "__reduce_ex__", "__prepare_scriptable__")
@@ -71,6 +72,20 @@ def _strip(module: nn.Module) -> None:
         clean = plain_state(state)
         state.clear()
         state.update(clean)
+
+
+def path_modules(root: nn.Module, members: list[str]) -> list[nn.Module]:
+    """The root, every member, and every module between them, once each."""
+    out: dict[int, nn.Module] = {id(root): root}
+    for name in members:
+        parts = name.split(".") if name else []
+        for i in range(1, len(parts) + 1):
+            try:
+                m = root.get_submodule(".".join(parts[:i]))
+            except AttributeError:
+                break
+            out.setdefault(id(m), m)
+    return list(out.values())
 
 
 class Entries:

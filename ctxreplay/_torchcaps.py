@@ -30,7 +30,7 @@ import torch
 __all__ = ["AUTOCAST_DEVICE_TYPES", "CAPS", "SDP_GETTERS", "TENSOR_GUARDED_GETTERS",
            "GlobalStateGuard", "TensorGuards",
            "TorchCaps", "dynamo_compiling", "dynamo_exporting", "is_autocast_available",
-           "parse_version"]
+           "parse_version", "tensor_guard"]
 
 #: the device types whose autocast state ctxreplay may observe, where
 #: ``torch.amp.is_autocast_available`` says this torch has it
@@ -409,6 +409,20 @@ dynamo_compiling: Callable[[], bool] = getattr(
 #: clean against every torch's stubs (2.7's lack the module)
 GlobalStateGuard: Any = _global_state_guard()
 TensorGuards: Any = _tensor_guards_cls()
+
+
+def tensor_guard(args: tuple[Any, ...]) -> Any:
+    """A C-level check that positional tensor arguments still have the
+    metadata of ``args`` (``TensorGuards``: dispatch keys, dtype, device,
+    shapes, strides, ``requires_grad``), or ``None`` where it does not apply
+    (an argument that is not a plain tensor, a torch without it)."""
+    if TensorGuards is None or any(type(a) is not torch.Tensor for a in args):
+        return None
+    try:
+        return TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
+                            dynamic_dims_strides=[list(a.stride()) for a in args])
+    except Exception:  # this torch's TensorGuards takes other arguments
+        return None
 
 #: getters of the state a passing ``TensorGuards`` check has seen already: the
 #: thread-local dispatch-key sets of the call are part of it

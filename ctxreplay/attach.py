@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ._copies import Entries, signed
+from ._copies import Entries, path_modules, signed
 from ._observed import ABSENT, CompiledCounter
 from .observe import _Member, _Root, _Shared
 from .observer import Observer
@@ -86,7 +86,7 @@ class Observation:
         root.forward = signed(self.root, _Root.forward, self.root.orig)
         self.dropped_structures = len(dropped)
         # copies and torch.jit.script see a plain model (``_copies``)
-        self.entries = [Entries(m) for m in _paths(root, [m.name for m in self.members])]
+        self.entries = [Entries(m) for m in path_modules(root, [m.name for m in self.members])]
         for e in self.entries:
             e.install()
 
@@ -205,20 +205,6 @@ class Observation:
         if self.root is not None:
             self.root.module = None  # type: ignore[assignment]
             self.root.orig = None  # type: ignore[assignment]
-
-
-def _paths(root: nn.Module, members: list[str]) -> list[nn.Module]:
-    """The root, every member, and every module between them, once each."""
-    out: dict[int, nn.Module] = {id(root): root}
-    for name in members:
-        parts = name.split(".") if name else []
-        for i in range(1, len(parts) + 1):
-            try:
-                m = root.get_submodule(".".join(parts[:i]))
-            except AttributeError:
-                break
-            out.setdefault(id(m), m)
-    return list(out.values())
 
 
 def _inside(member: str, qualified: str) -> bool:

@@ -27,8 +27,10 @@ import attrs
 import torch
 from torch import nn
 
-from ._torchcaps import TensorGuards as _TensorGuards
+from ._copies import Entries, path_modules, signed
+from ._observed import ABSENT, Holder
 from ._torchcaps import dynamo_compiling as _dynamo_compiling
+from ._torchcaps import tensor_guard
 from .loading import LoadedCapture, LoadedManifest
 from .observer import Observer
 from .programs import Compiler, Entry, Programs, Target, entry, sources
@@ -51,7 +53,6 @@ MISS_REASONS = ("signature", "context", "training", "identity", "object_argument
                 "observe_error")
 
 _is_tracing = torch._C._is_tracing
-_ABSENT = object()
 _MEMO_LIMIT = 4096
 
 
@@ -94,19 +95,7 @@ class DispatchStats:
         return sum(self.misses.values())
 
 
-def _last_hit_check(args: tuple[Any, ...]) -> Any:
-    """A C-level check that positional tensor arguments still have the
-    metadata of these (``None`` where it does not apply)."""
-    if _TensorGuards is None or not args or any(type(a) is not torch.Tensor for a in args):
-        return None
-    try:
-        return _TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
-                             dynamic_dims_strides=[list(a.stride()) for a in args])
-    except Exception:  # this torch's TensorGuards takes other arguments
-        return None
-
-
-class _Slot:
+class _Slot(Holder):
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
     __slots__ = ("__weakref__", "entries", "groups", "handle", "last", "memo", "misses",
@@ -114,7 +103,7 @@ class _Slot:
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module) -> None:
         self.handle, self.name, self.module = handle, name, module
-        self.prev = module.__dict__.get("forward", _ABSENT)
+        self.prev = module.__dict__.get("forward", ABSENT)
         self.orig = module.forward
         self.training = module.training
         self.off = False
@@ -154,7 +143,7 @@ class _Slot:
                 if target is None:
                     target = self._resolve(snaps, key, args, kwargs)
                 if type(target) is Target and not kwargs:
-                    check = _last_hit_check(args)
+                    check = tensor_guard(args) if args else None
                     self.last = None if check is None else (snaps, len(args), check, target)
         except NotRealError:  # a tracer's stand-ins: not a live call
             return self.orig(*args, **kwargs)
@@ -223,7 +212,7 @@ class _Slot:
         return t
 
 
-class _Root:
+class _Root(Holder):
     """Wraps the model given to ``install``: per call of it, the probes'
     numerics-only flags (``watch_forward``) are checked once, not per block."""
 
@@ -231,7 +220,7 @@ class _Root:
 
     def __init__(self, handle: InstallHandle, module: nn.Module) -> None:
         self.handle, self.module = handle, module
-        self.prev = module.__dict__.get("forward", _ABSENT)
+        self.prev = module.__dict__.get("forward", ABSENT)
         self.orig = module.forward
         self.off = False
 
@@ -270,6 +259,7 @@ class InstallHandle:
         self._hooks: list[Any] = []
         self._observers: tuple[Observer, ...] = ()
         self._root: _Root | None = None
+        self._copies: list[Entries] = []
         self.active = 0  # calls of the model in progress
         """Calls of the model in progress."""
         self.removed = False
@@ -327,7 +317,7 @@ class InstallHandle:
             h.off = True
             current = h.module.__dict__.get("forward")
             if getattr(current, "__self__", None) is h:
-                if h.prev is _ABSENT:
+                if h.prev is ABSENT:
                     del h.module.forward
                 else:
                     h.module.forward = h.prev
@@ -336,6 +326,9 @@ class InstallHandle:
             s.last = None
             s.targets.clear()
         self._programs.clear()
+        for c in reversed(self._copies):
+            c.remove()
+        self._copies.clear()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -426,8 +419,14 @@ def install(model: nn.Module,
     handle._observers = tuple(observers.values())
     handle._watch()
     for slot in handle._slots:
-        slot.module.forward = slot.forward
+        # the wrapper keeps the signature of what it wraps (jit.trace names
+        # inputs by it; frameworks read it for keyword arguments)
+        slot.module.forward = signed(slot, _Slot.forward, slot.orig)
     if all(s.module is not model for s in handle._slots):
         handle._root = _Root(handle, model)
-        model.forward = handle._root.forward
+        model.forward = signed(handle._root, _Root.forward, handle._root.orig)
+    # copies, pickles and torch.jit.script of the model are plain (``_copies``)
+    handle._copies = [Entries(m) for m in path_modules(model, list(modules))]
+    for c in handle._copies:
+        c.install()
     return handle

@@ -42,9 +42,9 @@ from ._observed import (
     uninitialized,
 )
 from ._retain import Retention
-from ._torchcaps import TensorGuards as _TensorGuards
 from ._torchcaps import dynamo_compiling as _dynamo_compiling
 from ._torchcaps import dynamo_exporting as _dynamo_exporting
+from ._torchcaps import tensor_guard
 from .observer import Observer, ProbeObservationError
 from .signature import NotRealError, call_key, call_spec, spec_of
 from .snapshot import ContextSnapshot
@@ -55,7 +55,6 @@ __all__ = ["ABSENT"]
 
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
-_Tensor = torch.Tensor
 
 
 class _Tally:
@@ -81,13 +80,8 @@ class _Python:
 
 
 def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
-    if _TensorGuards is not None and all(type(a) is _Tensor for a in args):
-        try:
-            return _TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
-                                 dynamic_dims_strides=[list(a.stride()) for a in args])
-        except Exception:  # this torch's TensorGuards takes other arguments
-            pass
-    return _Python(sig)
+    check = tensor_guard(args)
+    return check if check is not None else _Python(sig)
 
 
 class _Shared:

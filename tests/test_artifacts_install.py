@@ -4,8 +4,12 @@ with its reason; remove() puts the model back exactly."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
+import io
 import json
+import pickle
 import shutil
 import warnings
 from collections.abc import Callable
@@ -154,6 +158,33 @@ def test_remove_restores_the_model_exactly(net: Net) -> None:
             dict(torch.nn.modules.module._global_module_registration_hooks)) == hooks
     Block.eager_calls = 0
     assert torch.equal(_eager(net, x), expected) and Block.eager_calls == 3
+
+
+def test_copies_of_an_installed_model_are_plain_models(net: Net) -> None:
+    # a deep copy, a pickle or a torch.save of the model while installed must
+    # neither carry the dispatch wrappers nor dispatch (the copy has its own
+    # weights, which the captures were never checked against)
+    x = torch.rand(2, 16)
+    report = captured(net, x)
+    expected = _eager(net, x)
+    inspect_before = inspect.signature(net.blocks[0].forward)
+    handle = ctxreplay.install(net, report)
+    assert "forward" in net.blocks[0].__dict__
+    assert inspect.signature(net.blocks[0].forward) == inspect_before
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    for twin in (copy.deepcopy(net), pickle.loads(pickle.dumps(net)),
+                 torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
+        assert not [n for n, m in twin.named_modules()
+                    if {"forward", "__deepcopy__", "__reduce_ex__"} & set(m.__dict__)]
+        hits = handle.stats().total_hits
+        Block.eager_calls = 0
+        assert torch.equal(_eager(twin, x), expected)
+        assert Block.eager_calls == 3 and handle.stats().total_hits == hits
+    assert torch.equal(_eager(net, x), expected) and handle.stats().total_hits > 0
+    handle.remove()
+    assert not [n for n, m in net.named_modules()
+                if {"forward", "__deepcopy__", "__reduce_ex__"} & set(m.__dict__)]
 
 
 def test_a_training_flag_changed_after_install_is_a_miss(net: Net) -> None:

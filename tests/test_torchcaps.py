@@ -241,6 +241,19 @@ def test_tensor_guards_see_local_state() -> None:
     assert (not in_inference) == CAPS.tensor_guards_see_local_state
 
 
+@pytest.mark.skipif(not CAPS.tensor_guards, reason="this torch has no TensorGuards")
+def test_tensor_guard_checks_the_metadata_of_plain_tensors() -> None:
+    x, y = torch.rand(2, 3), torch.zeros(4, dtype=torch.int64)
+    guard = _torchcaps.tensor_guard((x, y))
+    assert guard is not None and guard.check(torch.rand(2, 3), torch.ones(4, dtype=torch.int64))
+    assert not guard.check(torch.rand(3, 3), y)                   # another shape
+    assert not guard.check(x.double(), y)                         # another dtype
+    assert not guard.check(x.t().contiguous().t(), y)             # another stride
+    assert not guard.check(x.requires_grad_(True), y)             # requires_grad
+    assert _torchcaps.tensor_guard((x, 3)) is None                # not all tensors
+    assert _torchcaps.tensor_guard((nn.Parameter(torch.rand(2)),)) is None  # a subclass
+
+
 def test_tensor_guarded_getters_are_states_a_tensor_guard_sees() -> None:
     """The getters a session skips after a passing TensorGuards check: each
     state flipped must fail a guard built before the flip, and one built
