@@ -67,14 +67,14 @@ class Retention:
         """The retained call once it returned ``out``; ``None`` (and the
         inputs' budget given back) when its outputs do not fit."""
         outs = tuple(tensor_values(out))
-        need = _nbytes(outs)
+        need, have = _nbytes(outs), _nbytes(inputs)
         with self.lock:
             ok = self.held + need <= (self.limit or 0)
             if ok:
                 self.held += need
             else:
                 self.skipped += 1
-                self.held -= _nbytes(inputs)
+                self.held -= have
         if not ok:
             return None
-        return RetainedCall(inputs, _copies(outs), need + _nbytes(inputs))
+        return RetainedCall(inputs, _copies(outs), need + have)

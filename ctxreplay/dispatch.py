@@ -249,9 +249,6 @@ class InstallHandle:
                  compile: Compiler | None) -> None:
         self.model = model
         """The model whose members dispatch to captures."""
-        self.compile = compile
-        """The compiler applied to each member's program on its first hit (``None``: run the
-        programs as they are)."""
         self._entries = entries
         self._slots: list[_Slot] = []
         self._programs = Programs(compile)
@@ -264,6 +261,12 @@ class InstallHandle:
         """Calls of the model in progress."""
         self.removed = False
         """Whether ``remove()`` has run."""
+
+    @property
+    def compile(self) -> Compiler | None:
+        """The compiler applied to each member's program on its first hit (``None``: run the
+        programs as they are)."""
+        return self._programs.compile
 
     def _watch(self) -> None:
         """Re-bind a member whose parameter, buffer or submodule is replaced

@@ -227,7 +227,7 @@ class _Member(Holder):
         shared = self.shared
         obs = shared.observer
         cache = obs.cache
-        if cache is None or cache[1] is not snap or shared.profile or self.off:
+        if cache is None or cache.snapshot is not snap or shared.profile or self.off:
             return
         check = _memo_check(args, sig)
         # a TensorGuards check of at least one tensor sees the dispatch keys
