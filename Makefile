@@ -35,8 +35,13 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/ctxreplay demo
 
-# the suite: the one pytest command that `make test` and `make test-matrix` both run
-PYTEST_ARGS := -q -p no:cacheprovider tests examples/ctxreplay_example_probe/tests benchmarks --benchmark-disable
+# the suite: the one pytest command that `make test` and `make test-matrix` both run.
+# pytest-xdist runs it on one worker per core, at most 4 (each worker imports torch
+# and the model libraries: about 1.5 GB); PYTEST_WORKERS=0 runs it in one process.
+# --dist loadgroup keeps the tests marked xdist_group("...") on one worker.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+PYTEST_ARGS := -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup \
+	tests examples/ctxreplay_example_probe/tests benchmarks --benchmark-disable
 PYTEST_EXTRA ?=
 
 pytest: setup

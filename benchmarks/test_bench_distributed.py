@@ -28,8 +28,11 @@ from torch import nn
 import ctxreplay
 from ctxreplay.backends import ExportBackend
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="platform limit: torch built without gloo")
+# one worker runs every spawned multi-rank job (tests/test_distributed.py too),
+# so two of them never compete for the cores under pytest-xdist
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="platform limit: torch built without gloo"),
+              pytest.mark.xdist_group("spawned_ranks")]
 
 
 class Block(nn.Module):
@@ -92,8 +95,10 @@ def _job(world: int, variants: int, out: Path) -> list[dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
+    # a forkserver that imported torch once starts each rank without its imports
+    mp.set_forkserver_preload(["torch", "torch.distributed", "ctxreplay"])
     mp.start_processes(_rank, args=(world, port, variants, str(out)), nprocs=world,
-                       join=True, start_method="spawn")
+                       join=True, start_method="forkserver")
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 
 

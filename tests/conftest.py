@@ -112,11 +112,36 @@ def pytest_runtest_makereport(item: pytest.Item,
     return report
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist each worker audits its own reports: it hands its
+    counts (and any unattributed violation) to the controller, which sums them."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["metadata_oracle"] = {"reports": _AUDIT.reports,
+                                           "counts": dict(_AUDIT.counts),
+                                           "leftover": _AUDIT.reset()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """The controller's side of ``pytest_sessionfinish`` (a pytest-xdist hook)."""
+    audit = getattr(node, "workeroutput", {}).get("metadata_oracle")
+    if audit is None:
+        return
+    _AUDIT.reports += audit["reports"]
+    for kind, n in audit["counts"].items():
+        _AUDIT.counts[kind] = _AUDIT.counts.get(kind, 0) + n
+    _WORKER_LEFTOVERS.extend(audit["leftover"])
+
+
+_WORKER_LEFTOVERS: list[str] = []
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     counts = ", ".join(f"{n} {kind}" for kind, n in _AUDIT.counts.items())
     terminalreporter.write_line(f"metadata oracle: {_AUDIT.reports} distinct reports checked "
                                 f"({counts}; a report is checked again after explain())")
-    leftover = _AUDIT.reset()
+    leftover = _AUDIT.reset() + _WORKER_LEFTOVERS
     if leftover:
         terminalreporter.write_line("metadata oracle: unattributed violations:\n  - "
                                     + "\n  - ".join(leftover), red=True)

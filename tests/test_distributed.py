@@ -25,7 +25,23 @@ from ctxreplay.probes import DistributedState
 
 pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                  reason="platform limit: torch built without gloo"),
-              pytest.mark.timeout(180)]
+              pytest.mark.timeout(180),
+              # one worker runs every spawned multi-rank job (the distributed
+              # benchmark too): their joins have deadlines, and two such jobs at
+              # once on two cores would be racing the clock, not the code
+              pytest.mark.xdist_group("spawned_ranks")]
+
+
+def start_method() -> str:
+    """``forkserver`` with torch and ctxreplay imported once in the server, so
+    a rank starts as a fork of an interpreter that has them (about 3 s of
+    imports saved per rank); ``spawn`` where there is no forkserver. Neither
+    forks the test process itself, whose threads and torch state a rank must
+    not inherit."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    mp.set_forkserver_preload(["torch", "torch.distributed", "ctxreplay", "distributed_cases"])
+    return "forkserver"
 
 
 def _port() -> int:
@@ -37,7 +53,7 @@ def _port() -> int:
 def _run(case: Callable[..., None], world: int, out: Path, limit: float = 150.0
          ) -> list[dict[str, Any]]:
     ctx = mp.start_processes(case, args=(world, _port(), str(out)), nprocs=world,
-                             join=False, start_method="spawn")
+                             join=False, start_method=start_method())
     deadline = time.monotonic() + limit
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:

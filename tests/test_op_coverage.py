@@ -47,6 +47,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+from capability import BF16_LSTM_NEEDS, cpu_description, refusal, torch_limit
 from torch import nn
 
 import ctxreplay
@@ -68,6 +69,9 @@ class Case(NamedTuple):
     # registered for autocast, but aten's kernel refuses every call: the text
     # it raises (asserted -- an op that starts working needs a real case)
     unrunnable: str | None = None
+    # what the CPU must offer for torch itself to run the op under autocast,
+    # as measured (tests/capability.py); None: every CPU torch supports
+    needs: str | None = None
 
 
 def r(*shape: int, dtype: torch.dtype = F32) -> Callable[[], torch.Tensor]:
@@ -154,7 +158,7 @@ LOWER = [  # float32 in, bfloat16 out
          ins(r(6, 2, 3), r(3, 3, 4), r(4)), BF16),
     # what nn.LSTM runs on CPU (with mkldnn) under autocast
     Case("mkldnn_rnn_layer", lambda lstm, x: lstm(x), ins(r(5, 2, 3)), BF16,
-         make=lambda: nn.LSTM(3, 4)),
+         make=lambda: nn.LSTM(3, 4), needs=BF16_LSTM_NEEDS),
     Case("conv_transpose1d", lambda x, w: F.conv_transpose1d(x, w),
          ins(r(1, 2, 8), r(2, 3, 3)), BF16),
     Case("conv_transpose2d.input", lambda x, w: F.conv_transpose2d(x, w),
@@ -495,9 +499,33 @@ def _leaf_specs(value: Any) -> Any:
     return flat_tensor_spec(ctxreplay.signature.spec_of(value))
 
 
+def _mark_what_torch_cannot_run_here(case: Case, request: pytest.FixtureRequest) -> None:
+    """Run the op live under autocast without ctxreplay: where torch alone
+    cannot on this CPU, the case is that torch limit (a strict xfail) -- but
+    only where the case says what it needs; an op no case expected to depend
+    on the CPU fails, to be measured."""
+    if case.unrunnable is not None:
+        return
+    torch.manual_seed(0)
+    module = OpModule(case.fn, case.make() if case.make is not None else None)
+
+    def live() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            module(*case.inputs())
+
+    error = refusal(live)
+    if error is None:
+        return
+    if case.needs is None:
+        pytest.fail(f"{case.op}: torch alone cannot run it on this CPU ({cpu_description()}): "
+                    f"{error}; measure what it needs and record it as the case's needs=")
+    request.applymarker(torch_limit(error, case.needs))
+
+
 @pytest.mark.parametrize("op", sorted(set(CASES) & REGISTERED))
-def test_op_is_captured_in_its_autocast_dtype(op: str) -> None:
+def test_op_is_captured_in_its_autocast_dtype(op: str, request: pytest.FixtureRequest) -> None:
     case = CASES[op]
+    _mark_what_torch_cannot_run_here(case, request)
     torch.manual_seed(0)
     module = OpModule(case.fn, case.make() if case.make is not None else None)
     inputs = case.inputs()
