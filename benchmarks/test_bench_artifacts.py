@@ -24,7 +24,7 @@ from benchutil import Stack, fast, interleaved_medians, one_thread, report
 from torch import nn
 
 import ctxreplay
-from ctxreplay.weights import bind_weights
+from ctxreplay.loading.weights import bind_weights
 
 N_BLOCKS = 16
 DIM = 32

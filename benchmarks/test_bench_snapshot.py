@@ -39,14 +39,14 @@ def ambient(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def test_bench_snapshot(benchmark: Any, ambient: str) -> None:
-    expected = ctxreplay.snapshot(ctxreplay.default_probes())  # fresh, uncached
+    expected = ctxreplay.snapshot(ctxreplay.probes.default_probes())  # fresh, uncached
     snap = benchmark(ctxreplay.snapshot)
     assert snap == expected
     assert bool(snap["autocast"].enabled) == (ambient != "neutral")
 
 
 def test_bench_snapshot_uncached(benchmark: Any, ambient: str) -> None:
-    names = ctxreplay.default_probes()
+    names = ctxreplay.probes.default_probes()
     snap = benchmark(ctxreplay.snapshot, names)  # a new observer each call: no cache
     assert snap == ctxreplay.snapshot()
 

@@ -2,92 +2,66 @@
 
 Observe the ambient state of a live forward cheaply, key every variant by it,
 and replay it when the graph is captured later.
+
+The everyday API is here.  Probe authoring (the contract, the registry, the
+built-in probes) is under ``ctxreplay.probes``, capture backends under
+``ctxreplay.backends``, the records a report and a saved file hand back under
+``ctxreplay.report`` and ``ctxreplay.artifacts``, and test helpers under
+``ctxreplay.testing``.
 """
 
 from __future__ import annotations
 
 from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
-from ._collective import DistributedError
-from ._version import __version__ as __version__
-from .artifact import SavedArtifact
-from .backends import Backend, BackendError
-from .dispatch import DispatchStats, InstallHandle, install
-from .explain import CaptureExplanation, Explanation, ProbeEffect
-from .guard import GuardedCapture, GuardError, GuardWarning
-from .loading import LoadedCapture, LoadedManifest, load
-from .manifest import SavedManifest
-from .needs import Difference
-from .observer import ProbeObservationError, snapshot
-from .probe import ContextProbe, NotPortableError
-from .probes import ContextVarProbe, DistributedProbe, ForwardContextProbe
-from .records import Capture, CaptureFailure, Notice, Problem
-from .registry import (
-    ProbeInfo,
-    ProbeRegistrationWarning,
-    UnknownProbeError,
-    available_probes,
-    default_probes,
-    get_probe,
-    register_probe,
-    unregister_probe,
-)
-from .report import CaptureReport, FidelityError
-from .session import CaptureSession, SessionError, capture_with
-from .sidecar import ArtifactError, ArtifactSidecar, load_sidecar
-from .snapshot import ContextSnapshot, ProbeDiff, UnknownProbeWarning
-from .verify import Fidelity, Mismatch
-from .weights import WeightsError
+from ._base.version import __version__ as __version__
+from .artifacts.sidecar import ArtifactError, load_sidecar
+from .capture.results import Capture, CaptureFailure, Notice, Problem
+from .core.observer import snapshot
+from .core.snapshots import ContextSnapshot
+from .dispatch.install import DispatchStats, InstallHandle, install
+from .distributed.exchange import DistributedError
+from .engine.session import CaptureSession, SessionError, capture_with
+from .errors import Error, Warning
+from .fidelity.verify import Fidelity, Mismatch
+from .loading.guard import GuardedCapture, GuardError, GuardWarning
+from .loading.load import LoadedCapture, LoadedManifest, load
+from .loading.needs import Difference
+from .loading.weights import WeightsError
+from .report.capture_report import CaptureReport, FidelityError
+from .report.explain import Explanation
 
 __all__ = [
-    "ArtifactError",
-    "ArtifactSidecar",
-    "CaptureExplanation",
-    "Explanation",
-    "ProbeEffect",
-    "SavedArtifact",
-    "load_sidecar",
-    "Difference",
-    "DispatchStats",
-    "GuardError",
-    "GuardWarning",
-    "GuardedCapture",
-    "InstallHandle",
-    "LoadedCapture",
-    "LoadedManifest",
-    "SavedManifest",
-    "UnknownProbeWarning",
-    "WeightsError",
-    "install",
-    "load",
-    "Backend",
-    "BackendError",
+    # capture and report
     "Capture",
     "CaptureFailure",
     "CaptureReport",
     "CaptureSession",
+    "ContextSnapshot",
+    "Explanation",
     "Fidelity",
-    "FidelityError",
     "Mismatch",
     "Notice",
     "Problem",
-    "ProbeObservationError",
-    "SessionError",
     "capture_with",
-    "ContextProbe",
-    "ContextSnapshot",
-    "ContextVarProbe",
-    "DistributedError",
-    "DistributedProbe",
-    "ForwardContextProbe",
-    "NotPortableError",
-    "ProbeDiff",
-    "ProbeInfo",
-    "ProbeRegistrationWarning",
-    "UnknownProbeError",
-    "available_probes",
-    "default_probes",
-    "get_probe",
-    "register_probe",
     "snapshot",
-    "unregister_probe",
+    # using artifacts
+    "Difference",
+    "DispatchStats",
+    "GuardedCapture",
+    "InstallHandle",
+    "LoadedCapture",
+    "LoadedManifest",
+    "install",
+    "load",
+    "load_sidecar",
+    # the errors
+    "ArtifactError",
+    "DistributedError",
+    "Error",
+    "FidelityError",
+    "GuardError",
+    "GuardWarning",
+    "SessionError",
+    "Warning",
+    "WeightsError",
 ]

@@ -11,13 +11,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._version import __version__
+from ._base.version import __version__
 
 __all__ = ["main"]
 
 
 def _probes(_: argparse.Namespace) -> int:
-    from . import available_probes
+    from .core.registry import available_probes
 
     # descriptions wrap under themselves at the terminal's width (88 when
     # stdout is not a terminal)
@@ -36,7 +36,7 @@ def _probes(_: argparse.Namespace) -> int:
 
 
 def _snapshot(ns: argparse.Namespace) -> int:
-    from . import snapshot
+    from .core.observer import snapshot
 
     snap = snapshot(ns.probes or None)
     if ns.json:
@@ -58,8 +58,8 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _explain(ns: argparse.Namespace) -> int:
-    from ._json import loads
-    from .explain import Explanation
+    from ._base.jsonread import loads
+    from .report.explain import Explanation
 
     data = Path(ns.report).read_bytes()
     if data[:4] == b"PK\x03\x04":
@@ -126,7 +126,7 @@ def _fidelity(doc: Any) -> str:
     if not isinstance(doc, Mapping):
         return "-"
     checked = "+".join(str(c) for c in doc.get("checked", [])) or str(doc.get("level", "?"))
-    from .verify import fidelity_status
+    from .fidelity.verify import fidelity_status
 
     try:
         status = fidelity_status(doc, "fidelity")
@@ -170,8 +170,8 @@ def _failure_lines(failures: Any, problems: Any) -> list[str]:
 
 
 def _inspect(ns: argparse.Namespace) -> int:
-    from ._detect import detect
-    from .manifest import read_manifest
+    from .loading.detect import detect
+    from .report.manifest import read_manifest
 
     kind, target, data = detect(ns.path)
     caps: list[tuple[Mapping[str, Any], str, str]] = []
@@ -193,7 +193,7 @@ def _inspect(ns: argparse.Namespace) -> int:
               f"{_environment(data.get('environment'))})")
         extra = _failure_lines(data.get("failures"), data.get("problems"))
     else:
-        from .sidecar import read_sidecar
+        from .artifacts.sidecar import read_sidecar
 
         side = read_sidecar(target)
         doc_ = side.document
@@ -211,10 +211,10 @@ def _inspect(ns: argparse.Namespace) -> int:
 
 
 def _check(ns: argparse.Namespace) -> int:
-    from ._detect import detect
-    from .loading import LoadedManifest, load
-    from .needs import Needs, merge_differences, needs_from_document, static_differences
-    from .snapshot import describe_state
+    from .core.snapshots import describe_state
+    from .loading.detect import detect
+    from .loading.load import LoadedManifest, load
+    from .loading.needs import Needs, merge_differences, needs_from_document, static_differences
 
     kind, target, data = detect(ns.path)
     notes: list[str] = []

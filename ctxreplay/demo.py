@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .report import CaptureReport
-from .session import capture_with
-from .verify import flat_tensor_spec
+from .engine.session import capture_with
+from .fidelity.verify import flat_tensor_spec
+from .report.capture_report import CaptureReport
 
 __all__ = ["DiTBlock", "TinyDiT", "run_demo"]
 

@@ -21,8 +21,8 @@ from metadata_check import MetadataViolation, ReportAudit
 from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
-import ctxreplay.artifact
-import ctxreplay.manifest
+import ctxreplay.artifacts.saving
+import ctxreplay.report.manifest
 from ctxreplay.testing import GlobalState, global_state, state_changes
 
 pytest_plugins = ["pytester"]  # tests/test_metadata_check.py runs the oracle on a suite
@@ -30,14 +30,14 @@ pytest_plugins = ["pytester"]  # tests/test_metadata_check.py runs the oracle on
 
 @pytest.fixture(autouse=True)
 def _leak_oracle(request: pytest.FixtureRequest) -> Iterator[None]:
-    registered = dict(ctxreplay.available_probes())
+    registered = dict(ctxreplay.probes.available_probes())
     before = global_state()
     # Explicit names: a fresh observer, so no cached snapshot can hide a change.
-    snap = ctxreplay.snapshot(ctxreplay.default_probes())
+    snap = ctxreplay.snapshot(ctxreplay.probes.default_probes())
     guard = GlobalStateGuard()
     yield
     problems = state_changes(guard, before, snap)
-    now_registered = dict(ctxreplay.available_probes())
+    now_registered = dict(ctxreplay.probes.available_probes())
     if now_registered != registered:
         added = sorted(set(now_registered) - set(registered))
         removed = sorted(set(registered) - set(now_registered))
@@ -84,10 +84,10 @@ def _metadata_only_everywhere() -> Iterator[ReportAudit]:
                    _AUDIT.wrap_finalize(ctxreplay.CaptureSession.finalize))
         mp.setattr(ctxreplay.CaptureReport, "explain",
                    _AUDIT.wrap_explain(ctxreplay.CaptureReport.explain))
-        mp.setattr(ctxreplay.artifact, "save_capture",
-                   _AUDIT.wrap_save(ctxreplay.artifact.save_capture))
-        mp.setattr(ctxreplay.manifest, "write_manifest",
-                   _AUDIT.wrap_manifest(ctxreplay.manifest.write_manifest))
+        mp.setattr(ctxreplay.artifacts.saving, "save_capture",
+                   _AUDIT.wrap_save(ctxreplay.artifacts.saving.save_capture))
+        mp.setattr(ctxreplay.report.manifest, "write_manifest",
+                   _AUDIT.wrap_manifest(ctxreplay.report.manifest.write_manifest))
         yield _AUDIT
 
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from ctxreplay import Capture
 from ctxreplay.backends import ExportBackend
-from ctxreplay.passes import graph_nodes
-from ctxreplay.signature import TensorSpec, flatten_spec
+from ctxreplay.backends.passes import graph_nodes
+from ctxreplay.specs.signature import TensorSpec, flatten_spec
 
 BF16 = torch.bfloat16
 F32 = torch.float32

@@ -275,7 +275,7 @@ class ReportAudit:
         self._record("sidecar", [f"{path.name}: {p}" for p in problems])
 
     def wrap_manifest(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``ctxreplay.manifest.write_manifest``: what ``report.save_all`` writes
+        """``ctxreplay.report.manifest.write_manifest``: what ``report.save_all`` writes
         last; checked before it is written."""
 
         @functools.wraps(original)
@@ -311,7 +311,7 @@ class ReportAudit:
         return explain
 
     def wrap_save(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``ctxreplay.artifact.save_capture``: what ``Capture.save`` runs."""
+        """``ctxreplay.artifacts.saving.save_capture``: what ``Capture.save`` runs."""
 
         @functools.wraps(original)
         def save_capture(*args: Any, **kwargs: Any) -> Any:

@@ -62,7 +62,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     with pytest.MonkeyPatch.context() as mp:
         from metadata_check import assert_metadata_only
 
-        import ctxreplay.manifest as manifest
+        import ctxreplay.report.manifest as manifest
         original = manifest.write_manifest
         mp.setattr(manifest, "write_manifest",
                    lambda p, d: (assert_metadata_only(d), original(p, d))[1])
@@ -161,11 +161,11 @@ def test_check_names_an_unknown_probe_a_capture_needs(files: dict[str, Path],
 
     for side in copy.glob("*.pt2.json"):
         _edit(side, add)
-    with pytest.warns(ctxreplay.UnknownProbeWarning):
+    with pytest.warns(ctxreplay.probes.UnknownProbeWarning):
         code, out, _ = _run(capsys, "check", str(copy))
     assert code == 1 and out.startswith("acme: needs ")
     assert "not registered in this process" in out
-    with pytest.warns(ctxreplay.UnknownProbeWarning):
+    with pytest.warns(ctxreplay.probes.UnknownProbeWarning):
         code, out, _ = _run(capsys, "check", str(copy), "--ignore", "acme")
     assert code == 0, out
 

@@ -22,7 +22,7 @@ from test_artifacts_manifest import manifests_are_metadata_only  # noqa: F401
 from torch import nn
 
 import ctxreplay
-from ctxreplay.weights import bind_weights
+from ctxreplay.loading.weights import bind_weights
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")]
 
@@ -344,7 +344,7 @@ def test_an_unknown_probe_keeps_a_loaded_capture_eager_unless_ignored(
         d["ambient_only"].append("acme")
 
     copy = _copy_edit(tmp_path / "saved", tmp_path, "*sidecar", add)
-    with pytest.warns(ctxreplay.UnknownProbeWarning, match="acme"):
+    with pytest.warns(ctxreplay.probes.UnknownProbeWarning, match="acme"):
         loaded = ctxreplay.load(copy)
     with ctxreplay.install(net, loaded) as handle:
         _eager(net, x)

@@ -15,7 +15,7 @@ import torch
 from metadata_check import assert_metadata_only
 
 import ctxreplay
-import ctxreplay.manifest
+import ctxreplay.report.manifest
 from ctxreplay.demo import TinyDiT
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")]
@@ -29,14 +29,14 @@ def manifests_are_metadata_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[lis
     """Every manifest any test here writes goes through the suite's checker
     (sidecars are checked by conftest.py through ``save_capture``)."""
     written: list[Any] = []
-    original = ctxreplay.manifest.write_manifest
+    original = ctxreplay.report.manifest.write_manifest
 
     def checked(path: Path, doc: Any) -> None:
         assert_metadata_only(doc, sentinels=[SENTINEL])
         written.append(doc)
         original(path, doc)
 
-    monkeypatch.setattr(ctxreplay.manifest, "write_manifest", checked)
+    monkeypatch.setattr(ctxreplay.report.manifest, "write_manifest", checked)
     yield written
 
 
@@ -60,13 +60,13 @@ def saved_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("manifest") / "captures"
     _, report = dit_report()
     with pytest.MonkeyPatch.context() as mp:  # module scope: audit here too
-        original = ctxreplay.manifest.write_manifest
+        original = ctxreplay.report.manifest.write_manifest
 
         def checked(path: Path, doc: Any) -> None:
             assert_metadata_only(doc, sentinels=[SENTINEL])
             original(path, doc)
 
-        mp.setattr(ctxreplay.manifest, "write_manifest", checked)
+        mp.setattr(ctxreplay.report.manifest, "write_manifest", checked)
         saved = report.save_all(directory)
     assert saved.ok and len(saved.saved) == 2 and saved.not_saved == ()
     return directory
@@ -240,7 +240,7 @@ def test_an_unknown_probe_loads_opaque_with_one_warning(saved_dir: Path,
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         loaded = ctxreplay.load(copy)
-    unknown = [w for w in seen if issubclass(w.category, ctxreplay.UnknownProbeWarning)]
+    unknown = [w for w in seen if issubclass(w.category, ctxreplay.probes.UnknownProbeWarning)]
     assert len(unknown) == 1 and "acme_context" in str(unknown[0].message)
     assert isinstance(loaded, ctxreplay.LoadedManifest)
     assert loaded.unknown_probes == ("acme_context",)
@@ -258,7 +258,7 @@ def test_an_unknown_probe_loads_opaque_with_one_warning(saved_dir: Path,
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         side = ctxreplay.load_sidecar(cap.path)
-    assert [str(w.message) for w in seen if w.category is ctxreplay.UnknownProbeWarning]
+    assert [str(w.message) for w in seen if w.category is ctxreplay.probes.UnknownProbeWarning]
     assert side.snapshot.unknown == ("acme_context",)
     with pytest.raises(ValueError, match="acme_context"):
         ctxreplay.load_sidecar(cap.path, unknown="error")
@@ -269,7 +269,7 @@ def test_an_unknown_probe_a_capture_needs_is_a_difference(saved_dir: Path,
     copy = _copy(saved_dir, tmp_path)
     for side in copy.glob("*.pt2.json"):
         _edit(side, lambda d: _add_probe(d, "acme_context", ambient=True))
-    with pytest.warns(ctxreplay.UnknownProbeWarning):
+    with pytest.warns(ctxreplay.probes.UnknownProbeWarning):
         loaded = ctxreplay.load(copy)
     with torch.inference_mode():
         found = loaded.check()

@@ -24,7 +24,7 @@ from torch import nn
 from torchstate import default_dtype
 
 import ctxreplay
-from ctxreplay.signature import tensor_values
+from ctxreplay.specs.signature import tensor_values
 
 pytestmark = [pytest.mark.models,
               pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -138,7 +138,7 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     with pytest.MonkeyPatch.context() as mp:  # module scope: manifests audited here too
         from metadata_check import assert_metadata_only
 
-        import ctxreplay.manifest as manifest
+        import ctxreplay.report.manifest as manifest
         original = manifest.write_manifest
         mp.setattr(manifest, "write_manifest",
                    lambda p, d: (assert_metadata_only(d), original(p, d))[1])
@@ -149,7 +149,7 @@ _FRESH = textwrap.dedent("""
     import json, sys, warnings
     warnings.filterwarnings("ignore")
     import torch, ctxreplay
-    from ctxreplay.signature import call_spec, tensor_values
+    from ctxreplay.specs.signature import call_spec, tensor_values
     directory, data = sys.argv[1], sys.argv[2]
     assert not torch.is_autocast_enabled("cpu") and not torch.is_inference_mode_enabled()
     src = ctxreplay.load(directory)
@@ -205,7 +205,7 @@ def _first_call(setup: Setup) -> tuple[str, Any, Any, Any]:
 
 def _capture_for(loaded: ctxreplay.LoadedManifest, member: str, args: Any,
                  kwargs: Any) -> ctxreplay.LoadedCapture:
-    from ctxreplay.signature import call_spec
+    from ctxreplay.specs.signature import call_spec
 
     spec = call_spec(args, kwargs)
     (cap,) = [c for c in loaded if member in c.members and c.signature() == spec]

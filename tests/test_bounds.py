@@ -164,7 +164,7 @@ class Step:
 
 
 def test_a_new_forward_context_every_call_keeps_the_probe_bounded() -> None:
-    probe = ctxreplay.ForwardContextProbe(_get, _set, name="step_context", max_held=4)
+    probe = ctxreplay.probes.ForwardContextProbe(_get, _set, name="step_context", max_held=4)
     model = Scale()
     setter: Callable[[object], AbstractContextManager[Any]] = _set
     session = ctxreplay.capture_with(model, probes=["grad_mode", probe],

@@ -19,7 +19,7 @@ from metadata_check import assert_metadata_only
 from torch import nn
 
 import ctxreplay
-from ctxreplay._torchcaps import CAPS
+from ctxreplay._base.torchcaps import CAPS
 
 THREADS = 4
 CALLS = 500  # per thread

@@ -63,7 +63,7 @@ def test_probes_lists_the_default_probes(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["probes"]) == 0
     out = capsys.readouterr().out
     listed = {line.split()[0] for line in out.splitlines() if line and not line[0].isspace()}
-    assert set(ctxreplay.default_probes()) <= listed
+    assert set(ctxreplay.probes.default_probes()) <= listed
     assert re.search(r"^autocast\s+\[default, builtin\]", out, re.M)
 
 
@@ -75,7 +75,7 @@ def test_probes_fits_the_terminal(capsys: pytest.CaptureFixture[str],
     assert max(len(line) for line in out.splitlines()) <= 88
     # a wrapped description continues under itself, every word kept
     words = " ".join(out.split())
-    for info in ctxreplay.available_probes().values():
+    for info in ctxreplay.probes.available_probes().values():
         assert " ".join(info.description.split()) in words
 
 
@@ -83,9 +83,9 @@ def test_snapshot_json_is_a_snapshot_document(capsys: pytest.CaptureFixture[str]
     assert main(["snapshot", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "ctxreplay.snapshot/1"
-    assert set(doc["probes"]) == set(ctxreplay.default_probes())
+    assert set(doc["probes"]) == set(ctxreplay.probes.default_probes())
     snap = ctxreplay.ContextSnapshot.from_json(doc)
-    assert snap == ctxreplay.snapshot(ctxreplay.default_probes())
+    assert snap == ctxreplay.snapshot(ctxreplay.probes.default_probes())
 
 
 def test_snapshot_text_and_an_unknown_probe(capsys: pytest.CaptureFixture[str]) -> None:

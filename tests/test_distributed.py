@@ -182,7 +182,7 @@ def test_ranks_with_different_probe_sets_are_an_error_naming_them(tmp_path: Path
 
 
 def test_the_distributed_probe_is_neutral_in_one_process_and_strict_in_json() -> None:
-    probe = ctxreplay.get_probe("distributed")
+    probe = ctxreplay.probes.get_probe("distributed")
     state = probe.observe()
     assert not state.initialized and probe.neutral(state) and state == probe.neutral_state()
     four = DistributedState(True, "gloo", 4, (0, 1, 2, 3), (("sequence_parallel", 2),))

@@ -31,7 +31,12 @@ import pytest
 from test_docs import _resolve  # as mkdocstrings resolves a ::: path
 
 import ctxreplay
-from ctxreplay import dispatch, explain, manifest, needs, records, sidecar, verify
+from ctxreplay.artifacts import sidecar
+from ctxreplay.capture import results as records
+from ctxreplay.dispatch import install as dispatch
+from ctxreplay.fidelity import verify
+from ctxreplay.loading import needs
+from ctxreplay.report import explain, manifest
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("mkdocstrings")
@@ -444,9 +449,10 @@ def test_every_code_constant_is_on_the_troubleshooting_page() -> None:
     # CODES says which section explains which constant; a constant a new
     # module adds must be placed there too, or this fails
     found = code_constants()
-    assert {"ctxreplay.records.FAILURE_REASONS", "ctxreplay.dispatch.MISS_REASONS",
-            "ctxreplay.verify.FIDELITY_STATUSES", "ctxreplay.records.PROBLEMS",
-            "ctxreplay.manifest.NOT_SAVED_REASONS"} <= set(found)
+    assert {"ctxreplay.capture.results.FAILURE_REASONS",
+            "ctxreplay.dispatch.install.MISS_REASONS",
+            "ctxreplay.fidelity.verify.FIDELITY_STATUSES", "ctxreplay.capture.results.PROBLEMS",
+            "ctxreplay.report.manifest.NOT_SAVED_REASONS"} <= set(found)
     covered = {code for codes in CODES.values() for code in codes}
     left_out = {name: sorted(set(codes) - covered) for name, codes in found.items()
                 if set(codes) - covered}

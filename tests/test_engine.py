@@ -24,7 +24,7 @@ from torch import nn
 from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
-from ctxreplay.passes import graph_nodes
+from ctxreplay.backends.passes import graph_nodes
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -171,7 +171,7 @@ def _upcast(on: bool) -> Iterator[None]:
         _FLAG["upcast"] = before
 
 
-class UpcastFlagProbe(ctxreplay.ContextProbe[bool]):
+class UpcastFlagProbe(ctxreplay.probes.ContextProbe[bool]):
     """A framework flag read by the model's forward (selects an output dtype)."""
 
     name = "test_upcast_flag"
@@ -210,10 +210,10 @@ class FlagModel(nn.Module):
 
 def test_a_runtime_registered_probe_is_replayed_without_engine_changes() -> None:
     model = FlagModel()
-    ctxreplay.register_probe(UpcastFlagProbe)
+    ctxreplay.probes.register_probe(UpcastFlagProbe)
     try:
-        assert "test_upcast_flag" in ctxreplay.default_probes()
-        without = [n for n in ctxreplay.default_probes() if n != "test_upcast_flag"]
+        assert "test_upcast_flag" in ctxreplay.probes.default_probes()
+        without = [n for n in ctxreplay.probes.default_probes() if n != "test_upcast_flag"]
         with ctxreplay.capture_with(model, backend="export") as s, \
                 ctxreplay.capture_with(model, probes=without, backend="export") as blind, \
                 _upcast(True):
@@ -222,7 +222,7 @@ def test_a_runtime_registered_probe_is_replayed_without_engine_changes() -> None
         report = finalize_checked(s)
         base = finalize_checked(blind)
     finally:
-        ctxreplay.unregister_probe("test_upcast_flag")
+        ctxreplay.probes.unregister_probe("test_upcast_flag")
     (c,) = report.captures
     (b,) = base.captures
     assert "test_upcast_flag" in report.probes

@@ -97,7 +97,7 @@ def test_compiled_model_inside_a_session_has_no_graph_break(
 def test_the_reproduction_follows_the_measured_releases() -> None:
     """The xfail above rests on this reproduction; it must say what was
     measured (2.7.0 breaks; 2.9.1, 2.11.0, 2.13.0, 2.14.1 do not)."""
-    from ctxreplay._torchcaps import CAPS
+    from ctxreplay._base.torchcaps import CAPS
 
     measured = {(2, 7, 0): True, (2, 9, 1): False, (2, 11, 0): False, (2, 13, 0): False,
                 (2, 14, 1): False}

@@ -73,7 +73,7 @@ def _assert_clean(guard: GlobalStateGuard, before: Any, report: ctxreplay.Captur
 
 # -- a probe whose observe() raises ------------------------------------------------
 
-class ObserveBoom(ctxreplay.ContextProbe[str]):
+class ObserveBoom(ctxreplay.probes.ContextProbe[str]):
     name = "test_observe_boom"
 
     def observe(self) -> str:
@@ -110,7 +110,7 @@ def test_a_probe_whose_observe_raises() -> None:
 
 # -- a probe whose replay raises ------------------------------------------------------
 
-class ReplayBoom(ctxreplay.ContextProbe[str]):
+class ReplayBoom(ctxreplay.probes.ContextProbe[str]):
     """Raises for the 'bad' state: when replay() is called, when its context is
     entered, or when it exits.  Traceable ones are entered inside the traced
     callable, the others around the capture."""
@@ -222,7 +222,7 @@ def test_a_backend_that_returns_no_artifact_fails_that_variant() -> None:
 
 # -- a probe that raises in clear() and one that cannot be described --------------
 
-class ClearBoom(ctxreplay.ContextProbe[str]):
+class ClearBoom(ctxreplay.probes.ContextProbe[str]):
     name = "test_clear_boom"
 
     def observe(self) -> str:

@@ -67,9 +67,9 @@ def test_data_dependent_output_size_is_not_a_mismatch_but_dtype_still_is() -> No
     assert capture.fidelity.ok, capture.fidelity.mismatches
     assert capture.fidelity.checked == ("signature", "execute")
     # the graph leaves that size symbolic: any size matches it, a dtype does not
-    from ctxreplay.compare import compare_specs, symbolic_dims
-    from ctxreplay.signature import TensorSpec
-    from ctxreplay.verify import flat_tensor_spec
+    from ctxreplay.fidelity.compare import compare_specs, symbolic_dims
+    from ctxreplay.fidelity.verify import flat_tensor_spec
+    from ctxreplay.specs.signature import TensorSpec
 
     free = symbolic_dims(flat_tensor_spec(capture.graph_outputs))  # type: ignore[arg-type]
     assert free == {"out[0]": frozenset({0})}

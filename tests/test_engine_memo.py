@@ -77,7 +77,7 @@ def test_a_state_entered_between_repeats_splits_the_variant(state: str,
     model = Parent(STATES[state], with_scalar).eval()
     x = torch.rand(4, 8)
     # torch function modes are the opt-in mode_stack probe's (here re-entered)
-    probes = [*ctxreplay.default_probes(), ModeStackProbe(replay_instances=True)]
+    probes = [*ctxreplay.probes.default_probes(), ModeStackProbe(replay_instances=True)]
     outer = torch.no_grad() if state == "inference_mode" else nullcontext()
     with outer, ctxreplay.capture_with(model, targets=["block"], backend="export",
                                        probes=probes) as session:

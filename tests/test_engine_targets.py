@@ -11,8 +11,8 @@ from metadata_check import finalize_checked
 from torch import nn
 
 import ctxreplay
-from ctxreplay.signature import TensorSpec, flatten_spec
-from ctxreplay.targets import resolve_targets
+from ctxreplay.observation.targets import resolve_targets
+from ctxreplay.specs.signature import TensorSpec, flatten_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

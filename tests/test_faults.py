@@ -22,7 +22,7 @@ from torch import nn
 from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
-from ctxreplay._json import read_str
+from ctxreplay._base.jsonread import read_str
 from ctxreplay.backends import Backend, BackendError, get_backend
 from ctxreplay.testing import global_state, state_changes
 
@@ -35,7 +35,7 @@ class Boom(RuntimeError):
     pass
 
 
-class FaultProbe(ctxreplay.ContextProbe[str]):
+class FaultProbe(ctxreplay.probes.ContextProbe[str]):
     """State: the value of ``TAG``.  Its fault fires only for the ``"bad"``
     state, so the other variants of the same session are unaffected."""
 
@@ -304,7 +304,7 @@ SURVIVED: set[str] = set()
 
 def _oracle() -> Callable[[], list[str]]:
     """The conftest oracle's comparison, usable mid-test."""
-    snap = ctxreplay.snapshot(ctxreplay.default_probes())
+    snap = ctxreplay.snapshot(ctxreplay.probes.default_probes())
     before = global_state()
     guard = GlobalStateGuard()
     return lambda: state_changes(guard, before, snap)
@@ -323,7 +323,7 @@ def test_fault_is_survived(fault: Fault) -> None:
     release = threading.Event()
     backend = FaultyBackend(fault.backend, fault.backend_fault, release)
     session = ctxreplay.capture_with(
-        model, probes=[*ctxreplay.default_probes(), probe, tail], backend=backend,
+        model, probes=[*ctxreplay.probes.default_probes(), probe, tail], backend=backend,
         verify=fault.verify, replay=fault.replay, capture_timeout=fault.timeout)
     with session:
         got = _run_live(model, inputs)
@@ -432,7 +432,7 @@ def test_broken_probe_error_does_not_break_other_sessions() -> None:
     on the same model."""
     model = Net()
     good = ctxreplay.capture_with(model, backend="symbolic")
-    bad = ctxreplay.capture_with(model, probes=[*ctxreplay.default_probes(),
+    bad = ctxreplay.capture_with(model, probes=[*ctxreplay.probes.default_probes(),
                                                 FaultProbe("replay_enter")],
                                  backend="symbolic")
     with good, bad, _tagged("bad"):

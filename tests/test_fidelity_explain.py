@@ -16,7 +16,7 @@ from torchstate import default_dtype
 import ctxreplay
 from ctxreplay.cli import main
 from ctxreplay.demo import TinyDiT
-from ctxreplay.explain import Explanation, ProbeEffect, compare_ops
+from ctxreplay.report.explain import Explanation, ProbeEffect, compare_ops
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")
 

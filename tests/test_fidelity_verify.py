@@ -85,7 +85,7 @@ def test_signature_level_is_ok_when_replayed() -> None:
     c = _only_capture(report)
     assert c.fidelity.ok and c.fidelity.mismatches == ()
     assert c.outputs is not None and c.graph_outputs is not None
-    (leaf,) = ctxreplay.verify.flat_tensor_spec(c.graph_outputs).items
+    (leaf,) = ctxreplay.fidelity.verify.flat_tensor_spec(c.graph_outputs).items
     assert leaf.dtype == torch.bfloat16  # type: ignore[union-attr]
 
 

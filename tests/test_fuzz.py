@@ -26,10 +26,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from public import public_names
 
 import ctxreplay
-import ctxreplay._json as cj
-from ctxreplay.snapshot import SCHEMA
+import ctxreplay._base.jsonread as cj
+from ctxreplay.core.snapshots import SCHEMA
 
 EXAMPLES = 300
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -66,15 +67,15 @@ def _loaders() -> tuple[dict[str, Callable[[Any], Any]], dict[str, Callable[[Any
     taking a file path are fed a file holding the document; they and the
     JSON text parser are also fed raw text."""
     values: dict[str, Callable[[Any], Any]] = {}
-    texts: dict[str, Callable[[Any], Any]] = {"ctxreplay._json.loads": cj.loads}
-    for name in ctxreplay.__all__:
-        obj = getattr(ctxreplay, name)
+    texts: dict[str, Callable[[Any], Any]] = {"ctxreplay._base.jsonread.loads": cj.loads}
+    for qualified, obj in public_names().items():
+        name = qualified.removeprefix("ctxreplay.")
         if inspect.isclass(obj):
             for attr in dir(obj):
                 if attr.startswith(("from_", "load")) and isinstance(
                         inspect.getattr_static(obj, attr, None), classmethod | staticmethod):
                     values[f"{name}.{attr}"] = getattr(obj, attr)
-        elif inspect.isfunction(obj) and name.startswith("load"):
+        elif inspect.isfunction(obj) and name.rpartition(".")[2].startswith("load"):
             params = list(inspect.signature(obj).parameters)
             if params and params[0] == "path":
                 values[name] = _from_file(obj, raw=False)
@@ -154,7 +155,7 @@ def _check(loader: str, data: Any) -> str:
 
 # -- strategies -----------------------------------------------------------------
 
-PROBES = sorted(ctxreplay.available_probes())
+PROBES = sorted(ctxreplay.probes.available_probes())
 FIELDS = ["schema", "probes", "portable", "state", "type", "enabled", "cache_enabled",
           "grad_enabled", "inference_mode", "deterministic_algorithms", "warn_only",
           "cudnn_deterministic", "cudnn_benchmark", "fill_uninitialized_memory",
@@ -191,7 +192,7 @@ def _base_docs() -> list[dict[str, Any]]:
     return [json.loads(json.dumps(d)) for d in out]
 
 
-PROBES_PORTABLE = [n for n in PROBES if ctxreplay.get_probe(n).portable]
+PROBES_PORTABLE = [n for n in PROBES if ctxreplay.probes.get_probe(n).portable]
 BASE_DOCS = _base_docs()
 
 
@@ -352,7 +353,7 @@ def test_deep_nesting_is_rejected_not_a_recursion_error(kind: str, where: str) -
 def test_a_decoder_that_recurses_is_rejected_with_a_path() -> None:
     """A third-party decoder that blows the stack: ValueError, not RecursionError."""
 
-    class Recursive(ctxreplay.ContextProbe[int]):
+    class Recursive(ctxreplay.probes.ContextProbe[int]):
         name = "recursive"
 
         def observe(self) -> int:
@@ -371,7 +372,7 @@ def test_a_decoder_that_recurses_is_rejected_with_a_path() -> None:
 
 
 def test_a_decoder_error_without_a_path_gets_one() -> None:
-    class Pathless(ctxreplay.ContextProbe[int]):
+    class Pathless(ctxreplay.probes.ContextProbe[int]):
         name = "pathless"
 
         def observe(self) -> int:

@@ -21,12 +21,12 @@ from torch import nn
 from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
-import ctxreplay.session
-from ctxreplay._json import read_str
+import ctxreplay.engine.session
+from ctxreplay._base.jsonread import read_str
 from ctxreplay.testing import global_state, leak_check, state_changes
 
 
-class ForgetfulProbe(ctxreplay.ContextProbe[str]):
+class ForgetfulProbe(ctxreplay.probes.ContextProbe[str]):
     """Its replay turns deterministic algorithms on and never restores them."""
 
     name = "forgetful"
@@ -51,7 +51,7 @@ class ForgetfulProbe(ctxreplay.ContextProbe[str]):
 
 def _oracle() -> Callable[[], list[str]]:
     """Exactly what tests/conftest.py compares before and after every test."""
-    snap = ctxreplay.snapshot(ctxreplay.default_probes())
+    snap = ctxreplay.snapshot(ctxreplay.probes.default_probes())
     before = global_state()
     guard = GlobalStateGuard()
     return lambda: state_changes(guard, before, snap)
@@ -139,7 +139,8 @@ def test_oracle_sees_what_the_global_state_guard_is_blind_to(blind_spot: str) ->
 def test_engine_restores_what_a_forgetful_probe_leaks() -> None:
     changes = _oracle()
     model, xs = _workload()
-    with ctxreplay.capture_with(model, probes=[*ctxreplay.default_probes(), ForgetfulProbe()],
+    probes = [*ctxreplay.probes.default_probes(), ForgetfulProbe()]
+    with ctxreplay.capture_with(model, probes=probes,
                                 backend="symbolic") as session:
         for x in xs:
             model(x)
@@ -161,10 +162,11 @@ def test_without_the_safety_net_the_same_session_leaks(monkeypatch: pytest.Monke
         def restore(self) -> dict[str, str]:
             return {}
 
-    monkeypatch.setattr(ctxreplay.session, "Baseline", NoNet)
+    monkeypatch.setattr(ctxreplay.engine.session, "Baseline", NoNet)
     changes = _oracle()
     model, xs = _workload()
-    with ctxreplay.capture_with(model, probes=[*ctxreplay.default_probes(), ForgetfulProbe()],
+    probes = [*ctxreplay.probes.default_probes(), ForgetfulProbe()]
+    with ctxreplay.capture_with(model, probes=probes,
                                 backend="symbolic") as session:
         model(xs[0])
     try:
@@ -181,7 +183,7 @@ def test_engine_reports_what_it_cannot_put_back() -> None:
     count): the guard names it in a ``state_leak`` failure; the caller is told."""
     threads = torch.get_num_threads()
 
-    class ThreadsBackend(ctxreplay.Backend):
+    class ThreadsBackend(ctxreplay.backends.Backend):
         name = "threads"
         records_embedded = False
 

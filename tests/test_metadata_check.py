@@ -25,7 +25,7 @@ from metadata_check import (
 )
 
 import ctxreplay
-import ctxreplay.artifact
+import ctxreplay.artifacts.saving
 from ctxreplay import CaptureReport, CaptureSession, FidelityError
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -154,9 +154,10 @@ def test_every_finalize_of_the_suite_is_wrapped() -> None:
     assert inspect.signature(wrapped) == inspect.signature(original)
     assert (wrapped.__name__, wrapped.__doc__) == (original.__name__, original.__doc__)
     assert inspect.unwrap(CaptureReport.explain) is not CaptureReport.explain
-    assert inspect.unwrap(ctxreplay.artifact.save_capture) is not ctxreplay.artifact.save_capture
-    assert inspect.unwrap(ctxreplay.manifest.write_manifest) is not \
-        ctxreplay.manifest.write_manifest
+    assert inspect.unwrap(ctxreplay.artifacts.saving.save_capture) is not \
+        ctxreplay.artifacts.saving.save_capture
+    assert inspect.unwrap(ctxreplay.report.manifest.write_manifest) is not \
+        ctxreplay.report.manifest.write_manifest
 
 
 class _FakeSession:
@@ -240,7 +241,7 @@ def test_the_wrapped_explain_and_save_check_their_documents(tmp_path: Path) -> N
     assert audit.counts["manifest"] == 2 and len(audit.reset()) == 1
 
 
-class _ProseProbe(ctxreplay.ContextProbe[str]):
+class _ProseProbe(ctxreplay.probes.ContextProbe[str]):
     """A custom probe whose description is a sentence: the library puts it
     into the report's ``context`` as it is."""
 
@@ -285,7 +286,7 @@ from engine_models import MatmulBlock
 import ctxreplay
 
 
-class Prose(ctxreplay.ContextProbe[str]):
+class Prose(ctxreplay.probes.ContextProbe[str]):
     name = "test_prose"
 
     def observe(self):

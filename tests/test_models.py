@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import ctxreplay
-from ctxreplay.verify import flat_tensor_spec
+from ctxreplay.fidelity.verify import flat_tensor_spec
 
 pytestmark = [pytest.mark.models,
               pytest.mark.filterwarnings("ignore::FutureWarning"),

@@ -51,7 +51,7 @@ from capability import BF16_LSTM_NEEDS, cpu_description, refusal, torch_limit
 from torch import nn
 
 import ctxreplay
-from ctxreplay.verify import flat_tensor_spec
+from ctxreplay.fidelity.verify import flat_tensor_spec
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -403,7 +403,7 @@ class OpModule(nn.Module):
 
 
 def _leaf_dtypes(value: Any) -> list[torch.dtype]:
-    spec = ctxreplay.signature.spec_of(value)
+    spec = ctxreplay.specs.signature.spec_of(value)
     return [s.dtype for s in flat_tensor_spec(spec).items]  # type: ignore[union-attr]
 
 
@@ -482,12 +482,12 @@ def _torch_export(case: Case, live: Any) -> TorchExport:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     user = [a for a, s in zip(out.args[0], ep.graph_signature.output_specs)
             if s.kind.name == "USER_OUTPUT"]
-    graph = ctxreplay.signature.spec_of(
+    graph = ctxreplay.specs.signature.spec_of(
         [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in user])
     differences = {("signature", f) for f in _fields(live, graph)}
     assert not torch.is_autocast_enabled("cpu")
     try:
-        executed = ctxreplay.signature.spec_of(ep.module()(*case.inputs()))
+        executed = ctxreplay.specs.signature.spec_of(ep.module()(*case.inputs()))
     except Exception:
         differences.add(("execute", "ran"))
     else:
@@ -496,7 +496,7 @@ def _torch_export(case: Case, live: Any) -> TorchExport:
 
 
 def _leaf_specs(value: Any) -> Any:
-    return flat_tensor_spec(ctxreplay.signature.spec_of(value))
+    return flat_tensor_spec(ctxreplay.specs.signature.spec_of(value))
 
 
 def _mark_what_torch_cannot_run_here(case: Case, request: pytest.FixtureRequest) -> None:

@@ -36,20 +36,20 @@ class Boom(Exception):
 
 
 def test_cases_cover_every_builtin_probe() -> None:
-    builtin = {n for n, i in ctxreplay.available_probes().items() if i.origin == "builtin"}
+    builtin = {n for n, i in ctxreplay.probes.available_probes().items() if i.origin == "builtin"}
     assert builtin == BUILTIN_PROBES
     assert {c.probe for c in CASES} == BUILTIN_PROBES - set(CASELESS)
 
 
 def _observe_in(case: Case) -> tuple[Any, object]:
-    probe = ctxreplay.get_probe(case.probe)
+    probe = ctxreplay.probes.get_probe(case.probe)
     with case.make():
         return probe.observe(), case.effect()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_replay_reestablishes_the_observed_state(case: Case) -> None:
-    probe = ctxreplay.get_probe(case.probe)
+    probe = ctxreplay.probes.get_probe(case.probe)
     neutral, neutral_effect, neutral_global = probe.observe(), case.effect(), global_state()
     live, live_effect = _observe_in(case)
 
@@ -71,7 +71,7 @@ def test_replay_reestablishes_the_observed_state(case: Case) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_replay_restores_when_the_body_raises(case: Case) -> None:
-    probe = ctxreplay.get_probe(case.probe)
+    probe = ctxreplay.probes.get_probe(case.probe)
     neutral, neutral_global = probe.observe(), global_state()
     live, live_effect = _observe_in(case)
     guard = GlobalStateGuard()
@@ -88,7 +88,7 @@ def test_replay_restores_when_the_body_raises(case: Case) -> None:
 def test_the_leak_oracle_sees_every_replayed_state(case: Case) -> None:
     """Inside a replay, the oracle used to check restoration reports a change;
     so the restoration checks above can fail."""
-    probe = ctxreplay.get_probe(case.probe)
+    probe = ctxreplay.probes.get_probe(case.probe)
     live, _ = _observe_in(case)
     guard, before = GlobalStateGuard(), global_state()
     cm = probe.replay(live)
@@ -103,14 +103,14 @@ def test_the_leak_oracle_sees_every_replayed_state(case: Case) -> None:
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_PROBES - set(CASELESS)))
 def test_check_probe_on_every_builtin(name: str) -> None:
-    probe = ctxreplay.get_probe(name)
+    probe = ctxreplay.probes.get_probe(name)
     states = [_observe_in(c)[0] for c in CASES if c.probe == name]
     assert len(set(states)) == len(states) >= 1
     check_probe(probe, states, neutral=probe.observe())
 
 
 def test_nested_autocast_dtype_switch() -> None:
-    probe = ctxreplay.get_probe("autocast")
+    probe = ctxreplay.probes.get_probe("autocast")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = probe.observe()
     with torch.autocast("cpu", dtype=torch.float16):
@@ -139,7 +139,7 @@ def test_autocast_dtype_of_a_disabled_device_is_a_guard_blind_spot() -> None:
 
 
 def test_no_grad_to_inference_mode_is_a_guard_blind_spot_the_probe_sees() -> None:
-    probe = ctxreplay.get_probe("grad_mode")
+    probe = ctxreplay.probes.get_probe("grad_mode")
     with torch.no_grad():
         guard = GlobalStateGuard()
         with probe.replay(GradModeState(False, True)):
@@ -150,7 +150,7 @@ def test_no_grad_to_inference_mode_is_a_guard_blind_spot_the_probe_sees() -> Non
 
 
 def test_grad_mode_split_replay_keeps_inference_mode_around() -> None:
-    probe = ctxreplay.get_probe("grad_mode")
+    probe = ctxreplay.probes.get_probe("grad_mode")
     inside, around = probe.split_replay(GradModeState(False, True))
     assert inside is not None and around is not None
     with around:
@@ -161,7 +161,7 @@ def test_grad_mode_split_replay_keeps_inference_mode_around() -> None:
 
 
 def test_check_probe_reports_a_probe_that_does_not_restore() -> None:
-    class LeakyDtype(ctxreplay.ContextProbe[torch.dtype]):
+    class LeakyDtype(ctxreplay.probes.ContextProbe[torch.dtype]):
         name = "leaky_dtype"
 
         def observe(self) -> torch.dtype:
@@ -186,7 +186,7 @@ def test_check_probe_reports_a_probe_that_does_not_restore() -> None:
 def test_check_probe_reports_a_guarded_probe_that_watches_too_little() -> None:
     """The default device is invisible to GlobalStateGuard: a probe claiming
     ``guarded`` without watching it would let a cached snapshot go stale."""
-    device_probe = ctxreplay.get_probe("default_device")
+    device_probe = ctxreplay.probes.get_probe("default_device")
 
     class BlindDevice(type(device_probe)):  # type: ignore[misc]
         name = "blind_device"
@@ -203,7 +203,7 @@ def test_check_probe_reports_a_guarded_probe_that_watches_too_little() -> None:
 
 
 def test_check_probe_refuses_a_state_equal_to_the_current_one() -> None:
-    probe = ctxreplay.get_probe("default_dtype")
+    probe = ctxreplay.probes.get_probe("default_dtype")
     with pytest.raises(AssertionError, match="proves nothing"):
         check_probe(probe, [torch.get_default_dtype()])
 
@@ -234,13 +234,13 @@ def set_ctx(ctx: Ctx) -> Iterator[None]:
         _current.pop()
 
 
-def _observe_ctx(probe: ctxreplay.ContextProbe[LiveState], ctx: Ctx) -> LiveState:
+def _observe_ctx(probe: ctxreplay.probes.ContextProbe[LiveState], ctx: Ctx) -> LiveState:
     with set_ctx(ctx):
         return probe.observe()
 
 
 def test_forward_context_probe_contract() -> None:
-    probe = ctxreplay.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd")
+    probe = ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd")
     assert probe.observe() == UNSET
     a, b = Ctx("flash", 0.5), Ctx("sdpa", 2.0)
     states = [_observe_ctx(probe, a), _observe_ctx(probe, b)]
@@ -250,13 +250,13 @@ def test_forward_context_probe_contract() -> None:
     with probe.replay(states[1]):
         assert get_ctx() is b  # the live object itself is re-established
     assert not _current
-    with pytest.raises(ctxreplay.NotPortableError):
+    with pytest.raises(ctxreplay.probes.NotPortableError):
         probe.encode(states[0])
     probe.clear()
 
 
 def test_forward_context_probe_restores_when_the_body_raises() -> None:
-    probe = ctxreplay.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd")
+    probe = ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd")
     state = _observe_ctx(probe, Ctx("flash"))
     with pytest.raises(Boom), probe.replay(state):
         assert probe.observe() == state
@@ -266,7 +266,7 @@ def test_forward_context_probe_restores_when_the_body_raises() -> None:
 
 
 def test_forward_context_clear_drops_the_live_object() -> None:
-    probe = ctxreplay.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd")
+    probe = ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd")
     ctx = Ctx("flash")
     ref = weakref.ref(ctx)
     state = _observe_ctx(probe, ctx)
@@ -291,7 +291,7 @@ def test_forward_context_clear_drops_the_live_object() -> None:
 
 
 def test_forward_context_key_groups_equal_contexts() -> None:
-    probe = ctxreplay.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd",
+    probe = ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd",
                                           key=lambda c: (c.backend, c.scale))
     first, second, other = Ctx("flash", 0.5), Ctx("flash", 0.5), Ctx("flash", 1.0)
     s1, s2, s3 = (_observe_ctx(probe, c) for c in (first, second, other))
@@ -300,14 +300,14 @@ def test_forward_context_key_groups_equal_contexts() -> None:
     with probe.replay(s2):
         assert get_ctx() is first  # the first value seen for a key is replayed
 
-    by_identity = ctxreplay.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd_id")
+    by_identity = ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd_id")
     assert _observe_ctx(by_identity, first) != _observe_ctx(by_identity, second)
     probe.clear()
     by_identity.clear()
 
 
 def test_forward_context_max_held() -> None:
-    probe = ctxreplay.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd", max_held=1)
+    probe = ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx, name="test_fwd", max_held=1)
     kept = _observe_ctx(probe, Ctx("a"))
     dropped = _observe_ctx(probe, Ctx("b"))
     assert probe.dropped == 1
@@ -322,20 +322,20 @@ def test_forward_context_getter_raising_means_unset() -> None:
     def getter() -> Ctx:
         raise RuntimeError("no context")
 
-    probe = ctxreplay.ForwardContextProbe(getter, set_ctx, name="test_fwd")
+    probe = ctxreplay.probes.ForwardContextProbe(getter, set_ctx, name="test_fwd")
     assert probe.observe() == UNSET
 
 
 def test_forward_context_traceable_flag() -> None:
-    assert not ctxreplay.ForwardContextProbe(get_ctx, set_ctx).traceable
-    assert ctxreplay.ForwardContextProbe(get_ctx, set_ctx, traceable=True).traceable
-    assert not ctxreplay.ForwardContextProbe(get_ctx, set_ctx).portable
+    assert not ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx).traceable
+    assert ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx, traceable=True).traceable
+    assert not ctxreplay.probes.ForwardContextProbe(get_ctx, set_ctx).portable
 
 
 _var: contextvars.ContextVar[Any] = contextvars.ContextVar("ctxreplay_test_var")
 
 
-def _observe_var(probe: ctxreplay.ContextVarProbe, value: Any) -> LiveState:
+def _observe_var(probe: ctxreplay.probes.ContextVarProbe, value: Any) -> LiveState:
     token = _var.set(value)
     try:
         return probe.observe()
@@ -344,7 +344,7 @@ def _observe_var(probe: ctxreplay.ContextVarProbe, value: Any) -> LiveState:
 
 
 def test_context_var_probe_contract() -> None:
-    probe = ctxreplay.ContextVarProbe(_var)
+    probe = ctxreplay.probes.ContextVarProbe(_var)
     assert probe.name == "contextvar_ctxreplay_test_var"
     assert probe.observe() == UNSET
     a, b = {"mode": "prefill"}, {"mode": "decode"}
@@ -363,6 +363,6 @@ def test_context_var_probe_contract() -> None:
 
 
 def test_context_var_none_is_unset() -> None:
-    probe = ctxreplay.ContextVarProbe(_var, name="test_var")
+    probe = ctxreplay.probes.ContextVarProbe(_var, name="test_var")
     assert probe.name == "test_var"
     assert _observe_var(probe, None) == UNSET

@@ -108,7 +108,7 @@ def test_every_dynamo_global_guard_has_a_row() -> None:
 
 
 def test_rows_name_registered_probes_or_say_why_not() -> None:
-    known = set(ctxreplay.available_probes())
+    known = set(ctxreplay.probes.available_probes())
     for key, row in ROWS.items():
         assert set(row["probes"]) <= known, f"{key}: unknown probe in {row['probes']}"
         if not row["probes"]:
@@ -229,8 +229,8 @@ def test_every_row_has_a_flip_and_every_flip_a_row() -> None:
 
 
 def _observe_all() -> dict[str, Any]:
-    return {n: ctxreplay.get_probe(n).observe() for n, info in
-            ctxreplay.available_probes().items() if info.origin == "builtin"}
+    return {n: ctxreplay.probes.get_probe(n).observe() for n, info in
+            ctxreplay.probes.available_probes().items() if info.origin == "builtin"}
 
 
 @pytest.mark.parametrize("key", sorted(k for k, f in FLIPS.items() if f is not None))

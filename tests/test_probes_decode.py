@@ -31,7 +31,7 @@ JUNK: tuple[Any, ...] = (None, True, False, 0, -1, 1.5, "", "bogus", "float64", 
 
 
 def _valid_documents(name: str) -> list[Any]:
-    probe = ctxreplay.get_probe(name)
+    probe = ctxreplay.probes.get_probe(name)
     states = [probe.observe()]
     for case in CASES:
         if case.probe == name:
@@ -64,7 +64,7 @@ def _set(doc: Any, keys: tuple[Any, ...], value: Any) -> Any:
     return out
 
 
-def _decodes_or_names_the_path(probe: ctxreplay.ContextProbe[Any], doc: Any,
+def _decodes_or_names_the_path(probe: ctxreplay.probes.ContextProbe[Any], doc: Any,
                                where: str) -> str:
     try:
         state = probe.decode(doc, "$.state")
@@ -89,7 +89,7 @@ def _decodes_or_names_the_path(probe: ctxreplay.ContextProbe[Any], doc: Any,
 
 @pytest.mark.parametrize("name", PORTABLE)
 def test_every_mutated_leaf_is_decoded_or_rejected_naming_its_path(name: str) -> None:
-    probe = ctxreplay.get_probe(name)
+    probe = ctxreplay.probes.get_probe(name)
     outcomes = {"accepted": 0, "rejected": 0}
     for doc in _valid_documents(name):
         assert probe.decode(copy.deepcopy(doc), "$.state") is not None
@@ -102,7 +102,7 @@ def test_every_mutated_leaf_is_decoded_or_rejected_naming_its_path(name: str) ->
 
 @pytest.mark.parametrize("name", PORTABLE)
 def test_unknown_and_missing_fields_are_rejected(name: str) -> None:
-    probe = ctxreplay.get_probe(name)
+    probe = ctxreplay.probes.get_probe(name)
     optional = {"matmul_precision": {"fp32_precision"}, "rng": {"accelerator",
                                                                "accelerator_state"}}
     for doc in _valid_documents(name):
@@ -129,7 +129,7 @@ def test_unknown_and_missing_fields_are_rejected(name: str) -> None:
 @pytest.mark.parametrize("dtype", ["int64", "float32", "float64", "bool", "complex64",
                                    "float8_e4m3fn", "uint8"])
 def test_autocast_refuses_a_dtype_autocast_rejects_for_that_device(dtype: str) -> None:
-    probe = ctxreplay.get_probe("autocast")
+    probe = ctxreplay.probes.get_probe("autocast")
     doc = {"enabled": [["cpu", dtype]], "cache_enabled": True}
     with pytest.raises(ValueError, match=r"^\$\.state\.enabled\[0\]\[1\]: autocast on 'cpu' "
                                          r"does not run in"):
@@ -148,7 +148,7 @@ def test_the_int64_autocast_document_of_issue_12_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^\$\.probes\.autocast\.state\.enabled\[0\]\[1\]"):
         ctxreplay.ContextSnapshot.from_json(doc)
     lin = torch.nn.Linear(2, 2)
-    with ctxreplay.get_probe("autocast").replay(AutocastState((("cpu", torch.int64),))):
+    with ctxreplay.probes.get_probe("autocast").replay(AutocastState((("cpu", torch.int64),))):
         assert lin(torch.rand(1, 2)).dtype == torch.int64  # what decode now prevents
     assert lin(torch.rand(1, 2)).dtype == torch.float32
     good = {"enabled": [["cpu", "bfloat16"]], "cache_enabled": True}
@@ -159,7 +159,7 @@ def test_the_int64_autocast_document_of_issue_12_is_refused() -> None:
 def test_autocast_devices_keep_the_observed_order() -> None:
     """decode(encode(s)) == s also for devices whose names sort differently
     from the probe's device order (xpu before mps before hpu)."""
-    probe = ctxreplay.get_probe("autocast")
+    probe = ctxreplay.probes.get_probe("autocast")
     devices = [d for d in ("xpu", "mps", "hpu") if d in probe.devices]
     state = AutocastState(tuple((d, torch.bfloat16) for d in devices))
     doc = json.loads(json.dumps(probe.encode(state)))
@@ -170,7 +170,7 @@ def test_autocast_devices_keep_the_observed_order() -> None:
 @pytest.mark.parametrize("dtype", ["int64", "complex64", "float8_e4m3fn", "bool"])
 def test_default_dtype_refuses_what_set_default_dtype_refuses(dtype: str) -> None:
     with pytest.raises(ValueError, match=r"^\$\.state: .* cannot be a default dtype"):
-        ctxreplay.get_probe("default_dtype").decode(dtype, "$.state")
+        ctxreplay.probes.get_probe("default_dtype").decode(dtype, "$.state")
     before = torch.get_default_dtype()
     with pytest.raises((TypeError, RuntimeError)):
         torch.set_default_dtype(getattr(torch, dtype))
@@ -180,11 +180,11 @@ def test_default_dtype_refuses_what_set_default_dtype_refuses(dtype: str) -> Non
 @pytest.mark.parametrize("device", ["cuda:-1", "nonsense", "CPU", "cpu:0:1", ""])
 def test_default_device_refuses_what_torch_device_refuses(device: str) -> None:
     with pytest.raises(ValueError, match=r"^\$\.state: "):
-        ctxreplay.get_probe("default_device").decode(device, "$.state")
+        ctxreplay.probes.get_probe("default_device").decode(device, "$.state")
 
 
 def _matmul_doc() -> dict[str, Any]:
-    probe = ctxreplay.get_probe("matmul_precision")
+    probe = ctxreplay.probes.get_probe("matmul_precision")
     doc: dict[str, Any] = json.loads(json.dumps(probe.encode(probe.observe())))
     return doc
 
@@ -195,7 +195,7 @@ def test_matmul_refuses_an_unknown_legacy_precision(value: str) -> None:
     doc["float32_matmul_precision"] = value
     with pytest.raises(ValueError, match=r"^\$\.state\.float32_matmul_precision: .* is not "
                                          r"one of"):
-        ctxreplay.get_probe("matmul_precision").decode(doc, "$.state")
+        ctxreplay.probes.get_probe("matmul_precision").decode(doc, "$.state")
 
 
 HAS_FP32_API = hasattr(torch._C, "_get_fp32_precision_getter")
@@ -209,7 +209,7 @@ def test_matmul_refuses_a_precision_name_torch_does_not_know(key: str, value: st
     doc = _matmul_doc()
     doc["fp32_precision"][key] = value
     with pytest.raises(ValueError, match=rf"^\$\.state\.fp32_precision\[{key!r}\]: "):
-        ctxreplay.get_probe("matmul_precision").decode(doc, "$.state")
+        ctxreplay.probes.get_probe("matmul_precision").decode(doc, "$.state")
     # torch refuses the same name: it raises (2.11 on), or only logs "call has
     # no effect" (2.9.1) -- either way the setting stays what it was
     b, _, op = key.partition(".")
@@ -237,14 +237,14 @@ def test_matmul_refuses_values_torch_never_reports_together(edit: dict[str, Any]
         else:
             doc[k] = v
     with pytest.raises(ValueError, match=rf"^\$\.state\.{named}"):
-        ctxreplay.get_probe("matmul_precision").decode(doc, "$.state")
+        ctxreplay.probes.get_probe("matmul_precision").decode(doc, "$.state")
 
 
 @pytest.mark.skipif(not HAS_FP32_API, reason="torch < 2.9: no per-backend precision")
 def test_matmul_a_document_without_per_backend_values_is_marked_not_recorded() -> None:
     """A document written by a torch without the per-backend API: the state
     says so (``None``) instead of guessing, and describes it."""
-    probe = ctxreplay.get_probe("matmul_precision")
+    probe = ctxreplay.probes.get_probe("matmul_precision")
     doc = _matmul_doc()
     del doc["fp32_precision"]
     state = probe.decode(doc, "$.state")

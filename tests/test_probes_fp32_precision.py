@@ -40,7 +40,7 @@ import ctxreplay
 from ctxreplay.testing import check_probe
 from torch._C._dynamo.guards import GlobalStateGuard
 
-probe = ctxreplay.get_probe("matmul_precision")
+probe = ctxreplay.probes.get_probe("matmul_precision")
 G = torch._C._get_fp32_precision_getter
 PAIRS = [(b, op) for b in ("generic", "cuda", "mkldnn") for op in ("all", "matmul", "conv", "rnn")
          if not (b == "generic" and op != "all")]

@@ -76,7 +76,7 @@ def test_a_rewriting_function_mode_is_replayed_by_instance() -> None:
     torch.manual_seed(0)
     model = Block().eval()
     probe = ModeStackProbe(replay_instances=True)
-    report, x, live = _run(model, [*ctxreplay.default_probes(), probe], AddToSub())
+    report, x, live = _run(model, [*ctxreplay.probes.default_probes(), probe], AddToSub())
     assert report.ok, report.failures
     (c,) = report.captures
     assert torch.allclose(c.artifact.module()(x), live)          # computes what ran
@@ -90,7 +90,7 @@ def test_a_rewriting_function_mode_is_replayed_by_instance() -> None:
 
 
 def test_the_types_only_probe_carries_type_names() -> None:
-    probe = ctxreplay.get_probe("mode_stack")
+    probe = ctxreplay.probes.get_probe("mode_stack")
     with AddToSub():
         state = probe.observe()
     doc = json.loads(json.dumps(probe.encode(state)))
@@ -116,7 +116,7 @@ def test_a_mode_that_is_not_replayable_is_reported_by_type() -> None:
     for probe, mode, name in (("mode_stack", AddToSub(), "AddToSub"),
                               (ModeStackProbe(replay_instances=True), Passthrough(),
                                "Passthrough")):
-        report, _, _ = _run(model, [*ctxreplay.default_probes(), probe], mode)
+        report, _, _ = _run(model, [*ctxreplay.probes.default_probes(), probe], mode)
         assert not report.ok and not report.captures
         (failure,) = report.failures
         assert failure.reason == "replay_failed"
@@ -128,12 +128,12 @@ def test_a_mode_that_is_not_replayable_is_reported_by_type() -> None:
 
 
 def test_modes_from_a_document_are_never_replayed() -> None:
-    types_only = ctxreplay.get_probe("mode_stack")
+    types_only = ctxreplay.probes.get_probe("mode_stack")
     probe = ModeStackProbe(replay_instances=True)
     with AddToSub():
         live = probe.observe()
         typed = types_only.observe()
-    with pytest.raises(ctxreplay.NotPortableError):
+    with pytest.raises(ctxreplay.probes.NotPortableError):
         probe.encode(live)
     decoded = probe.decode(json.loads(json.dumps(types_only.encode(typed))), "$.state")
     assert decoded.function_modes == live.function_modes and decoded != live  # no instance
@@ -193,7 +193,7 @@ def test_check_probe_with_instances() -> None:
 
 def test_check_probe_types_only() -> None:
     """The registered probe: states are the types; only the empty one replays."""
-    probe = ctxreplay.get_probe("mode_stack")
+    probe = ctxreplay.probes.get_probe("mode_stack")
     assert not probe.default and not probe.traceable
     fresh = probe.observe()
     assert fresh == EMPTY == probe.neutral_state()
@@ -241,7 +241,7 @@ def test_max_held_and_ignore() -> None:
 
 
 def test_watch_sees_a_mode_pushed_under_a_cached_empty_state() -> None:
-    probe = ctxreplay.get_probe("mode_stack")
+    probe = ctxreplay.probes.get_probe("mode_stack")
     checks = probe.watch(probe.observe())
     assert all(g() == e for g, e in checks)
     with AddToSub():
@@ -257,4 +257,4 @@ def test_watch_sees_a_mode_pushed_under_a_cached_empty_state() -> None:
                                  {"function_modes": []}])
 def test_decode_refuses_what_is_not_a_list_of_type_names(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"^\$\.state"):
-        ctxreplay.get_probe("mode_stack").decode(bad, "$.state")
+        ctxreplay.probes.get_probe("mode_stack").decode(bad, "$.state")

@@ -20,13 +20,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ctxreplay
-from ctxreplay._torchcaps import CAPS
+from ctxreplay._base.torchcaps import CAPS
 from ctxreplay.probes import SdpaBackendProbe, SdpaBackendState
 from ctxreplay.testing import check_probe, global_state, leak_check
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
-WITHOUT = [p for p in ctxreplay.default_probes() if p != "sdpa_backend"]
+WITHOUT = [p for p in ctxreplay.probes.default_probes() if p != "sdpa_backend"]
 
 
 class Attention(nn.Module):
@@ -97,7 +97,7 @@ def test_dynamo_capture_without_the_probe_differs_from_the_live_graph() -> None:
     assert with_probe.fidelity.ok
     assert _capture_ops(with_probe) == live
     with sdpa_kernel([SDPBackend.MATH]):
-        under_math = ctxreplay.get_probe("sdpa_backend").observe()
+        under_math = ctxreplay.probes.get_probe("sdpa_backend").observe()
     # what sdpa_kernel([MATH]) sets on this torch (2.7's leaves overrideable on)
     assert with_probe.snapshot["sdpa_backend"] == under_math
     assert "math" in under_math.enabled and "flash" not in under_math.enabled
@@ -152,7 +152,7 @@ def test_sdpa_kernel_inside_an_exported_callable_is_not_recorded() -> None:
         math_ops = _ops(a.run_decompositions().graph_module)
     assert _ops(b.run_decompositions().graph_module) != math_ops
 
-    probe = ctxreplay.get_probe("sdpa_backend")
+    probe = ctxreplay.probes.get_probe("sdpa_backend")
     assert not probe.traceable
     with sdpa_kernel([SDPBackend.MATH]):
         state = probe.observe()
@@ -161,7 +161,7 @@ def test_sdpa_kernel_inside_an_exported_callable_is_not_recorded() -> None:
 
 
 def test_replay_restores_flags_priority_and_reduction_exactly() -> None:
-    probe = ctxreplay.get_probe("sdpa_backend")
+    probe = ctxreplay.probes.get_probe("sdpa_backend")
     before, raw = probe.observe(), _raw_flags()
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH], set_priority=True):
         torch._C._set_math_sdp_allow_fp16_bf16_reduction(True)
@@ -194,7 +194,7 @@ def test_the_leak_oracle_sees_the_sdpa_flags() -> None:
 
 
 def test_neutral_is_torchs_default() -> None:
-    probe = ctxreplay.get_probe("sdpa_backend")
+    probe = ctxreplay.probes.get_probe("sdpa_backend")
     fresh = probe.observe()
     assert fresh == probe.neutral_state() and probe.neutral(fresh)
     assert probe.describe(fresh) == "default"
@@ -225,7 +225,7 @@ def test_a_cpu_process_watches_only_what_the_cpu_selection_reads() -> None:
 
 
 def test_check_probe_with_a_state_for_every_knob() -> None:
-    probe = ctxreplay.get_probe("sdpa_backend")
+    probe = ctxreplay.probes.get_probe("sdpa_backend")
     fresh = probe.observe()
     states = []
     for backends in ([SDPBackend.MATH], [SDPBackend.FLASH_ATTENTION],
@@ -252,7 +252,7 @@ def test_check_probe_with_a_state_for_every_knob() -> None:
 
 
 def test_decode_refuses_an_impossible_priority() -> None:
-    probe = ctxreplay.get_probe("sdpa_backend")
+    probe = ctxreplay.probes.get_probe("sdpa_backend")
     doc = probe.encode(probe.observe())
     # where the release's own default repeats a backend (2.7), so can any order
     repeats = len(set(CAPS.sdp_default_priority)) < len(CAPS.sdp_default_priority)

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import ctxreplay
-from ctxreplay import registry
+from ctxreplay.core import registry
 from ctxreplay.probes import AutocastProbe
 
 BUILTIN_DEFAULTS = ("autocast", "default_device", "default_dtype", "determinism",
                     "distributed", "grad_mode", "matmul_precision", "sdpa_backend")
 
 
-class Counter(ctxreplay.ContextProbe[int]):
+class Counter(ctxreplay.probes.ContextProbe[int]):
     """A runtime probe over a plain global."""
 
     name = "test_counter"
@@ -41,43 +41,43 @@ def cleanup() -> Iterator[list[str]]:
     names: list[str] = []
     yield names
     for name in names:
-        if name in ctxreplay.available_probes():
-            ctxreplay.unregister_probe(name)
+        if name in ctxreplay.probes.available_probes():
+            ctxreplay.probes.unregister_probe(name)
 
 
 # -- lookup ----------------------------------------------------------------------
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(ctxreplay.UnknownProbeError) as info:
-        ctxreplay.get_probe("autocats")
+    with pytest.raises(ctxreplay.probes.UnknownProbeError) as info:
+        ctxreplay.probes.get_probe("autocats")
     err = info.value
     assert isinstance(err, KeyError) and isinstance(err, ValueError)
     message = str(err)
     assert "unknown probe 'autocats'" in message
     assert "did you mean 'autocast'" in message
-    for name in ctxreplay.available_probes():
-        if ctxreplay.available_probes()[name].loaded:
+    for name in ctxreplay.probes.available_probes():
+        if ctxreplay.probes.available_probes()[name].loaded:
             assert name in message
     with pytest.raises(ValueError, match=r"known probes: .*grad_mode"):
-        ctxreplay.get_probe("nope")
+        ctxreplay.probes.get_probe("nope")
     with pytest.raises(KeyError):
-        ctxreplay.unregister_probe("nope")
+        ctxreplay.probes.unregister_probe("nope")
 
 
 def test_builtin_info() -> None:
-    info = ctxreplay.available_probes()
+    info = ctxreplay.probes.available_probes()
     for name in [*BUILTIN_DEFAULTS, "rng"]:
         assert info[name].origin == "builtin"
         assert info[name].distribution is None
         assert info[name].error is None and info[name].loaded
         assert info[name].description
-        assert info[name].description == ctxreplay.get_probe(name).description
+        assert info[name].description == ctxreplay.probes.get_probe(name).description
         assert info[name].default is (name != "rng")
     assert list(info) == sorted(info)
 
 
 def test_default_probes() -> None:
-    assert ctxreplay.default_probes() == BUILTIN_DEFAULTS
+    assert ctxreplay.probes.default_probes() == BUILTIN_DEFAULTS
     assert ctxreplay.snapshot().names == BUILTIN_DEFAULTS
 
 
@@ -85,89 +85,89 @@ def test_default_probes() -> None:
 
 def test_register_a_class(cleanup: list[str]) -> None:
     cleanup.append("test_counter")
-    assert ctxreplay.register_probe(Counter) is Counter
-    probe = ctxreplay.get_probe("test_counter")
+    assert ctxreplay.probes.register_probe(Counter) is Counter
+    probe = ctxreplay.probes.get_probe("test_counter")
     assert type(probe) is Counter
-    info = ctxreplay.available_probes()["test_counter"]
+    info = ctxreplay.probes.available_probes()["test_counter"]
     assert (info.origin, info.distribution, info.default) == ("runtime", None, False)
     assert info.description == "a counter for registry tests"
-    assert "test_counter" not in ctxreplay.default_probes()
+    assert "test_counter" not in ctxreplay.probes.default_probes()
 
 
 def test_register_an_instance(cleanup: list[str]) -> None:
     cleanup.append("test_counter")
     probe = Counter()
-    assert ctxreplay.register_probe(probe) is probe
-    assert ctxreplay.get_probe("test_counter") is probe
+    assert ctxreplay.probes.register_probe(probe) is probe
+    assert ctxreplay.probes.get_probe("test_counter") is probe
 
 
 def test_register_as_a_decorator_keeps_the_class(cleanup: list[str]) -> None:
     cleanup.extend(["test_decorated", "test_decorated_replace"])
 
-    @ctxreplay.register_probe
+    @ctxreplay.probes.register_probe
     class Decorated(Counter):
         name = "test_decorated"
 
-    assert isinstance(Decorated, type) and issubclass(Decorated, ctxreplay.ContextProbe)
-    assert type(ctxreplay.get_probe("test_decorated")) is Decorated
+    assert isinstance(Decorated, type) and issubclass(Decorated, ctxreplay.probes.ContextProbe)
+    assert type(ctxreplay.probes.get_probe("test_decorated")) is Decorated
 
-    @ctxreplay.register_probe(replace=True)
+    @ctxreplay.probes.register_probe(replace=True)
     class Decorated2(Counter):
         name = "test_decorated_replace"
 
     assert isinstance(Decorated2, type)
-    assert type(ctxreplay.get_probe("test_decorated_replace")) is Decorated2
+    assert type(ctxreplay.probes.get_probe("test_decorated_replace")) is Decorated2
 
 
 def test_duplicate_names_are_refused_unless_replace(cleanup: list[str]) -> None:
     cleanup.append("test_counter")
     first, second = Counter(), Counter()
-    ctxreplay.register_probe(first)
+    ctxreplay.probes.register_probe(first)
     with pytest.raises(ValueError, match="'test_counter' is already registered"):
-        ctxreplay.register_probe(second)
-    assert ctxreplay.get_probe("test_counter") is first
-    ctxreplay.register_probe(second, replace=True)
-    assert ctxreplay.get_probe("test_counter") is second
+        ctxreplay.probes.register_probe(second)
+    assert ctxreplay.probes.get_probe("test_counter") is first
+    ctxreplay.probes.register_probe(second, replace=True)
+    assert ctxreplay.probes.get_probe("test_counter") is second
 
 
 def test_replacing_a_builtin_and_putting_it_back() -> None:
-    original = ctxreplay.get_probe("autocast")
+    original = ctxreplay.probes.get_probe("autocast")
 
     class OtherAutocast(AutocastProbe):
         description = "replacement"
 
     with pytest.raises(ValueError, match=r"already registered.*builtin"):
-        ctxreplay.register_probe(OtherAutocast)
+        ctxreplay.probes.register_probe(OtherAutocast)
     try:
-        ctxreplay.register_probe(OtherAutocast, replace=True)
-        assert ctxreplay.available_probes()["autocast"].description == "replacement"
+        ctxreplay.probes.register_probe(OtherAutocast, replace=True)
+        assert ctxreplay.probes.available_probes()["autocast"].description == "replacement"
         assert type(ctxreplay.snapshot().probes[0]) is OtherAutocast  # defaults re-resolved
     finally:
-        ctxreplay.register_probe(original, replace=True)
-    assert ctxreplay.get_probe("autocast") is original
-    assert ctxreplay.available_probes()["autocast"].origin == "builtin"
+        ctxreplay.probes.register_probe(original, replace=True)
+    assert ctxreplay.probes.get_probe("autocast") is original
+    assert ctxreplay.probes.available_probes()["autocast"].origin == "builtin"
 
 
 def test_invalid_registrations() -> None:
     with pytest.raises(TypeError, match="expected a ContextProbe"):
-        ctxreplay.register_probe(42)
+        ctxreplay.probes.register_probe(42)
     with pytest.raises(TypeError, match="expected a ContextProbe"):
-        ctxreplay.register_probe(int)
+        ctxreplay.probes.register_probe(int)
 
     class Nameless(Counter):
         name = "not an identifier"
 
     with pytest.raises(ValueError, match="identifier"):
-        ctxreplay.register_probe(Nameless)
-    assert "not an identifier" not in ctxreplay.available_probes()
+        ctxreplay.probes.register_probe(Nameless)
+    assert "not an identifier" not in ctxreplay.probes.available_probes()
 
 
 def test_unregister(cleanup: list[str]) -> None:
-    probe = ctxreplay.register_probe(Counter())
-    assert ctxreplay.unregister_probe("test_counter") is probe
-    assert "test_counter" not in ctxreplay.available_probes()
-    with pytest.raises(ctxreplay.UnknownProbeError):
-        ctxreplay.get_probe("test_counter")
+    probe = ctxreplay.probes.register_probe(Counter())
+    assert ctxreplay.probes.unregister_probe("test_counter") is probe
+    assert "test_counter" not in ctxreplay.probes.available_probes()
+    with pytest.raises(ctxreplay.probes.UnknownProbeError):
+        ctxreplay.probes.get_probe("test_counter")
 
 
 def test_a_runtime_default_probe_joins_the_default_snapshot(cleanup: list[str]) -> None:
@@ -178,17 +178,17 @@ def test_a_runtime_default_probe_joins_the_default_snapshot(cleanup: list[str]) 
         default = True
 
     before = ctxreplay.snapshot()
-    ctxreplay.register_probe(DefaultCounter)
-    assert "test_default_counter" in ctxreplay.default_probes()
-    assert ctxreplay.available_probes()["test_default_counter"].default
+    ctxreplay.probes.register_probe(DefaultCounter)
+    assert "test_default_counter" in ctxreplay.probes.default_probes()
+    assert ctxreplay.probes.available_probes()["test_default_counter"].default
     snap = ctxreplay.snapshot()
     assert snap.names == tuple(sorted([*BUILTIN_DEFAULTS, "test_default_counter"]))
-    ctxreplay.unregister_probe("test_default_counter")
+    ctxreplay.probes.unregister_probe("test_default_counter")
     assert ctxreplay.snapshot() == before
 
 
 def test_resolving_probes_for_a_snapshot() -> None:
-    autocast = ctxreplay.get_probe("autocast")
+    autocast = ctxreplay.probes.get_probe("autocast")
     assert ctxreplay.snapshot("autocast").names == ("autocast",)
     assert ctxreplay.snapshot(autocast).probes == (autocast,)
     assert ctxreplay.snapshot(["rng", autocast, "rng"]).names == ("autocast", "rng")
@@ -199,7 +199,7 @@ def test_resolving_probes_for_a_snapshot() -> None:
         ctxreplay.snapshot(1)
     with pytest.raises(ValueError, match="two different probes are named 'autocast'"):
         ctxreplay.snapshot([autocast, AutocastProbe()])
-    with pytest.raises(ctxreplay.UnknownProbeError, match="known probes"):
+    with pytest.raises(ctxreplay.probes.UnknownProbeError, match="known probes"):
         ctxreplay.snapshot(["autocast", "nope"])
 
 
@@ -208,12 +208,12 @@ def test_resolving_probes_for_a_snapshot() -> None:
 def test_the_example_package_is_discovered_through_its_metadata() -> None:
     from ctxreplay_example_probe import probe
 
-    info = ctxreplay.available_probes()["example_forward_context"]
+    info = ctxreplay.probes.available_probes()["example_forward_context"]
     assert info.origin == "entry_point"
     assert info.distribution == "ctxreplay-example-probe"
     assert info.error is None and not info.default
-    assert ctxreplay.get_probe("example_forward_context") is probe
-    assert "example_forward_context" not in ctxreplay.default_probes()
+    assert ctxreplay.probes.get_probe("example_forward_context") is probe
+    assert "example_forward_context" not in ctxreplay.probes.default_probes()
 
 
 MakeDist = Callable[..., Path]
@@ -258,7 +258,7 @@ FAKE_PROBES = """
     import ctxreplay
 
 
-    class GoodProbe(ctxreplay.ContextProbe):
+    class GoodProbe(ctxreplay.probes.ContextProbe):
         name = "fake_good"
         description = "a fake probe"
 
@@ -297,8 +297,8 @@ def test_broken_entry_points_warn_and_everything_else_works(fake_dist: MakeDist)
         "fake_probes_{t}": FAKE_PROBES,
         "fake_raising_{t}": "raise RuntimeError('boom at import')\n",
     })
-    with pytest.warns(ctxreplay.ProbeRegistrationWarning) as record:
-        info = ctxreplay.available_probes()
+    with pytest.warns(ctxreplay.probes.ProbeRegistrationWarning) as record:
+        info = ctxreplay.probes.available_probes()
     messages = sorted(str(w.message) for w in record)
     assert len(messages) == 6, messages
     for name in ["fake_import_error", "fake_raising_import", "fake_not_a_probe",
@@ -310,7 +310,7 @@ def test_broken_entry_points_warn_and_everything_else_works(fake_dist: MakeDist)
         assert info[name].origin == "entry_point"
         assert info[name].distribution == "fake-pkg"
         assert info[name].error is None and info[name].description == "a fake probe"
-        assert ctxreplay.get_probe(name).observe() == 0
+        assert ctxreplay.probes.get_probe(name).observe() == 0
 
     # The broken ones are listed with their error and cannot be used.
     errors = {n: info[n].error or "" for n in info if not info[n].loaded}
@@ -328,19 +328,19 @@ def test_broken_entry_points_warn_and_everything_else_works(fake_dist: MakeDist)
         assert info[name].distribution == "fake-pkg"
         assert not info[name].default
         if "@" not in name:
-            with pytest.raises(ctxreplay.UnknownProbeError):
-                ctxreplay.get_probe(name)
+            with pytest.raises(ctxreplay.probes.UnknownProbeError):
+                ctxreplay.probes.get_probe(name)
 
     # A duplicate of a built-in name leaves the built-in in place, and is
     # listed under name@distribution with its error.
     assert info["autocast"].origin == "builtin" and info["autocast"].loaded
-    assert type(ctxreplay.get_probe("autocast")) is AutocastProbe
+    assert type(ctxreplay.probes.get_probe("autocast")) is AutocastProbe
 
     # Everything else still works, and the warnings come once.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ctxreplay.default_probes() == BUILTIN_DEFAULTS
-        assert ctxreplay.available_probes()["example_forward_context"].loaded
+        assert ctxreplay.probes.default_probes() == BUILTIN_DEFAULTS
+        assert ctxreplay.probes.available_probes()["example_forward_context"].loaded
         with torch.autocast("cpu", dtype=torch.bfloat16):
             snap = ctxreplay.snapshot()
         with snap.replay():
@@ -352,8 +352,8 @@ def test_the_same_name_from_two_distributions_registers_once(fake_dist: MakeDist
     fake_dist("fake_one", {"fake_good": "fake_probes_{t}:GoodProbe"},
               {"fake_probes_{t}": FAKE_PROBES})
     fake_dist("fake_two", {"fake_good": "fake_probes_{t}:GoodProbe"}, {})
-    with pytest.warns(ctxreplay.ProbeRegistrationWarning, match="already registered"):
-        info = ctxreplay.available_probes()
+    with pytest.warns(ctxreplay.probes.ProbeRegistrationWarning, match="already registered"):
+        info = ctxreplay.probes.available_probes()
     assert info["fake_good"].loaded
     dupes = [n for n in info if n.startswith("fake_good@")]
     assert len(dupes) == 1 and "already registered" in (info[dupes[0]].error or "")
@@ -363,9 +363,9 @@ def test_the_same_name_from_two_distributions_registers_once(fake_dist: MakeDist
 def test_a_broken_entry_point_fixed_at_runtime(fake_dist: MakeDist,
                                                cleanup: list[str]) -> None:
     fake_dist("fake_pkg", {"test_counter": "fake_missing_module_{t}:probe"}, {})
-    with pytest.warns(ctxreplay.ProbeRegistrationWarning):
-        assert not ctxreplay.available_probes()["test_counter"].loaded
+    with pytest.warns(ctxreplay.probes.ProbeRegistrationWarning):
+        assert not ctxreplay.probes.available_probes()["test_counter"].loaded
     cleanup.append("test_counter")
-    ctxreplay.register_probe(Counter)
-    info = ctxreplay.available_probes()["test_counter"]
+    ctxreplay.probes.register_probe(Counter)
+    info = ctxreplay.probes.available_probes()["test_counter"]
     assert info.loaded and info.origin == "runtime"

@@ -1,6 +1,6 @@
 """How replay parts are composed, on every torch release the suite runs on.
 
-``ctxreplay.probe.composed`` is the one composition of replay parts that a
+``ctxreplay.core.probe.composed`` is the one composition of replay parts that a
 tracer may see: an ``ExitStack`` where it can trace one, nested ``with``
 statements while a Dynamo that cannot (before 2.11,
 ``CAPS.dynamo_traces_exitstack``) traces it.  Both forms must mean the same,
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 import ctxreplay
-import ctxreplay.probe as probe_mod
+import ctxreplay.core.probe as probe_mod
 import ctxreplay.probes.autocast as autocast_mod
-from ctxreplay._torchcaps import CAPS
-from ctxreplay.probe import composed
+from ctxreplay._base.torchcaps import CAPS
+from ctxreplay.core.probe import composed
 
 BF16 = torch.bfloat16
 
@@ -144,7 +144,7 @@ def test_a_capture_replays_autocast_and_grad_mode_in_either_form(form: str,
 
 def test_the_autocast_probe_watches_only_what_the_guard_cannot_see(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    autocast = ctxreplay.get_probe("autocast")
+    autocast = ctxreplay.probes.get_probe("autocast")
     with torch.autocast("cpu", dtype=BF16):
         state = autocast.observe()
     if CAPS.guard_sees_autocast_flags and CAPS.guard_sees_autocast_dtype:

@@ -15,11 +15,11 @@ import torchstate as ts
 from probe_cases import CASES, Case
 
 import ctxreplay
+from ctxreplay.core.snapshots import SCHEMA
 from ctxreplay.probes.autocast import AutocastState
-from ctxreplay.snapshot import SCHEMA
 from ctxreplay.testing import global_state
 
-PORTABLE_CASES = [c for c in CASES if ctxreplay.get_probe(c.probe).portable]
+PORTABLE_CASES = [c for c in CASES if ctxreplay.probes.get_probe(c.probe).portable]
 
 
 def _through_json(snap: ctxreplay.ContextSnapshot) -> Any:
@@ -45,7 +45,7 @@ def test_json_round_trip_of_every_portable_probe(case: Case) -> None:
 
 
 def test_json_round_trip_of_everything_at_once() -> None:
-    names = [*ctxreplay.default_probes(), "rng"]
+    names = [*ctxreplay.probes.default_probes(), "rng"]
     with contextlib_all([c.make for c in CASES if c.id in {
         "autocast-cpu-bf16-cache-off", "grad-inference_mode", "determinism-warn_only",
         "default_dtype-float64", "default_device-meta", "matmul-medium", "rng-after-draws",
@@ -81,7 +81,7 @@ def _base_doc() -> dict[str, Any]:
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         doc: dict[str, Any] = _through_json(
-            ctxreplay.snapshot([*ctxreplay.default_probes(), "rng"]))
+            ctxreplay.snapshot([*ctxreplay.probes.default_probes(), "rng"]))
     return doc
 
 
@@ -203,7 +203,7 @@ def test_malformed_documents_name_the_bad_path(mutate: Callable[[dict[str, Any]]
 
 
 def test_a_probe_decoder_raising_another_type_becomes_a_value_error() -> None:
-    class Fragile(ctxreplay.ContextProbe[int]):
+    class Fragile(ctxreplay.probes.ContextProbe[int]):
         name = "fragile"
 
         def observe(self) -> int:
@@ -251,7 +251,7 @@ def _set_frame(frame: Frame) -> Iterator[None]:
 
 
 def test_a_non_portable_state_is_marked_and_unresolved_after_loading() -> None:
-    fwd = ctxreplay.ForwardContextProbe(_get_frame, _set_frame, name="frame")
+    fwd = ctxreplay.probes.ForwardContextProbe(_get_frame, _set_frame, name="frame")
     with _set_frame(Frame()), torch.autocast("cpu", dtype=torch.bfloat16):
         snap = ctxreplay.snapshot([fwd, "autocast"])
     doc = _through_json(snap)
@@ -285,8 +285,8 @@ def test_a_non_portable_state_is_marked_and_unresolved_after_loading() -> None:
 
 
 def test_a_registered_non_portable_probe_resolves_by_name() -> None:
-    fwd = ctxreplay.ForwardContextProbe(_get_frame, _set_frame, name="frame_registered")
-    ctxreplay.register_probe(fwd)
+    fwd = ctxreplay.probes.ForwardContextProbe(_get_frame, _set_frame, name="frame_registered")
+    ctxreplay.probes.register_probe(fwd)
     try:
         with _set_frame(Frame()):
             snap = ctxreplay.snapshot(["frame_registered"])
@@ -294,14 +294,14 @@ def test_a_registered_non_portable_probe_resolves_by_name() -> None:
         assert back.unresolved == ("frame_registered",)
         assert back.probes[0] is fwd
     finally:
-        ctxreplay.unregister_probe("frame_registered")
+        ctxreplay.probes.unregister_probe("frame_registered")
 
 
 # -- identity, comparison, diff -----------------------------------------------
 
 def test_snapshots_are_hashable_and_compare_by_state() -> None:
     a = ctxreplay.snapshot()
-    b = ctxreplay.snapshot(ctxreplay.default_probes())  # a fresh observer
+    b = ctxreplay.snapshot(ctxreplay.probes.default_probes())  # a fresh observer
     with torch.autocast("cpu", dtype=torch.bfloat16):
         c = ctxreplay.snapshot()
     assert a == b and hash(a) == hash(b)
@@ -360,7 +360,7 @@ def test_without() -> None:
 
 # -- the cached default observer -----------------------------------------------
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.probe in ctxreplay.default_probes()],
+@pytest.mark.parametrize("case", [c for c in CASES if c.probe in ctxreplay.probes.default_probes()],
                          ids=lambda c: c.id)
 def test_cached_default_snapshot_sees_every_change(case: Case) -> None:
     """``snapshot()`` reuses its last result while GlobalStateGuard holds; the
@@ -370,7 +370,7 @@ def test_cached_default_snapshot_sees_every_change(case: Case) -> None:
     assert ctxreplay.snapshot() is before  # cached
     with case.make():
         inside = ctxreplay.snapshot()
-        fresh = ctxreplay.snapshot(ctxreplay.default_probes())
+        fresh = ctxreplay.snapshot(ctxreplay.probes.default_probes())
     assert inside == fresh
     assert inside != before
     assert ctxreplay.snapshot() == before
@@ -405,7 +405,7 @@ def test_cached_snapshot_sees_blind_spot_switches_under_an_unchanged_guard() -> 
 # -- the cached check ----------------------------------------------------------------
 
 def test_checker_compares_by_identity_then_equality_and_stops_at_the_first_miss() -> None:
-    from ctxreplay.observer import checker
+    from ctxreplay.core.observer import checker
 
     calls: list[str] = []
 

@@ -82,7 +82,7 @@ def observed(spec: dict[str, Any]) -> tuple[ctxreplay.ContextSnapshot, GlobalSta
     with entered(spec):
         snap = ctxreplay.snapshot()
         # The cached default observer must agree with a fresh one.
-        assert snap == ctxreplay.snapshot(ctxreplay.default_probes())
+        assert snap == ctxreplay.snapshot(ctxreplay.probes.default_probes())
         return snap, effective(global_state())
 
 
@@ -95,7 +95,7 @@ def test_replay_reproduces_any_combination(spec: dict[str, Any]) -> None:
         assert ctxreplay.snapshot() == neutral
         with snap.replay():
             assert ctxreplay.snapshot() == snap
-            assert ctxreplay.snapshot(ctxreplay.default_probes()) == snap
+            assert ctxreplay.snapshot(ctxreplay.probes.default_probes()) == snap
             assert effective(global_state()) == live  # blind spots included
         assert ctxreplay.snapshot() == neutral
 

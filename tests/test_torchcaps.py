@@ -1,4 +1,4 @@
-"""``ctxreplay._torchcaps`` cannot lie: every capability is checked against
+"""``ctxreplay._base.torchcaps`` cannot lie: every capability is checked against
 what the installed torch really does.
 
 Each test exercises the behaviour the field describes -- through a path other
@@ -20,8 +20,8 @@ import torch
 import torchstate as ts
 from torch import nn
 
-from ctxreplay import _torchcaps
-from ctxreplay._torchcaps import CAPS, SDP_GETTERS, parse_version
+from ctxreplay._base import torchcaps as _torchcaps
+from ctxreplay._base.torchcaps import CAPS, SDP_GETTERS, parse_version
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -374,7 +374,7 @@ def test_a_module_list_holding_one_block_twice_counts_each_call_once() -> None:
 
 # -- the user's exceptions ----------------------------------------------------------------
 
-class ObserveFails(ctxreplay.ContextProbe[str]):
+class ObserveFails(ctxreplay.probes.ContextProbe[str]):
     name = "test_observe_fails"
 
     def observe(self) -> str:

@@ -418,7 +418,7 @@ class Denoiser(nn.Module):
 
 def _loop(steps: int, make: Any, **probe_kw: Any) -> ctxreplay.CaptureSession:
     model = Denoiser().eval()
-    probe = ctxreplay.ForwardContextProbe(get_forward_context, set_forward_context,
+    probe = ctxreplay.probes.ForwardContextProbe(get_forward_context, set_forward_context,
                                           **probe_kw)
     s = ctxreplay.capture_with(model, probes=["autocast", "grad_mode", probe],
                                backend="export")

@@ -28,7 +28,7 @@ from metadata_check import assert_metadata_only, check_report
 from torch import nn
 
 import ctxreplay
-from ctxreplay.explain import explain_captures
+from ctxreplay.report.explain import explain_captures
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -96,8 +96,8 @@ class Net(nn.Module):
         return x
 
 
-def _probe() -> ctxreplay.ForwardContextProbe:
-    return ctxreplay.ForwardContextProbe(get_forward_context, set_forward_context)
+def _probe() -> ctxreplay.probes.ForwardContextProbe:
+    return ctxreplay.probes.ForwardContextProbe(get_forward_context, set_forward_context)
 
 
 def _session(model: nn.Module, probes: list[Any]) -> ctxreplay.CaptureSession:
@@ -265,7 +265,7 @@ def test_a_failure_message_holds_no_tensor_values() -> None:
 
 # -- a probe that cannot observe is reported by name -----------------------------------
 
-class CannotObserve(ctxreplay.ContextProbe[str]):
+class CannotObserve(ctxreplay.probes.ContextProbe[str]):
     name = "test_cannot_observe"
 
     def observe(self) -> str:
@@ -276,7 +276,7 @@ class CannotObserve(ctxreplay.ContextProbe[str]):
 
 
 def test_snapshot_names_a_probe_that_cannot_observe() -> None:
-    with pytest.raises(ctxreplay.ProbeObservationError) as info:
+    with pytest.raises(ctxreplay.probes.ProbeObservationError) as info:
         ctxreplay.snapshot(["autocast", CannotObserve(), "grad_mode"])
     err = info.value
     assert err.probe == "test_cannot_observe" and err.exc_type == "KeyError"
@@ -295,7 +295,7 @@ import torch
 from torch import nn
 import ctxreplay
 
-class LegacyPrecision(ctxreplay.ContextProbe):
+class LegacyPrecision(ctxreplay.probes.ContextProbe):
     """What the matmul probe did before issue 12."""
     name = "legacy_precision"
     def observe(self):
@@ -314,7 +314,7 @@ out["default_snapshot"] = list(ctxreplay.snapshot().names)
 try:
     ctxreplay.snapshot([LegacyPrecision()])
     out["snapshot"] = None
-except ctxreplay.ProbeObservationError as exc:
+except ctxreplay.probes.ProbeObservationError as exc:
     out["snapshot"] = [type(exc).__name__, exc.probe, exc.exc_type]
 except Exception as exc:
     out["snapshot"] = ["bare", type(exc).__name__]

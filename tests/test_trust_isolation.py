@@ -34,7 +34,7 @@ from trust_oracle import members_of, record, unreproduced
 
 import ctxreplay
 from ctxreplay.backends import ExportBackend
-from ctxreplay.verify import check_signature
+from ctxreplay.fidelity.verify import check_signature
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning",
                                         "ignore::UserWarning")
@@ -467,7 +467,7 @@ def test_execute_passes_a_faithful_capture_inside_the_callers_inference_mode() -
         report = session.finalize()
     (c,) = report.captures
     assert c.outputs is not None
-    assert all(s.requires_grad for _, s in ctxreplay.signature.tensor_leaves(c.outputs))
+    assert all(s.requires_grad for _, s in ctxreplay.specs.signature.tensor_leaves(c.outputs))
     assert c.fidelity.ok and report.ok, c.fidelity.mismatches
     assert unreproduced(report, calls) == []
 
@@ -482,7 +482,7 @@ def test_the_callers_inference_mode_would_fail_a_faithful_capture() -> None:
     assert c.fidelity.ok and report.ok
     assert unreproduced(report, calls) == []
     assert c.outputs is not None
-    assert all(s.requires_grad for _, s in ctxreplay.signature.tensor_leaves(c.outputs))
+    assert all(s.requires_grad for _, s in ctxreplay.specs.signature.tensor_leaves(c.outputs))
     gm = c.artifact.module()
     with torch.inference_mode():
         assert not gm(torch.rand(2, DIM)).requires_grad
@@ -594,8 +594,8 @@ def _signature_row() -> str:
 
 
 def test_signature_verification_compares_strides_or_the_docs_do_not_say_so() -> None:
-    live = ctxreplay.signature.TensorSpec((4, 8), (8, 1), torch.float32, "cpu")
-    captured = ctxreplay.signature.TensorSpec((4, 8), (1, 4), torch.float32, "cpu")
+    live = ctxreplay.specs.signature.TensorSpec((4, 8), (8, 1), torch.float32, "cpu")
+    captured = ctxreplay.specs.signature.TensorSpec((4, 8), (1, 4), torch.float32, "cpu")
     snap = ctxreplay.snapshot()
     found = check_signature(live, captured, snap, snap.names)
     if not found:

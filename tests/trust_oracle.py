@@ -8,7 +8,7 @@ the member's weights (DESIGN.md fact 20: ``ep.module()`` then
 ``load_state_dict(..., strict=False, assign=True)``), returns the live
 outputs by value.  The only engine contract used is the documented binding:
 a ``"flattened"`` capture takes the call's tensor leaves positionally, in
-``Capture.signature.leaves()`` order (``ctxreplay.signature.tensor_values``
+``Capture.signature.leaves()`` order (``ctxreplay.specs.signature.tensor_values``
 walks a value in that order); the shapes of those leaves are checked against
 the signature before anything runs.
 """
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import ctxreplay
-from ctxreplay.signature import tensor_values
+from ctxreplay.specs.signature import tensor_values
 
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-2}
 _TOL = {torch.bfloat16: BF16_TOL, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}

@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 
-from ..signature import SeqSpec, Spec, spec_of
+from ..errors import Error
+from ..specs.signature import SeqSpec, Spec, spec_of
 
 __all__ = ["BACKEND_REASONS", "Adapter", "Backend", "BackendError", "classify_exception",
            "exception_message", "share_tensors_copy"]
 
 
-class BackendError(RuntimeError):
+class BackendError(Error, RuntimeError):
     """A backend failed; ``reason`` is a code, ``attempts`` the per-backend codes."""
 
     def __init__(self, reason: str, exc_type: str,

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from .._torchcaps import CAPS
-from ..passes import lower_wrappers
-from ..signature import SeqSpec, Spec, flatten_spec, spec_of
+from .._base.torchcaps import CAPS
+from ..specs.signature import SeqSpec, Spec, flatten_spec, spec_of
 from .base import Backend, BackendError, classify_exception, share_tensors_copy
+from .passes import lower_wrappers
 
 __all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend"]
 

@@ -1,6 +1,21 @@
-"""Built-in probes.  Each module registers itself through the public registry,
-exactly as a downstream package's probe would."""
+"""Probe authoring and the built-in probes: the ``ContextProbe`` contract, the
+registry (``register_probe``, ``get_probe``, ``available_probes``,
+``default_probes``) and its errors, and every built-in probe, each registered
+through that public registry exactly as a downstream package's probe would be."""
 
+from ..core.observer import ProbeObservationError
+from ..core.probe import ContextProbe, NotPortableError
+from ..core.registry import (
+    ProbeInfo,
+    ProbeRegistrationWarning,
+    UnknownProbeError,
+    available_probes,
+    default_probes,
+    get_probe,
+    register_probe,
+    unregister_probe,
+)
+from ..core.snapshots import ProbeDiff, UnknownProbeWarning
 from . import (  # noqa: F401  (imported for registration)
     autocast,
     default_device,
@@ -27,6 +42,11 @@ from .rng import RngProbe, RngState
 from .sdpa_backend import SdpaBackendProbe, SdpaBackendState
 
 __all__ = [
+    # the contract and the registry
+    "ContextProbe", "NotPortableError", "ProbeDiff", "ProbeInfo", "ProbeObservationError",
+    "ProbeRegistrationWarning", "UnknownProbeError", "UnknownProbeWarning",
+    "available_probes", "default_probes", "get_probe", "register_probe", "unregister_probe",
+    # the built-in probes and their states
     "AutocastProbe", "AutocastState", "ContextVarProbe", "DefaultDeviceProbe",
     "DefaultDtypeProbe", "DeterminismProbe", "DeterminismState", "DistributedProbe",
     "DistributedState", "ForwardContextProbe",

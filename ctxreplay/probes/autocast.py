@@ -11,10 +11,10 @@ from typing import Any
 import attrs
 import torch
 
-from .._json import dtype_name, read_bool, read_dtype, read_list, read_mapping, read_str
-from .._torchcaps import AUTOCAST_DEVICE_TYPES, CAPS, dynamo_compiling
-from ..probe import ContextProbe, Part, composed
-from ..registry import register_probe
+from .._base.jsonread import dtype_name, read_bool, read_dtype, read_list, read_mapping, read_str
+from .._base.torchcaps import AUTOCAST_DEVICE_TYPES, CAPS, dynamo_compiling
+from ..core.probe import ContextProbe, Part, composed
+from ..core.registry import register_probe
 
 __all__ = ["AutocastProbe", "AutocastState"]
 

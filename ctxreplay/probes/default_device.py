@@ -10,9 +10,9 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-from .._json import read_device
-from ..probe import ContextProbe
-from ..registry import register_probe
+from .._base.jsonread import read_device
+from ..core.probe import ContextProbe
+from ..core.registry import register_probe
 
 __all__ = ["DefaultDeviceProbe"]
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .._json import dtype_name, read_dtype
-from ..probe import ContextProbe, restoring
-from ..registry import register_probe
+from .._base.jsonread import dtype_name, read_dtype
+from ..core.probe import ContextProbe, restoring
+from ..core.registry import register_probe
 
 __all__ = ["DefaultDtypeProbe"]
 

@@ -11,9 +11,9 @@ import attrs
 import torch
 import torch.utils.deterministic as _det
 
-from .._json import read_bool, read_mapping
-from ..probe import ContextProbe
-from ..registry import register_probe
+from .._base.jsonread import read_bool, read_mapping
+from ..core.probe import ContextProbe
+from ..core.registry import register_probe
 
 __all__ = ["DeterminismProbe", "DeterminismState"]
 
@@ -26,6 +26,11 @@ _fill = torch._C._get_deterministic_fill_uninitialized_memory
 
 @attrs.frozen(cache_hash=True)
 class DeterminismState:
+    """``torch.use_deterministic_algorithms`` (and its ``warn_only``), cuDNN's
+    ``deterministic`` and ``benchmark`` flags, and
+    ``torch.utils.deterministic.fill_uninitialized_memory``; the defaults are
+    a fresh process's."""
+
     deterministic_algorithms: bool = False
     warn_only: bool = False
     cudnn_deterministic: bool = False

@@ -10,9 +10,9 @@ from typing import Any
 import attrs
 import torch
 
-from .._json import read_bool, read_int, read_list, read_mapping, read_pairs, read_str
-from ..probe import ContextProbe
-from ..registry import register_probe
+from .._base.jsonread import read_bool, read_int, read_list, read_mapping, read_pairs, read_str
+from ..core.probe import ContextProbe
+from ..core.registry import register_probe
 
 __all__ = ["DistributedProbe", "DistributedState"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from ..probe import ContextProbe, NotPortableError
+from ..core.probe import ContextProbe, NotPortableError
 
 __all__ = ["ForwardContextProbe", "LiveState", "LiveValueProbe"]
 

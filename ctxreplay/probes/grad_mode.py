@@ -9,9 +9,9 @@ from typing import Any
 import attrs
 import torch
 
-from .._json import read_bool, read_mapping
-from ..probe import ContextProbe
-from ..registry import register_probe
+from .._base.jsonread import read_bool, read_mapping
+from ..core.probe import ContextProbe
+from ..core.registry import register_probe
 
 __all__ = ["GradModeProbe", "GradModeState"]
 
@@ -21,6 +21,9 @@ _inference = torch.is_inference_mode_enabled
 
 @attrs.frozen(cache_hash=True)
 class GradModeState:
+    """Whether autograd records (``torch.is_grad_enabled()``) and whether
+    inference mode is on (``torch.is_inference_mode_enabled()``)."""
+
     grad_enabled: bool = True
     inference_mode: bool = False
 

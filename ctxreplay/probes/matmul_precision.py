@@ -21,9 +21,9 @@ from typing import Any
 import attrs
 import torch
 
-from .._json import read_bool, read_mapping, read_str
-from ..probe import ContextProbe, applying
-from ..registry import register_probe
+from .._base.jsonread import read_bool, read_mapping, read_str
+from ..core.probe import ContextProbe, applying
+from ..core.registry import register_probe
 
 __all__ = ["MatmulPrecisionProbe", "MatmulPrecisionState"]
 

@@ -49,9 +49,10 @@ from torch.utils._python_dispatch import (
 from torch.utils._python_dispatch import _pop_mode as _pop_dispatch_mode
 from torch.utils._python_dispatch import _push_mode as _push_dispatch_mode
 
-from .._json import read_list, read_mapping, read_str
-from ..probe import ContextProbe, NotPortableError
-from ..registry import register_probe
+from .._base.jsonread import read_list, read_mapping, read_str
+from ..core.probe import ContextProbe, NotPortableError
+from ..core.registry import register_probe
+from ..errors import Error
 
 __all__ = ["ModeNotReplayableError", "ModeStackProbe", "ModeStackState"]
 
@@ -62,7 +63,7 @@ _fn_len = torch._C._len_torch_function_stack
 _dispatch_len = torch._C._len_torch_dispatch_stack
 
 
-class ModeNotReplayableError(LookupError):
+class ModeNotReplayableError(Error, LookupError):
     """A mode observed during the live forward cannot be re-established."""
 
 

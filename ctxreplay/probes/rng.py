@@ -11,9 +11,9 @@ from typing import Any
 import attrs
 import torch
 
-from .._json import read_mapping, read_str
-from ..probe import ContextProbe
-from ..registry import register_probe
+from .._base.jsonread import read_mapping, read_str
+from ..core.probe import ContextProbe
+from ..core.registry import register_probe
 
 __all__ = ["RngProbe", "RngState"]
 

@@ -19,10 +19,10 @@ from typing import Any
 import attrs
 import torch
 
-from .._json import read_bool, read_list, read_mapping, read_str
-from .._torchcaps import CAPS
-from ..probe import ContextProbe, applying
-from ..registry import register_probe
+from .._base.jsonread import read_bool, read_list, read_mapping, read_str
+from .._base.torchcaps import CAPS
+from ..core.probe import ContextProbe, applying
+from ..core.registry import register_probe
 
 __all__ = ["SdpaBackendProbe", "SdpaBackendState"]
 

@@ -34,8 +34,8 @@ def _observe(ctx: ForwardContext) -> object:
 
 
 def test_the_probe_is_registered_through_its_entry_point() -> None:
-    assert ctxreplay.get_probe("example_forward_context") is probe
-    info = ctxreplay.available_probes()["example_forward_context"]
+    assert ctxreplay.probes.get_probe("example_forward_context") is probe
+    info = ctxreplay.probes.available_probes()["example_forward_context"]
     assert info.origin == "entry_point"
     assert info.distribution == "ctxreplay-example-probe"
 
@@ -63,7 +63,7 @@ def test_a_replayed_context_reproduces_the_live_forward() -> None:
     with set_forward_context(ForwardContext("flash", scale=3.0)):
         live = model(x)
         snap = ctxreplay.snapshot(["example_forward_context",
-                                   *ctxreplay.default_probes()])
+                                   *ctxreplay.probes.default_probes()])
 
     # Later, outside the live forward: the context is gone ...
     with pytest.raises(AssertionError, match="forward context is not set"):

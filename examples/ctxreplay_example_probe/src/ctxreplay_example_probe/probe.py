@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ctxreplay import ForwardContextProbe
+from ctxreplay.probes import ForwardContextProbe
 
 from .framework import ForwardContext, get_forward_context, set_forward_context
 

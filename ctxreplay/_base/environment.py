@@ -1,0 +1,80 @@
+"""What an artifact's environment is made of, beyond the versions:
+accelerators present, their capability, and torch's autocast op policy.
+
+Metadata only: versions, device types, capability strings and short
+digests.  Every torch query is feature-detected (torch 2.5-2.14 differ).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+import torch
+
+from .version import environment
+
+__all__ = ["ACCELERATORS", "autocast_policy", "capability", "device_available",
+           "full_environment"]
+
+#: device types an artifact's tensors may live on besides the CPU
+ACCELERATORS = ("cuda", "xpu", "mps", "hpu", "mtia", "privateuseone")
+
+# autocast dispatch keys by device type (the names torch's dispatcher uses)
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU",
+                  "mps": "AutocastMPS", "hpu": "AutocastHPU",
+                  "privateuseone": "AutocastPrivateUse1"}
+
+
+@functools.cache
+def autocast_policy() -> dict[str, str]:
+    """Device type -> a digest of the operators torch's autocast has a kernel
+    for on it (``_dispatch_get_registrations_for_dispatch_key``): two builds
+    whose autocast casts different operators have different digests.  A
+    device type whose key this torch lacks is left out."""
+    get = getattr(torch._C, "_dispatch_get_registrations_for_dispatch_key", None)
+    if get is None:  # pragma: no cover - a torch without the query
+        return {}
+    out: dict[str, str] = {}
+    for device, key in _AUTOCAST_KEYS.items():
+        try:
+            ops = sorted(str(op) for op in get(key))
+        except Exception:  # this torch has no such dispatch key
+            continue
+        if ops:
+            out[device] = hashlib.sha256("\n".join(ops).encode()).hexdigest()[:16]
+    return dict(out)
+
+
+def device_available(device_type: str) -> bool:
+    """Whether tensors of ``device_type`` can be made in this process."""
+    if device_type in ("cpu", "meta"):
+        return True
+    module = getattr(torch, device_type, None)
+    check = getattr(module, "is_available", None)
+    if check is None:
+        return False
+    try:
+        return bool(check())
+    except Exception:  # a broken driver: not available
+        return False
+
+
+def capability(device_type: str) -> str | None:
+    """``"major.minor"`` of the current ``device_type`` accelerator, where
+    torch reports one (CUDA, ROCm; XPU has no such notion here)."""
+    if device_type != "cuda" or not device_available("cuda"):
+        return None
+    try:
+        major, minor = torch.cuda.get_device_capability()
+    except Exception:  # a broken driver: unknown
+        return None
+    return f"{major}.{minor}"
+
+
+def full_environment() -> dict[str, Any]:
+    """``_version.environment()`` plus the autocast op policy digests."""
+    env = environment()
+    env["autocast_policy"] = autocast_policy()
+    return env

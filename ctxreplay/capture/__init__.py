@@ -1,0 +1,4 @@
+"""One variant becomes one capture: the options and requests capture is given, isolation,
+tracing under the replayed context, the checker that runs the artifact against every
+member call, the results, and merging identical graphs.
+"""

@@ -1,0 +1,226 @@
+"""Running one artifact against every member call it stands for.
+
+``Checker.run(modules)`` is ``verify="signature" | "execute" | "values"``
+for one capture: per member that ran the variant, the graph's output
+metadata against that member's live outputs; the artifact run with the
+member's own weights (an isolated view of it: parameters shared, buffers
+and Python state its own) from a neutral state, against the live output
+metadata and against the member itself on the same inputs under the live
+context; and, for ``values``, against retained copies of the member's first
+live call.  What it compares is in ``verify``; what it runs is here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..backends import Backend, exception_message
+from ..core.probe import ContextProbe
+from ..fidelity.verify import (
+    Fidelity,
+    Mismatch,
+    check_outputs,
+    check_signature,
+    compare_values,
+    flat_tensor_spec,
+    hint_for,
+    merge_mismatches,
+    neutral_replay,
+)
+from ..specs.materialize import bind_call, inputs_for, materialize_leaves
+from ..specs.signature import Spec, TensorSpec, tensor_values
+from .isolate import isolated, rng_guard
+from .options import CaptureOptions, MemberCall, VariantRequest
+
+__all__ = ["Checker"]
+
+
+class Checker:
+    """Checks one artifact against every member call it stands for.
+
+    ``traced`` is the (isolated) module the artifact was traced from: its
+    tensors identify which of the artifact's tensors are weights, so the
+    artifact can run with another member's.  ``carried``: probes the
+    artifact carries itself (for hints)."""
+
+    def __init__(self, request: VariantRequest, options: CaptureOptions, backend: Backend,
+                 artifact: Any, traced: nn.Module, graph_outputs: Spec | None, *,
+                 binding: str, flatten_out: bool, carried: tuple[str, ...],
+                 baseline: tuple[ContextProbe[Any], ...],
+                 ambient_only: tuple[str, ...] = ()) -> None:
+        self.request, self.options = request, options
+        self.backend, self.artifact, self.traced = backend, artifact, traced
+        self.graph_outputs, self.carried, self.baseline = graph_outputs, carried, baseline
+        self.binding, self.flatten_out = binding, flatten_out
+        self.applied = () if options.replay == "off" else request.snapshot.names
+        self.hint = hint_for(request.snapshot, carried)
+        self.ambient_only = ambient_only
+        self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
+
+    def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
+        level = self.options.verify
+        if level == "off":
+            return Fidelity(level, True, (), ())
+        checked = {"signature": ("signature",), "execute": ("signature", "execute"),
+                   "values": ("signature", "execute", "values")}[level]
+        members = [m for m in self.request.members if m.completed]
+        found = self._check(level, members, modules)
+        merged = merge_mismatches(found)
+        with_needs = None
+        if merged and level != "signature" and self.ambient_only:
+            # would it reproduce where its ambient_only states hold (as the
+            # guard of a loaded capture requires)?  ok stays False: the
+            # artifact alone does not reproduce the call
+            self.needs = self.ambient_only
+            try:
+                with_needs = not self._check(level, members, modules)
+            finally:
+                self.needs = ()
+        return Fidelity(level, not merged, merged, checked, len(members), with_needs)
+
+    def _check(self, level: str, members: list[MemberCall],
+               modules: Mapping[str, nn.Module]) -> list[Mismatch]:
+        found: list[Mismatch] = []
+        single = len(self.request.members) == 1
+        for m in members:
+            name = None if single else m.name
+            found += check_signature(m.outputs, self.graph_outputs, self.request.snapshot,
+                                     self.applied, name)
+            if level == "signature":
+                continue
+            module = modules.get(m.name)
+            if module is None:
+                found.append(_mismatch("execution", "member", "released", "execute", None, name))
+                continue
+            found += self._execute(m, module, name)
+            if level == "values":
+                found += self._values(m, module, name)
+        return found
+
+    def _program(self, view: nn.Module, member: MemberCall) -> Callable[..., Any] | None:
+        """The artifact as a module running with ``view``'s tensors; for a
+        backend that only runs artifacts its own way, ``backend.run`` for the
+        member whose weights the artifact holds (``None`` for the others)."""
+        fresh = self.backend.module(self.artifact)
+        if fresh is None:
+            if member is not self.request.traced:
+                return None
+            backend, artifact = self.backend, self.artifact
+            return lambda *args, **kwargs: backend.run(artifact, args, kwargs)
+        _rebind(fresh, self.traced, view)
+        return fresh
+
+    def _execute(self, m: MemberCall, module: nn.Module, name: str | None) -> list[Mismatch]:
+        leaves = materialize_leaves(self.request.inputs)
+        with isolated(module, self.request.training) as view:
+            program = self._program(view, m)
+            if program is None:
+                return [_mismatch("execution", "member weights",
+                                  f"not possible: backend {self.backend.name!r}", "execute",
+                                  None, name)]
+            try:
+                produced = self._call(program, leaves)
+            except Exception as exc:
+                # e.g. a bfloat16 input meeting float32 weights once autocast
+                # is gone: the probes the artifact did not carry are the
+                # likely cause
+                return [_mismatch("execution", "ran", exception_message(exc)[0], "execute",
+                                  self.hint, name)]
+        if m.outputs is not None:
+            found = check_outputs(self._flat_live(m.outputs), produced, self.request.snapshot,
+                                  self.carried, "execute", captured=self.graph_outputs,
+                                  member=name)
+            if found:
+                return found
+        with isolated(module, self.request.training) as ref:
+            try:  # the member itself, on the same inputs, under the live context
+                reference = self._eager(ref, leaves)
+            except Exception as exc:
+                return [_mismatch("execution", "reference run", exception_message(exc)[0],
+                                  "execute", None, name)]
+        return compare_values(reference, produced, "execute", hint=self.hint, member=name)
+
+    def _values(self, m: MemberCall, module: nn.Module, name: str | None) -> list[Mismatch]:
+        if m.retained is None:
+            return [_mismatch("values", "retained", "not retained (retain_bytes cap)", "values",
+                              None, name)]
+        specs = [s for _, s in self.request.inputs.leaves()]
+        leaves = tuple(_placed(t, s) for t, s in zip(m.retained.inputs, specs))
+        with isolated(module, self.request.training) as view:
+            program = self._program(view, m)
+            if program is None:
+                return []  # reported by the execute check
+            try:
+                produced = self._call(program, leaves)
+            except Exception as exc:
+                return [_mismatch("execution", "ran", exception_message(exc)[0], "values",
+                                  self.hint, name)]
+        return compare_values(m.retained.outputs, produced, "values", hint=self.hint,
+                              member=name)
+
+    def _flat_live(self, live: Spec) -> Spec:
+        if self.binding == "flattened" and self.flatten_out:
+            return flat_tensor_spec(live)
+        return live
+
+    def _call(self, program: Callable[..., Any], leaves: tuple[torch.Tensor, ...]) -> Any:
+        args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=_clone(leaves))
+        with rng_guard(), neutral_replay(self.request.snapshot, self.baseline,
+                                         needs=self.needs):
+            return program(*args, **kwargs)
+
+    def _eager(self, view: nn.Module, leaves: tuple[torch.Tensor, ...]) -> Any:
+        args, kwargs = bind_call(self.request.inputs, _taker(_clone(leaves)))
+        with rng_guard(), neutral_replay(self.request.snapshot, self.baseline, full=True):
+            out = view(*args, **kwargs)
+        return tuple(tensor_values(out)) if self.flatten_out else out
+
+
+def _mismatch(field: str, live: str, captured: str, level: str, hint: str | None,
+              member: str | None) -> Mismatch:
+    return Mismatch("out", field, live, captured, level, hint,
+                    () if member is None else (member,))
+
+
+def _placed(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    out = t.to(spec.device)
+    if spec.requires_grad and (out.dtype.is_floating_point or out.dtype.is_complex):
+        out = out.detach().requires_grad_(True)
+    return out
+
+
+def _clone(leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        return tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in leaves)
+
+
+def _taker(leaves: tuple[torch.Tensor, ...]) -> Callable[[TensorSpec], torch.Tensor]:
+    it = iter(leaves)
+    return lambda _s: next(it)
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
+    out += module.named_buffers(remove_duplicate=False)
+    return out
+
+
+def _rebind(fresh: nn.Module, traced: nn.Module, view: nn.Module) -> None:
+    """Point ``fresh``'s parameters and buffers at ``view``'s, matching each
+    to the traced module's tensor it was made from (by identity)."""
+    names: dict[int, str] = {}
+    for n, t in _tensors(traced):
+        names.setdefault(id(t), n)
+    if view is traced:
+        return
+    mine = dict(_tensors(view))
+    state: dict[str, torch.Tensor] = {}
+    for n, t in _tensors(fresh):
+        src = names.get(id(t))
+        if src is not None and src in mine:
+            state[n] = mine[src]
+    fresh.load_state_dict(state, strict=False, assign=True)

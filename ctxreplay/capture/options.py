@@ -1,0 +1,131 @@
+"""What capture is asked to do: the session's options, validated once, and
+the per-variant request (the calls of each member, what they returned, the
+live copies ``verify="values"`` keeps).
+
+Records only: they import no behaviour above them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from ..backends import Backend
+from ..core.probe import ContextProbe
+from ..core.snapshots import ContextSnapshot
+from ..fidelity.verify import LEVELS
+from ..specs.signature import CallSpec, Spec
+
+__all__ = ["REPLAY_MODES", "WATCH_MODES", "CaptureOptions", "MemberCall", "RetainedCall",
+           "VariantRequest"]
+
+REPLAY_MODES = ("embedded", "ambient", "off")
+WATCH_MODES = ("forward", "call")
+
+
+@attrs.frozen
+class CaptureOptions:
+    """Every setting of a session, validated once, read by capture, explain
+    and the report (``to_json``: the report's ``settings``)."""
+
+    probes: tuple[ContextProbe[Any], ...]
+    backend: Backend
+    targets: str = "None"
+    replay: str = attrs.field(default="embedded", validator=attrs.validators.in_(REPLAY_MODES))
+    verify: str = attrs.field(default="signature", validator=attrs.validators.in_(LEVELS))
+    max_variants: int = 8
+    max_scopes: int = 64
+    profile_ranges: bool = False
+    capture_timeout: float | None = None
+    pin_factories: bool = True
+    watch: str = attrs.field(default="forward", validator=attrs.validators.in_(WATCH_MODES))
+    retain_bytes: int = 256 << 20
+    ignore_attributes: tuple[str, ...] = ()
+    #: a ``torch.distributed`` process group (``None``: the default group
+    #: when one is initialised); ``finalize()`` is then a collective over it
+    group: Any = attrs.field(default=None, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("max_variants", "max_scopes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if isinstance(self.retain_bytes, bool) or not isinstance(self.retain_bytes, int) \
+                or self.retain_bytes < 0:
+            raise ValueError(f"retain_bytes: expected a byte count >= 0, got "
+                             f"{self.retain_bytes!r}")
+        t = self.capture_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not t > 0):
+            raise ValueError(f"capture_timeout: expected seconds > 0, got {t!r}")
+
+    @property
+    def probe_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.probes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replay": self.replay, "verify": self.verify, "max_variants": self.max_variants,
+                "max_scopes": self.max_scopes, "targets": self.targets,
+                "backend": self.backend.name, "pin_factories": self.pin_factories,
+                "watch": self.watch, "retain_bytes": self.retain_bytes,
+                "capture_timeout": self.capture_timeout,
+                "ignore_attributes": list(self.ignore_attributes)}
+
+
+@attrs.frozen(eq=False)
+class RetainedCall:
+    """CPU copies of one live call (``verify="values"``): the input tensors in
+    ``CallSpec.leaves()`` order, the output tensors in output order."""
+
+    inputs: tuple[torch.Tensor, ...] = attrs.field(repr=False)
+    outputs: tuple[torch.Tensor, ...] = attrs.field(repr=False)
+    nbytes: int = 0
+
+
+@attrs.frozen(eq=False)
+class MemberCall:
+    """One member's share of a variant: its calls and its first live output."""
+
+    name: str
+    calls: int
+    outputs: Spec | None
+    completed: bool
+    retained: RetainedCall | None = attrs.field(default=None, repr=False)
+
+
+@attrs.frozen(eq=False)
+class VariantRequest:
+    """One variant to capture: the first completed member is traced (its
+    weights are the artifact's); every member's calls are verified."""
+
+    scope: str
+    variant: int
+    snapshot: ContextSnapshot
+    inputs: CallSpec
+    members: tuple[MemberCall, ...]
+    #: ``(submodule path, training)`` the members had when the variant ran:
+    #: capture and checks put every view in that mode, whatever the model is
+    #: in by finalize()
+    training: tuple[tuple[str, bool], ...] = ()
+    #: ``targets.identity_digest`` of the members' identity when it ran
+    identity: str = ""
+
+    @property
+    def traced(self) -> MemberCall:
+        for m in self.members:
+            if m.completed:
+                return m
+        return self.members[0]
+
+    @property
+    def outputs(self) -> Spec | None:
+        return self.traced.outputs
+
+    @property
+    def calls(self) -> int:
+        return sum(m.calls for m in self.members)
+
+    def with_snapshot(self, snapshot: ContextSnapshot) -> VariantRequest:
+        return attrs.evolve(self, snapshot=snapshot)

@@ -1,0 +1,372 @@
+"""The engine's results: captures, failures and the report-level problems
+and notices (what capture is asked to do is in ``options``).
+
+Records hold data and import no behaviour above them: a capture saves
+itself through ``artifact`` (below), and the modules that make captures
+(``capture``, ``session``) import this one, never the reverse.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..artifacts import saving as _artifact
+from ..artifacts.saving import SavedArtifact
+from ..backends.base import BACKEND_REASONS
+from ..core.snapshots import ContextSnapshot
+from ..fidelity.verify import Fidelity
+from ..specs.materialize import BINDINGS
+from ..specs.signature import CallSpec, Spec
+from ..specs.specjson import call_to_json, spec_to_json
+
+__all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure", "Notice",
+           "Problem"]
+
+#: every ``CaptureFailure.reason`` the package gives: a built-in backend's
+#: codes, then the engine's own (a custom backend may add its
+#: ``BackendError.reason``)
+FAILURE_REASONS = (*BACKEND_REASONS, "replay_failed", "timeout", "no_artifact", "bad_artifact",
+                   "materialize_failed", "verify_failed", "module_released",
+                   "isolation_failed", "internal_error", "interrupted", "state_leak")
+
+#: report-level reasons ``ok`` is False although no capture failed
+PROBLEMS = {
+    "no_captures": "the session saw calls but made no capture",
+    "nothing_observed": "no call of a targeted module was observed",
+    "variant_limit": "variants past max_variants were dropped, never captured",
+    "scope_limit": "structures past max_scopes were never observed",
+    "observation_error": "observing some calls failed, so they are not covered",
+    "not_observed": "calls ran inside a compiled region, where blocks are not observed",
+    "never_completed": "no call of a variant returned, so there is nothing to capture",
+    "member_changed": "a block's attributes changed while observed, so its calls may "
+                      "have run another graph",
+    "stateful_member": "a block's forward writes Python state it keeps, so a later capture "
+                       "may take another path than its calls did",
+}
+
+
+@attrs.frozen(eq=False)
+class Capture:
+    """One captured variant and the live calls it stands for.
+
+    ``members`` are the blocks that ran it (``member_calls`` their call
+    counts); ``weights_from`` is the member whose parameters the artifact holds
+    -- run it for another member with that member's weights (see
+    ``ctxreplay.install``).  ``embedded`` probes are carried by the
+    artifact itself; ``ambient_only`` ones must be re-established around it
+    wherever it runs."""
+
+    # (Each field's docstring is the string after it: the API page shows it.)
+    scope: str
+    """The variant table it belongs to: the first member's qualified name
+    (``"blocks.0"``), or the module's class name for a whole-module capture."""
+    members: tuple[str, ...]
+    """Qualified names of the blocks that ran this variant."""
+    variant: int
+    """Its number within ``scope`` (``scope#variant`` labels it)."""
+    signature: CallSpec
+    """The input signature it was captured for: shape, stride, dtype, device
+    and ``requires_grad`` of every tensor argument, Python scalars by value."""
+    outputs: Spec | None
+    """The specs of what the live call returned (``None``: not known)."""
+    graph_outputs: Spec | None
+    """The specs the captured graph's metadata gives for its outputs."""
+    snapshot: ContextSnapshot
+    """The ambient state the variant ran under, one state per probe."""
+    calls: int
+    """Live calls this capture stands for, over all its members."""
+    backend: str
+    """The backend that produced the artifact (``"export"``, ``"dynamo"``,
+    ``"symbolic"`` or a custom backend's name)."""
+    artifact: Any = attrs.field(repr=False)
+    """The captured program: a ``torch.export.ExportedProgram`` for the
+    export backend, a ``GraphModule`` for the others; ``None`` on a rank that
+    did not capture it."""
+    fidelity: Fidelity
+    """How it was checked against the live calls, and what disagreed."""
+    fingerprint: str
+    """A digest of ops, input signature, context and backend: equal
+    fingerprints, the same capture."""
+    embedded: tuple[str, ...]
+    """Probes whose state the artifact carries itself (embedded replay)."""
+    ambient_only: tuple[str, ...]
+    """Probes with a non-neutral state the artifact does not carry: whoever
+    runs it must re-establish these (``snapshot.replay()`` does)."""
+    binding: str = attrs.field(validator=attrs.validators.in_(BINDINGS))
+    """How the artifact takes its inputs: ``"native"`` (the module's own
+    arguments) or ``"flattened"`` (the call's tensor leaves, positionally)."""
+    constants: tuple[str, ...]
+    """Argument paths bound into the graph as constants (objects torch's
+    pytree does not know, such as a KV cache)."""
+    attempts: tuple[tuple[str, str, str], ...]
+    """``(backend, reason code, exception type)`` of each backend that failed
+    before the one that succeeded (``backend="auto"``)."""
+    seconds: float
+    """Wall time of this capture, check included."""
+    ops: tuple[tuple[str, str | None], ...] = attrs.field(repr=False, default=())
+    """``(op, result dtype)`` of every call node of the graph, subgraphs
+    included."""
+    member_calls: tuple[tuple[str, int], ...] = ()
+    """``(member, calls)``: each member's share of ``calls``."""
+    weights_from: str = ""
+    """The member whose parameters and buffers the artifact holds; run it for
+    another member with that member's weights."""
+    merged: tuple[int, ...] = ()
+    """Variants of other member identities whose graphs turned out identical
+    to this one's, merged into this record (their members are listed here)."""
+    rank: int | None = None
+    """In a distributed finalize: the rank that captured it (and holds the
+    artifact); ``None`` in a single process."""
+    observed_on: tuple[int, ...] = ()
+    """In a distributed finalize: the ranks that observed it."""
+    rank_calls: tuple[tuple[int, int], ...] = ()
+    """In a distributed finalize: ``(rank, calls)`` for each observing rank."""
+    collective: bool = False
+    """Its graph holds collectives: executing it waits for the other ranks."""
+    graph_digest: str = ""
+    """A digest of the graph's code (nested graphs and constants included):
+    equal digests, equal computation for the same inputs and weights."""
+    op_args: tuple[str, ...] = attrs.field(repr=False, default=())
+    """Per op of ``ops``, a digest of its non-tensor arguments."""
+    identities: tuple[tuple[str, str], ...] = ()
+    """``(member, digest)``: each member's identity (class, shapes,
+    ``training``, plain attributes) when it ran the variant -- what
+    ``install`` holds a member to."""
+    ignore_attributes: tuple[str, ...] = ()
+    """Attributes left out of the members' identities (``capture_with(...,
+    ignore_attributes=...)``)."""
+
+    def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
+        """Write the artifact as a ``.pt2`` that ``torch.export.load`` reads back,
+        and a metadata-only sidecar ``<path>.json`` (snapshot and signatures;
+        read it with :func:`ctxreplay.load_sidecar`).
+
+        Only ``torch.export`` artifacts can be saved; any other raises
+        :class:`ctxreplay.ArtifactError` naming its backend.  Context wrappers
+        the serialiser rejects are lowered to explicit casts first.
+        ``verify`` loads the file back, runs it on fresh inputs from a
+        neutral state and compares with the live call: the result is the
+        returned ``SavedArtifact.fidelity`` (also stored in the sidecar).
+
+        Args:
+            path: where to write the ``.pt2``; the sidecar goes beside it.
+            verify: load the file back and check it against the live call.
+
+        Raises:
+            ArtifactError: ``backend_not_savable`` or ``serialize_failed``.
+        """
+        # looked up on the module, so a wrapper installed there (an audit) applies
+        return _artifact.save_capture(self, path, verify=verify)
+
+    def to_json(self) -> dict[str, Any]:
+        """Metadata only."""
+        return {
+            "scope": self.scope,
+            "members": list(self.members),
+            "member_calls": [list(m) for m in self.member_calls],
+            "weights_from": self.weights_from,
+            "variant": self.variant,
+            "merged": list(self.merged),
+            "calls": self.calls,
+            "rank": self.rank,
+            "observed_on": list(self.observed_on),
+            "rank_calls": [list(r) for r in self.rank_calls],
+            "collective": self.collective,
+            "graph_digest": self.graph_digest,
+            "identities": [list(i) for i in self.identities],
+            "ignore_attributes": list(self.ignore_attributes),
+            "backend": self.backend,
+            "binding": self.binding,
+            "constants": list(self.constants),
+            "embedded": list(self.embedded),
+            "ambient_only": list(self.ambient_only),
+            "attempts": [list(a) for a in self.attempts],
+            "fingerprint": self.fingerprint,
+            "seconds": round(self.seconds, 6),
+            "inputs": call_to_json(self.signature),
+            "outputs": None if self.outputs is None else spec_to_json(self.outputs),
+            "graph_outputs": None if self.graph_outputs is None
+            else spec_to_json(self.graph_outputs),
+            "snapshot": self.snapshot.to_json(),
+            "context": self.snapshot.describe(),
+            "fidelity": self.fidelity.to_json(),
+            "graph": {"nodes": len(self.ops), "ops": sorted({op for op, _ in self.ops})},
+        }
+
+
+@attrs.frozen
+class CaptureFailure:
+    """A variant that could not be captured: a reason code, the exception
+    type and the first line of its message (at most 200 characters, with
+    anything that looks like a tensor's repr cut; kept on the record and in
+    ``FidelityError``'s text, never in JSON).
+
+    Reasons: a backend's code (``trace_error``, ``unsupported_graph``,
+    ``data_dependent_control_flow``, ``dynamic_python_control_flow``,
+    ``data_dependent_output_shape``, or a custom backend's
+    ``BackendError.reason``); ``replay_failed`` (a probe's replay raised
+    entering, inside the trace or restoring); ``timeout``
+    (``capture_timeout`` passed; the capture thread is abandoned);
+    ``no_artifact`` / ``bad_artifact`` (the backend returned ``None``, or
+    something its own accessors fail on);
+    ``materialize_failed``, ``verify_failed``, ``module_released``,
+    ``isolation_failed``, ``internal_error``; ``interrupted`` (a Ctrl-C
+    stopped ``finalize()`` before this variant; those captured before it are
+    kept).  And ``state_leak``: the
+    variant captured, but afterwards the ambient state differed from the
+    state ``finalize()`` began with -- the engine put it back; ``context``
+    names each probe as ``"was -> left"`` (and ``torch_global_state`` what
+    only torch's guard saw, not put back).  ``FAILURE_REASONS`` lists them
+    all; the Troubleshooting page says what to do about each.
+    """
+
+    scope: str
+    """The variant table of the variant that failed."""
+    variant: int
+    """The variant's number within ``scope``."""
+    backend: str
+    """The backend that was asked (``"auto"`` when it tried several)."""
+    reason: str
+    """A reason code: one of ``FAILURE_REASONS``, or a custom backend's."""
+    exc_type: str
+    """The type name of the exception behind it (``"-"`` when none)."""
+    attempts: tuple[tuple[str, str, str], ...] = ()
+    """``(backend, reason code, exception type)`` of each backend tried."""
+    context: dict[str, str] = attrs.field(factory=dict)
+    """Details by name, in words: for ``state_leak`` each probe that leaked
+    as ``"was -> left"``; for ``replay_failed`` of a mode, its types."""
+    message: str = ""
+    """The first line of the exception's message (capped, tensor reprs cut);
+    on the record only, never in JSON."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Metadata only: ``message`` stays out (an exception's text can quote
+        the user's data); it is in ``FidelityError``'s text and on the record."""
+        return {"scope": self.scope, "variant": self.variant, "backend": self.backend,
+                "reason": self.reason, "exc_type": self.exc_type,
+                "attempts": [list(a) for a in self.attempts], "context": dict(self.context)}
+
+
+@attrs.frozen
+class Problem:
+    """A reason the report is not ok although no capture failed: calls that
+    no faithful capture covers.  ``reason`` is a key of ``PROBLEMS``;
+    ``variants`` and ``calls`` count exactly what is not covered; ``names``
+    lists what it concerns (members, compiled regions, attributes, probes).
+    Its JSON is structured (names and counts); ``message`` says it in words."""
+
+    reason: str = attrs.field(validator=attrs.validators.in_(PROBLEMS))
+    """A key of ``PROBLEMS``."""
+    scope: str | None = None
+    """The variant table it concerns (``None``: the whole session)."""
+    variants: int = 0
+    """Variants not covered."""
+    calls: int = 0
+    """Calls not covered."""
+    names: tuple[str, ...] = ()
+    """What it concerns: members, compiled regions, attributes or probes."""
+    limit: int | None = None
+    """For ``variant_limit`` / ``scope_limit``: the limit that was hit."""
+    exact: bool = True
+    """``False``: the counts are lower bounds (bookkeeping stays bounded, and
+    calls of a block compiled after ``capture_with`` are not countable)."""
+    rank: int | None = None
+    """In a distributed finalize: the rank it was seen on."""
+
+    @property
+    def message(self) -> str:
+        """The problem in words, with what to do."""
+        return str(_PROBLEM_TEXT[self.reason](self))
+
+    def to_json(self) -> dict[str, Any]:
+        """Metadata only."""
+        return {"reason": self.reason, "scope": self.scope, "variants": self.variants,
+                "calls": self.calls, "names": list(self.names), "limit": self.limit,
+                "exact": self.exact, "rank": self.rank}
+
+
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _names(p: Problem | Notice) -> str:
+    shown = ", ".join(p.names[:5]) + (", ..." if len(p.names) > 5 else "")
+    return shown or "-"
+
+
+_PROBLEM_TEXT: dict[str, Any] = {
+    "no_captures": lambda p: f"{_n(p.variants, 'variant')} observed and none captured "
+                             "(see the failures)",
+    "nothing_observed": lambda p: "no call of a targeted module was observed while the "
+                                  "session was open",
+    "variant_limit": lambda p: f"{p.scope}: {'' if p.exact else 'at least '}"
+                               f"{_n(p.variants, 'variant')} "
+                               f"({_n(p.calls, 'call')}) past max_variants={p.limit} were "
+                               "never captured; raise max_variants or give a probe a "
+                               "coarser key",
+    "scope_limit": lambda p: f"{_n(p.variants, 'structure')} ({_names(p)}) past "
+                             f"max_scopes={p.limit} were never observed",
+    "observation_error": lambda p: f"{_n(p.calls, 'observation')} failed ({_names(p)}); "
+                                   "those calls are not covered",
+    "not_observed": lambda p: (f"{_n(p.calls, 'call')} ran inside compiled region(s) "
+                               f"({_names(p)})" if p.exact else
+                               f"{_names(p)} ran inside a region compiled after capture_with "
+                               "(how often is not countable)")
+                              + ": the blocks inside were not observed; pass the uncompiled "
+                                "module to capture_with and compile afterwards",
+    "never_completed": lambda p: f"{p.scope}: no call of {_n(p.variants, 'variant')} "
+                                 f"returned ({_n(p.calls, 'call')} raised), so there is "
+                                 "nothing to capture",
+    "stateful_member": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} writes "
+                                 f"state it holds ({', '.join(p.names[1:]) or '?'}) in its "
+                                 "forward; a capture made afterwards sees that state as "
+                                 "finalize() finds it, not as each call did. List the "
+                                 "attributes in ignore_attributes if the graph does not "
+                                 "depend on them",
+    "member_changed": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} changed "
+                                f"({p.names[1] if len(p.names) > 1 else '?'}) while observed; "
+                                "later calls may have run another graph than the one "
+                                "recorded. Set it before capture_with, or list the attribute "
+                                "in ignore_attributes if the graph does not depend on it",
+}
+
+#: notice reasons, in words
+NOTICES = {
+    "probe_too_fine": "captures with identical graphs differ only in this probe's state: "
+                      "its key separates calls that run the same graph (give the probe a "
+                      "coarser key, e.g. ForwardContextProbe(..., key=...))",
+    "probe_varies_every_call": "this probe had a different state in every variant (a step "
+                               "counter or a timestep in its key?)",
+}
+
+
+@attrs.frozen
+class Notice:
+    """Something suspicious though not wrong (``ok`` is unaffected), e.g. a
+    probe whose key is finer than the graphs it separates."""
+
+    reason: str = attrs.field(validator=attrs.validators.in_(NOTICES))
+    """A key of ``NOTICES``."""
+    scope: str | None = None
+    """The variant table it concerns."""
+    probe: str | None = None
+    """The probe it concerns."""
+    count: int = 0
+    """How many captures or variants show it."""
+    names: tuple[str, ...] = ()
+    """What it concerns, by name."""
+
+    @property
+    def message(self) -> str:
+        """The notice in words."""
+        where = ", ".join(x for x in (self.scope, self.probe and f"probe {self.probe!r}") if x)
+        return (f"{where}: " if where else "") + NOTICES[self.reason] + \
+            (f" ({self.count}x)" if self.count else "")
+
+    def to_json(self) -> dict[str, Any]:
+        """Metadata only."""
+        return {"reason": self.reason, "scope": self.scope, "probe": self.probe,
+                "count": self.count, "names": list(self.names)}

@@ -1,0 +1,462 @@
+"""Capturing one variant: isolate, materialise, replay, trace, verify, record.
+
+``capture_variant(request, modules, options)`` traces the request's first
+completed member on an isolated view of it (``_isolate``), under the
+variant's replayed context, and checks every member that ran the variant
+against the artifact (``verify``); it returns a ``Capture`` or raises
+``CaptureFailed`` carrying a ``CaptureFailure``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from ..backends import Backend, BackendError, classify_exception, exception_message
+from ..backends.passes import (
+    graph_code,
+    graph_op_args,
+    graph_ops,
+    has_collectives,
+    pin_factory_defaults,
+)
+from ..core.probe import ContextProbe
+from ..errors import Error
+from ..fidelity.verify import is_neutral, neutral_replay
+from ..specs.materialize import inputs_for, materialize_leaves
+from ..specs.signature import (
+    CallSpec,
+    ConstSpec,
+    Spec,
+    TensorSpec,
+    children,
+    is_native,
+    tensor_values,
+)
+from ..specs.specjson import call_to_json
+from .checker import Checker
+from .isolate import isolated, rng_guard
+from .options import CaptureOptions, MemberCall, VariantRequest
+from .results import Capture, CaptureFailure
+
+__all__ = ["CaptureFailed", "capture_variant", "recapture"]
+
+
+class CaptureFailed(Error):
+    """Carries a ``CaptureFailure`` out of ``capture_variant``."""
+
+    def __init__(self, failure: CaptureFailure) -> None:
+        super().__init__(failure.reason)
+        self.failure = failure
+
+
+class _ReplayFault(Exception):
+    pass
+
+
+class _ArtifactFault(Exception):
+    """The backend returned, but no usable artifact: ``reason`` is the code."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Timeout(Exception):
+    pass
+
+
+@attrs.frozen(eq=False)
+class _Plan:
+    """How one variant is traced: the replay split and the binding."""
+
+    inside: Callable[[], AbstractContextManager[Any]] | None
+    around: AbstractContextManager[None]
+    embedded: tuple[str, ...]
+    ambient: tuple[str, ...]
+    binding: str
+    flatten_out: bool
+    faults: list[BaseException]
+
+    @classmethod
+    def make(cls, request: VariantRequest, options: CaptureOptions,
+             backend: Backend) -> _Plan:
+        snap = request.snapshot
+        if options.replay == "off":
+            inside = None
+            around: AbstractContextManager[None] = nullcontext()
+            embedded: tuple[str, ...] = ()
+            ambient = snap.names
+        else:
+            embed = options.replay == "embedded" and backend.records_embedded
+            factory, around, embedded, ambient = snap.replay_parts(embedded=embed)
+            inside = factory if embedded else None
+        outputs_native = request.outputs is None or is_native(request.outputs)
+        binding = "native" if request.inputs.is_pytree_native() and outputs_native \
+            else "flattened"
+        faults: list[BaseException] = []
+        return cls(None if inside is None else _guard_inside(inside, faults), around,
+                   embedded, ambient, binding, not outputs_native, faults)
+
+
+def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
+                    options: CaptureOptions, *,
+                    baseline: tuple[ContextProbe[Any], ...] = (),
+                    defer_collectives: bool = False) -> Capture:
+    """See ``_capture_variant``; it runs from the state a fresh process has
+    (inputs made under the caller's ``inference_mode`` would be inference
+    tensors), whatever the caller of ``finalize()`` has active."""
+    try:
+        neutral = neutral_replay(request.snapshot, baseline, only_neutral=True)
+        neutral.__enter__()
+    except Exception as exc:
+        raise _failure(request, options.backend, "replay_failed", exc) from None
+    try:
+        return _capture_variant(request, modules, options, baseline=baseline,
+                                defer_collectives=defer_collectives)
+    finally:
+        neutral.__exit__(None, None, None)
+
+
+def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
+                     options: CaptureOptions, *,
+                     baseline: tuple[ContextProbe[Any], ...] = (),
+                     defer_collectives: bool = False) -> Capture:
+    """Capture ``request``; ``modules`` maps member names to the live modules
+    (never changed: every trace and run uses an isolated view).
+    ``baseline``: probes whose neutral state execution checks start from,
+    beside the snapshot's own.  ``defer_collectives``: a graph holding
+    collectives is only checked at the signature level here (running it
+    alone would wait for the other ranks); ``Capture.collective`` says so,
+    and the distributed finalize runs it on every rank together."""
+    t0 = time.perf_counter()
+    backend = options.backend
+    fail = functools.partial(_failure, request, backend)
+    traced = request.traced
+    module = modules.get(traced.name)
+    if module is None:
+        raise fail("module_released", None)
+    try:
+        plan = _Plan.make(request, options, backend)
+    except Exception as exc:
+        raise fail("replay_failed", exc) from None
+    try:
+        view_cm = isolated(module, request.training)
+        view = view_cm.__enter__()
+    except Exception as exc:
+        raise fail("isolation_failed", exc) from None
+    try:
+        artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
+        embedded, ambient = plan.embedded, plan.ambient
+        if embedded and not real.records_embedded:  # the artifact carries none of them
+            embedded, ambient = (), request.snapshot.names
+        pinned = tuple(p.name for p in request.snapshot.probes
+                       if options.pin_factories and p.pinnable)
+        carried = tuple(n for n in embedded if n not in ambient) + pinned
+        ambient_only = tuple(
+            n for n, p, s in zip(request.snapshot.names, request.snapshot.probes,
+                                 request.snapshot.states)
+            if (n in ambient or n not in embedded) and n not in pinned
+            and not is_neutral(p, s))
+        gm = real.graph_module(artifact)
+        collective = gm is not None and has_collectives(gm)
+        check_options = options
+        if collective and defer_collectives and options.verify in ("execute", "values"):
+            check_options = attrs.evolve(options, verify="signature")
+        checker = Checker(request, check_options, real, artifact, view, graph_outputs,
+                          binding=plan.binding, flatten_out=plan.flatten_out,
+                          carried=carried, baseline=baseline, ambient_only=ambient_only)
+        try:
+            fidelity = checker.run(modules)
+        except Exception as exc:
+            raise fail("verify_failed", exc) from None
+    finally:
+        view_cm.__exit__(None, None, None)
+    try:
+        gm = real.graph_module(artifact)
+        ops = graph_ops(gm) if gm is not None else ()
+        op_args = graph_op_args(gm) if gm is not None else ()
+        digest = hashlib.sha256(graph_code(gm).encode()).hexdigest()[:32] \
+            if gm is not None else ""
+        fingerprint = _fingerprint(ops, request.inputs, request.snapshot.to_json(), real.name,
+                                   digest)
+    except Exception as exc:
+        raise fail("bad_artifact", exc) from None
+    return Capture(
+        scope=request.scope, members=tuple(m.name for m in request.members),
+        variant=request.variant, signature=request.inputs, outputs=request.outputs,
+        graph_outputs=graph_outputs, snapshot=request.snapshot, calls=request.calls,
+        backend=real.name, artifact=artifact, fidelity=fidelity, fingerprint=fingerprint,
+        embedded=embedded, ambient_only=ambient_only, binding=plan.binding,
+        constants=tuple(p for p, _ in _const_paths(request.inputs)),
+        attempts=backend.last_attempts, seconds=time.perf_counter() - t0, ops=ops,
+        member_calls=tuple((m.name, m.calls) for m in request.members),
+        weights_from=traced.name, collective=collective, graph_digest=digest,
+        op_args=op_args, identities=tuple((m.name, request.identity) for m in request.members
+                                          if request.identity),
+        ignore_attributes=options.ignore_attributes,
+    )
+
+
+def recapture(capture: Capture, module: nn.Module, options: CaptureOptions, *,
+              snapshot: Any = None) -> Capture:
+    """Capture ``capture``'s variant again from its recorded specs, on
+    ``module``, under ``snapshot`` (default: its own; e.g.
+    ``capture.snapshot.without(name)``), without verification."""
+    member = capture.weights_from or (capture.members[0] if capture.members else "")
+    request = VariantRequest(capture.scope, capture.variant,
+                             capture.snapshot if snapshot is None else snapshot,
+                             capture.signature,
+                             (MemberCall(member, capture.calls, capture.outputs, True),))
+    return capture_variant(request, {member: module}, attrs.evolve(options, verify="off"))
+
+
+def _failure(request: VariantRequest, backend: Backend, reason: str,
+             exc: BaseException | None,
+             attempts: tuple[tuple[str, str, str], ...] = ()) -> CaptureFailed:
+    exc_type, message = ("-", "") if exc is None else exception_message(exc)
+    try:
+        context = request.snapshot.describe()
+    except Exception:
+        context = {}
+    if exc is not None:
+        import logging
+
+        logging.getLogger("ctxreplay").debug(
+            "capture of %s#%d failed: %s", request.scope, request.variant, reason,
+            exc_info=(type(exc), exc, exc.__traceback__))
+    return CaptureFailed(CaptureFailure(request.scope, request.variant, backend.name, reason,
+                                        exc_type, attempts, context, message))
+
+
+# -- tracing ----------------------------------------------------------------------
+
+def _trace(request: VariantRequest, plan: _Plan, view: nn.Module, options: CaptureOptions,
+           fail: Callable[..., CaptureFailed],
+           baseline: tuple[ContextProbe[Any], ...] = ()) -> tuple[Any, Spec | None, Backend]:
+    backend = options.backend
+    try:
+        if plan.binding == "native":
+            target: nn.Module = view
+            args, kwargs = inputs_for(request.inputs, "native")
+        else:
+            target = _Flattened(view, request.inputs, plan.inside, plan.flatten_out)
+            args, kwargs = materialize_leaves(request.inputs), {}
+    except Exception as exc:
+        raise fail("materialize_failed", exc) from None
+
+    def job() -> tuple[Any, Spec | None, Backend]:
+        with ExitStack() as stack:
+            try:
+                # from a fresh process's state, whatever the caller of
+                # finalize() has active (an autocast already on would make
+                # the embedded replay a no-op the tracer never records)
+                stack.enter_context(neutral_replay(request.snapshot, baseline,
+                                                   only_neutral=True))
+                stack.enter_context(plan.around)
+            except Exception as exc:
+                raise _ReplayFault() from exc
+            with rng_guard(watch_generators=False), \
+                    _swapped_forward(target, plan.inside if plan.binding == "native" else None):
+                raw = backend.capture(target, args, kwargs)
+                try:  # what the backend returned must hold up, or it is no artifact
+                    real, artifact = backend.resolve(raw)
+                    if artifact is None:
+                        raise _ArtifactFault("no_artifact")
+                    gm = real.graph_module(artifact)
+                    if options.pin_factories and gm is not None:
+                        pin_factory_defaults(gm)
+                    # a fallback backend that records no embedded context
+                    # (symbolic, under auto) reads its outputs inside them
+                    unrecorded = plan.inside is not None and not real.records_embedded
+                    # a backend may run the module here (symbolic): random
+                    # state and the generators it reaches are put back
+                    with rng_guard(), \
+                            plan.inside() if plan.inside and unrecorded else nullcontext():
+                        spec = real.output_spec(artifact, args, kwargs)
+                except _ArtifactFault:
+                    raise
+                except Exception as exc:
+                    code = classify_exception(exc)
+                    raise _ArtifactFault("bad_artifact" if code == "trace_error" else code) \
+                        from exc
+            try:  # a replay that fails while restoring is a replay fault too
+                stack.close()
+            except Exception as exc:
+                raise _ReplayFault() from exc
+            return artifact, spec, real
+
+    try:
+        artifact, spec, real = _run(job, options.capture_timeout)
+    except _Timeout:
+        raise fail("timeout", None, backend.last_attempts) from None
+    except _ReplayFault as exc:
+        raise fail("replay_failed", exc.__cause__) from None
+    except _ArtifactFault as exc:
+        raise fail(exc.reason, exc.__cause__, backend.last_attempts) from None
+    except BackendError as exc:
+        if plan.faults:
+            raise fail("replay_failed", plan.faults[0], exc.attempts) from None
+        raise fail(exc.reason, exc.__cause__ or exc.__context__ or exc, exc.attempts) from None
+    except Exception as exc:
+        if plan.faults:
+            raise fail("replay_failed", plan.faults[0], backend.last_attempts) from None
+        raise fail(classify_exception(exc), exc, backend.last_attempts) from None
+    if plan.faults:
+        # a tracer that swallowed a replay error (autocast.__exit__ under
+        # export on torch 2.7-2.8) still leaves it here
+        raise fail("replay_failed", plan.faults[0], backend.last_attempts)
+    return artifact, spec, real
+
+
+def _guard_inside(inside: Callable[[], AbstractContextManager[Any]],
+                  faults: list[BaseException]) -> Callable[[], AbstractContextManager[Any]]:
+    """Remember a replay fault raised inside the traced callable, so it is
+    reported as ``replay_failed`` whatever the tracer wraps it in."""
+
+    @contextmanager
+    def guarded() -> Iterator[None]:
+        try:
+            cm = inside()
+            cm.__enter__()
+        except Exception as exc:
+            faults.append(exc)
+            raise
+        body_failed = False
+        try:
+            yield
+        except BaseException:
+            body_failed = True
+            try:
+                cm.__exit__(None, None, None)
+            except Exception as exc:
+                faults.append(exc)
+            raise
+        finally:
+            if not body_failed:
+                try:
+                    cm.__exit__(None, None, None)
+                except Exception as exc:
+                    faults.append(exc)
+                    raise
+
+    return guarded
+
+
+@contextmanager
+def _swapped_forward(module: nn.Module,
+                     inside: Callable[[], AbstractContextManager[Any]] | None
+                     ) -> Iterator[None]:
+    """Enter ``inside`` within the (isolated) module's own forward while it is
+    traced: swapping the instance's forward, rather than wrapping the
+    module, keeps parameter names and the forward's signature."""
+    if inside is None:
+        yield
+        return
+    had = "forward" in module.__dict__
+    prev = module.__dict__.get("forward")
+    orig = module.forward
+
+    @functools.wraps(orig)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with inside():
+            return orig(*args, **kwargs)
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = prev  # type: ignore[assignment]
+        else:
+            del module.forward
+
+
+class _Flattened(nn.Module):
+    """Takes the tensor leaves of a call whose arguments torch's pytree does
+    not know (dataclasses, a framework's metadata objects), rebuilds the
+    call around them -- the rest bound as constants -- and optionally
+    returns the tensor leaves of an output pytree cannot carry."""
+
+    def __init__(self, inner: nn.Module, inputs: CallSpec,
+                 inside: Callable[[], AbstractContextManager[Any]] | None,
+                 flatten_out: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self._inputs = inputs
+        self._inside = inside
+        self._flatten_out = flatten_out
+
+    def forward(self, *leaves: torch.Tensor) -> Any:
+        args, kwargs = inputs_for(self._inputs, "native", leaves=leaves)
+        if self._inside is None:  # no context object at all: any Dynamo traces this
+            out = self.inner(*args, **kwargs)
+        else:
+            with self._inside():
+                out = self.inner(*args, **kwargs)
+        if self._flatten_out:
+            return tuple(tensor_values(out))
+        return out
+
+
+def _const_paths(inputs: CallSpec) -> Iterator[tuple[str, Spec]]:
+    def walk(spec: Spec, path: str) -> Iterator[tuple[str, Spec]]:
+        if isinstance(spec, ConstSpec):
+            if spec.value is not None:
+                yield path, spec
+            return
+        if isinstance(spec, TensorSpec):
+            return
+        for sub, child in children(spec) or []:
+            yield from walk(child, path + sub)
+
+    for path, spec in inputs.items():
+        yield from walk(spec, path)
+
+
+def _fingerprint(ops: tuple[tuple[str, str | None], ...], inputs: CallSpec,
+                 snapshot_json: Any, backend: str, graph: str = "") -> str:
+    doc = {"ops": [list(o) for o in ops], "inputs": call_to_json(inputs),
+           "snapshot": snapshot_json, "backend": backend, "graph": graph}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _run(job: Callable[[], Any], timeout: float | None) -> Any:
+    """Run ``job`` here, or in a worker thread bounded by ``timeout``.
+
+    The replay is entered inside ``job``, so thread-local state (grad mode,
+    autocast) is established in the thread that traces.  A timed-out worker
+    cannot be killed; it is abandoned as a daemon and its replay context
+    unwinds when the backend eventually returns.  Until then its
+    process-global replays (default dtype, determinism, matmul precision) are
+    in force, so ``finalize()``'s safety net (``_baseline.Baseline``) puts
+    back the state finalize began with before the next variant and before it
+    returns.  A ``KeyboardInterrupt`` raised in the worker is re-raised here."""
+    if timeout is None:
+        return job()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = job()
+        except BaseException as exc:
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name="ctxreplay-capture", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise _Timeout()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -1,0 +1,217 @@
+"""The probe contract: one kind of ambient state, observed, replayed, cleared."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, ClassVar, Generic, TypeVar
+
+from .._base.torchcaps import CAPS, dynamo_compiling
+from ..errors import Error
+
+__all__ = ["ContextProbe", "NotPortableError", "Part", "applying", "composed", "restoring"]
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+
+class NotPortableError(Error, TypeError):
+    """Raised by ``encode`` when a state holds live objects that JSON cannot carry."""
+
+
+class ContextProbe(abc.ABC, Generic[S]):
+    """One kind of ambient execution state.
+
+    A probe observes the state cheaply (``observe`` runs on every hooked call),
+    re-establishes an observed state exactly (``replay``), and drops any live
+    references it keeps (``clear``).  States are immutable and hashable: they
+    become part of a capture's variant key.
+
+    Class attributes describe the probe to the registry and to the engine:
+
+    * ``name`` -- registry key; an instance may override it.
+    * ``description`` -- one line for ``ctxreplay probes``.
+    * ``default`` -- part of the default set used when ``probes=None``.
+    * ``traceable`` -- ``replay()`` may be entered *inside* a traced callable
+      and the tracer records it (e.g. ``torch.autocast``), so an exported
+      artifact carries the state.  See ``split_replay`` for partial cases.
+    * ``portable`` -- ``encode``/``decode`` carry the state through JSON.
+    * ``pinnable`` -- the state only sets defaults of factory ops, which the
+      engine's pinning pass writes into the graph, so an artifact carries it.
+    * ``guarded`` -- every part of the state that ``watch`` does not list is
+      covered by torch's global-state guard, so a snapshot may be reused
+      while that guard holds and the watched getters return the same values.
+    """
+
+    name: str = ""
+    """The registry key (an instance may override it)."""
+    description: str = ""
+    """One line for ``ctxreplay probes``."""
+    default: ClassVar[bool] = False
+    """Part of the default set used when ``probes=None``."""
+    traceable: ClassVar[bool] = False
+    """``replay()`` may be entered inside a traced callable and the tracer records it (as
+    ``torch.export`` records ``torch.autocast``), so the artifact carries the state;
+    ``split_replay`` handles partial cases."""
+    portable: ClassVar[bool] = True
+    """``encode`` / ``decode`` carry the state through JSON."""
+    guarded: ClassVar[bool] = False
+    """Every part of the state ``watch`` does not list is covered by torch's global-state guard, so
+    a snapshot may be reused while that guard holds."""
+    pinnable: ClassVar[bool] = False
+    """The state only sets defaults of factory ops, which the engine's pinning pass writes into the
+    graph, so an artifact carries it."""
+
+    @abc.abstractmethod
+    def observe(self) -> S:
+        """The current state: immutable, hashable, cheap to compute."""
+
+    @abc.abstractmethod
+    def replay(self, state: S) -> AbstractContextManager[None]:
+        """A context that establishes ``state`` and, on exit, restores exactly
+        what it found -- also when the body raises."""
+
+    def clear(self) -> None:
+        """Drop live objects this probe holds (called after capture)."""
+
+    def watch(self, state: S) -> tuple[tuple[Callable[[], object], object], ...]:
+        """``(getter, expected)`` pairs: ``state`` is still current while torch's
+        global-state guard holds and every ``getter()`` returns ``expected``.
+
+        Called once per newly observed state, never per call; the getters run
+        on every call, so make them zero-argument C-level functions where
+        possible.  A ``guarded`` probe lists only what torch's
+        ``GlobalStateGuard`` is blind to (the default device, cuDNN flags,
+        ``high`` vs ``medium`` matmul precision, ...); the default for an
+        unguarded probe is its whole observation.
+        """
+        return () if self.guarded else ((self.observe, state),)
+
+    def watch_forward(self, state: S) -> tuple[tuple[Callable[[], object], object], ...]:
+        """``(getter, expected)`` pairs for *process-global* state that torch's
+        guard cannot see and that changes only the numerics of kernels, never
+        the traced graph (cuDNN flags, TF32 and per-backend float32
+        precision): checked once per call of the observed model (the module
+        given to ``capture_with``) instead of on every block call, because
+        reading a dozen such flags per block would cost more than a hook pair.
+        ``capture_with(..., watch="call")`` checks them on every call.
+        Default: none.  Anything that can change a traced graph belongs in
+        ``watch``."""
+        return ()
+
+    def neutral_state(self) -> S | None:
+        """The state a fresh process observes (``None``: unknown).  Execution
+        checks run artifacts from this state -- plus only what a capture needs
+        re-established -- never from whatever the caller of ``finalize()``
+        has active."""
+        return None
+
+    def split_replay(
+        self, state: S
+    ) -> tuple[AbstractContextManager[None] | None, AbstractContextManager[None] | None]:
+        """``(inside, around)``: the part of the replay a tracer records when it is
+        entered inside the captured callable, and the part that must surround the
+        capture call.  Either may be ``None``."""
+        if self.traceable:
+            return self.replay(state), None
+        return None, self.replay(state)
+
+    def neutral(self, state: S) -> bool:
+        """Whether ``state`` is what a fresh process has (it then needs no
+        re-establishing when an artifact is run elsewhere)."""
+        return False
+
+    def encode(self, state: S) -> Any:
+        """A JSON-safe form of ``state``; raise ``NotPortableError`` if it has none."""
+        raise NotPortableError(f"probe {self.name!r} has no portable encoding")
+
+    def decode(self, data: Any, path: str) -> S:
+        """Inverse of ``encode``; raise ``ValueError`` naming ``path`` on bad input."""
+        raise ValueError(f"{path}: probe {self.name!r} has no portable encoding")
+
+    def describe(self, state: S) -> str:
+        """A short human-readable form of ``state`` (metadata only)."""
+        return repr(state)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+@contextmanager
+def applying(observe: Callable[[], T], apply: Callable[[T], object], state: T
+             ) -> Iterator[None]:
+    """Establish ``state`` with ``apply`` and put back what ``observe`` saw --
+    on exit, on error, and when ``apply`` fails halfway."""
+    before = observe()
+    if before == state:
+        yield
+        return
+    try:
+        apply(state)
+    except BaseException:
+        apply(before)
+        raise
+    try:
+        yield
+    finally:
+        apply(before)
+
+
+@contextmanager
+def restoring(get: Callable[[], T], set_: Callable[[T], object], value: T) -> Iterator[None]:
+    """Set a value through a setter and put back what was there, whatever happens."""
+    before = get()
+    if before == value:
+        yield
+        return
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+#: a part of a composed replay: makes its context just before it is entered
+#: (``None``: nothing to enter)
+Part = Callable[[], "AbstractContextManager[Any] | None"]
+
+
+def composed(parts: Iterable[Part]) -> AbstractContextManager[None]:
+    """One context that enters the context each part makes, in order, and exits
+    them in reverse -- on success, on error, and when one fails to enter (the
+    ones already entered are exited then).  Each part is called just before
+    its context is entered, so a context that acts when it is made
+    (``torch.set_grad_enabled``) acts in order too.
+
+    An ``ExitStack`` where the tracer can trace one; while Dynamo traces on a
+    torch whose Dynamo cannot (before 2.11, ``CAPS.dynamo_traces_exitstack``),
+    plain nested ``with`` statements, which mean the same."""
+    made = tuple(parts)
+    if not CAPS.dynamo_traces_exitstack and dynamo_compiling():
+        return _nested(made, 0)
+    return _stacked(made)
+
+
+@contextmanager
+def _stacked(parts: Sequence[Part]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for make in parts:
+            cm = make()
+            if cm is not None:
+                stack.enter_context(cm)
+        yield
+
+
+@contextmanager
+def _nested(parts: Sequence[Part], i: int) -> Iterator[None]:
+    if i == len(parts):
+        yield
+        return
+    cm = parts[i]()
+    if cm is None:
+        with _nested(parts, i + 1):
+            yield
+        return
+    with cm, _nested(parts, i + 1):
+        yield

@@ -1,0 +1,435 @@
+"""Dispatching captured graphs back into a live model: ``install``.
+
+Each member a capture stands for gets a thin ``forward`` wrapper (the
+module's instance attribute, as observation uses; ``remove()`` puts back
+exactly what was there).  A call runs a capture's program when its key
+matches: the member (the capture lists it, and its weights fit the
+program: names, shapes, dtypes, devices), its input signature (equal to the
+recorded one, constants included) and its context (the probes' states
+equal those of the live call the capture was made from); and when the
+capture's static needs hold (torch, device, autocast policy, fidelity).
+Every other call runs eagerly and is counted as a miss with a reason.
+
+The program runs with the member's own weights: ``program.module()`` with
+the member's parameters and buffers assigned (DESIGN.md fact 20), made once
+per member -- and, with ``compile``, compiled once per member on its first
+hit.  Per call: the cached snapshot check (``observer.Observer``), the call
+key (``signature.call_key``) and one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
+from .._base.torchcaps import tensor_guard
+from ..capture.results import Capture
+from ..core.observer import Observer
+from ..core.snapshots import UnknownProbe, UnknownState
+from ..loading.load import LoadedCapture, LoadedManifest
+from ..observation.copies import Entries, path_modules, signed
+from ..observation.modules import ABSENT, Holder
+from ..report.capture_report import CaptureReport
+from ..specs.signature import NotRealError, call_key, call_spec
+from .programs import Compiler, Entry, Programs, Target, entry, sources
+
+__all__ = ["MISS_REASONS", "OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
+
+#: ``object_args``: calls whose arguments hold Python objects (a KV cache, a
+#: dataclass) run eagerly -- a forward may change such an object in Python,
+#: which no graph records -- unless ``"dispatch"`` says they do not
+OBJECT_POLICIES = ("eager", "dispatch")
+
+#: every key of ``DispatchStats.reasons``: why a call ran eagerly
+MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
+                "environment", "fidelity", "unknown_probe", "live_state", "structure",
+                "not_rebuildable", "backend_not_dispatchable", "compile_failed",
+                "observe_error")
+
+_is_tracing = torch._C._is_tracing
+_MEMO_LIMIT = 4096
+
+
+@attrs.frozen
+class DispatchStats:
+    """Counts of an installed model's calls since ``install``.
+
+    ``hits``: ``scope#variant`` -> calls that ran that capture's program;
+    ``misses``: member -> calls that ran eagerly; ``reasons``: why, per
+    reason code (``signature``: no capture of this member has the call's
+    input signature; ``context``: one has, but under another context;
+    ``training``: the member's ``training`` flag changed since install;
+    ``identity``: the member's class, shapes, training flags or plain
+    attributes differ from those it had when it ran the variant;
+    ``object_arguments``, ``environment``, ``fidelity``, ``unknown_probe``,
+    ``live_state``, ``structure``, ``not_rebuildable``,
+    ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``:
+    the matching capture cannot be used here -- ``unusable`` says which
+    capture, and why).  ``compiled``: labels compiled so far (per member)."""
+
+    hits: dict[str, int]
+    """``scope#variant`` -> calls that ran that capture's program."""
+    misses: dict[str, int]
+    """Member -> calls that ran eagerly."""
+    reasons: dict[str, int]
+    """Reason code (one of ``MISS_REASONS``) -> eager calls for that reason."""
+    unusable: dict[str, str]
+    """``scope#variant`` -> why that capture cannot be used here (a reason code)."""
+    compiled: tuple[str, ...] = ()
+    """Labels of the programs compiled so far (per member)."""
+
+    @property
+    def total_hits(self) -> int:
+        """All hits."""
+        return sum(self.hits.values())
+
+    @property
+    def total_misses(self) -> int:
+        """All misses."""
+        return sum(self.misses.values())
+
+
+class _Slot(Holder):
+    """The dispatch state of one member; ``forward`` is its wrapper."""
+
+    __slots__ = ("__weakref__", "entries", "groups", "handle", "last", "memo", "misses",
+                 "module", "name", "off", "orig", "prev", "reasons", "targets", "training")
+
+    def __init__(self, handle: InstallHandle, name: str, module: nn.Module) -> None:
+        self.handle, self.name, self.module = handle, name, module
+        self.prev = module.__dict__.get("forward", ABSENT)
+        self.orig = module.forward
+        self.training = module.training
+        self.off = False
+        self.entries: list[Entry] = []
+        self.groups: list[tuple[Observer, list[Entry]]] = []
+        self.memo: dict[Any, Any] = {}
+        #: the last hit of a call of positional tensors: (snapshot, count, check, target)
+        self.last: tuple[Any, int, Any, Target] | None = None
+        self.targets: dict[int, Target] = {}
+        self.misses = 0
+        self.reasons: Counter[str] = Counter()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            return self.orig(*args, **kwargs)
+        if self.module.training is not self.training:
+            self.misses += 1
+            self.reasons["training"] += 1
+            return self.orig(*args, **kwargs)
+        target: Any
+        try:
+            groups = self.groups
+            if not self.handle.active:  # called outside the model: check those flags here
+                for obs in self.handle._observers:
+                    obs.forward_changed()
+            if len(groups) == 1:
+                snaps: Any = groups[0][0]()
+            else:
+                snaps = tuple(g[0]() for g in groups)
+            last = self.last
+            if last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
+                    and last[2].check(*args):
+                target = last[3]
+            else:
+                key = (snaps, call_key(args, kwargs))
+                target = self.memo.get(key)
+                if target is None:
+                    target = self._resolve(snaps, key, args, kwargs)
+                if type(target) is Target and not kwargs:
+                    check = tensor_guard(args) if args else None
+                    self.last = None if check is None else (snaps, len(args), check, target)
+        except NotRealError:  # a tracer's stand-ins: not a live call
+            return self.orig(*args, **kwargs)
+        except Exception:  # dispatch must never break the forward
+            target = "observe_error"
+        if type(target) is Target:
+            if not target.failed:
+                out = target.run(args, kwargs)
+                if not target.failed:
+                    target.entry.hits += 1
+                    return out
+                target = "compile_failed"
+            else:
+                target = "compile_failed"
+        self.misses += 1
+        self.reasons[target] += 1
+        return self.orig(*args, **kwargs)
+
+    def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        spec = call_spec(args, kwargs)
+        per_group = (snaps,) if len(self.groups) == 1 else snaps
+        # the most telling reason wins: a capture that matches but cannot be
+        # used here, then one of another context, then none of this signature
+        reason = "signature"
+        found: Any = None
+        for (_obs, entries), snap in zip(self.groups, per_group):
+            for e in entries:
+                if e.signature is None or e.unusable is not None:
+                    if e.signature is None or e.signature == spec:
+                        reason = e.unusable or "not_rebuildable"
+                    continue
+                if e.signature != spec:
+                    continue
+                if e.match != snap:
+                    if reason == "signature":
+                        reason = "context"
+                    continue
+                found = self._target(e)
+                if type(found) is Target:
+                    break
+                reason = found
+                found = None
+            if found is not None:
+                break
+        result = found if found is not None else reason
+        if len(self.memo) >= _MEMO_LIMIT:
+            self.memo.clear()
+        self.memo[key] = result
+        return result
+
+    def invalidate(self) -> None:
+        """The member's tensors or submodules were replaced: bind again."""
+        self.last = None
+        self.memo.clear()
+        self.targets.clear()
+        self.handle._programs.forget(self.name)
+
+    def _target(self, e: Entry) -> Any:
+        t = self.targets.get(id(e))
+        if t is None:
+            reason = self.handle._programs.fits(e, self.name, self.module)
+            if reason is not None:
+                return reason
+            t = self.targets[id(e)] = Target(e, self.handle._programs, self.name)
+        return t
+
+
+class _Root(Holder):
+    """Wraps the model given to ``install``: per call of it, the probes'
+    numerics-only flags (``watch_forward``) are checked once, not per block."""
+
+    __slots__ = ("__weakref__", "handle", "module", "off", "orig", "prev")
+
+    def __init__(self, handle: InstallHandle, module: nn.Module) -> None:
+        self.handle, self.module = handle, module
+        self.prev = module.__dict__.get("forward", ABSENT)
+        self.orig = module.forward
+        self.off = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            return self.orig(*args, **kwargs)
+        handle = self.handle
+        try:
+            for obs in handle._observers:
+                obs.forward_changed()
+        except Exception:  # a getter that raises: the members observe it again
+            pass
+        handle.active += 1
+        try:
+            return self.orig(*args, **kwargs)
+        finally:
+            handle.active -= 1
+
+
+class InstallHandle:
+    """What :func:`ctxreplay.install` returns: ``stats()`` counts hits and
+    misses, ``remove()`` restores the model exactly (also on ``with``
+    exit)."""
+
+    def __init__(self, model: nn.Module, entries: list[Entry],
+                 compile: Compiler | None) -> None:
+        self.model = model
+        """The model whose members dispatch to captures."""
+        self._entries = entries
+        self._slots: list[_Slot] = []
+        self._programs = Programs(compile)
+        self._owners: dict[int, _Slot] = {}
+        self._hooks: list[Any] = []
+        self._observers: tuple[Observer, ...] = ()
+        self._root: _Root | None = None
+        self._copies: list[Entries] = []
+        self.active = 0  # calls of the model in progress
+        """Calls of the model in progress."""
+        self.removed = False
+        """Whether ``remove()`` has run."""
+
+    @property
+    def compile(self) -> Compiler | None:
+        """The compiler applied to each member's program on its first hit (``None``: run the
+        programs as they are)."""
+        return self._programs.compile
+
+    def _watch(self) -> None:
+        """Re-bind a member whose parameter, buffer or submodule is replaced
+        (``block.lin.weight = nn.Parameter(...)``, ``load_state_dict(...,
+        assign=True)``): torch's global registration hooks fire then, so no
+        call pays for noticing.  In-place updates need nothing: the program
+        runs with the member's own tensors."""
+        self._owners = {id(m): s for s in self._slots for m in s.module.modules()}
+        if self._hooks:
+            return
+        mod = torch.nn.modules.module
+        for name in ("register_module_parameter_registration_hook",
+                     "register_module_buffer_registration_hook",
+                     "register_module_module_registration_hook"):
+            register = getattr(mod, name, None)
+            if register is not None:
+                self._hooks.append(register(self._replaced))
+
+    def _replaced(self, module: nn.Module, name: str, value: Any) -> None:
+        slot = self._owners.get(id(module))
+        if slot is not None and not self.removed:
+            slot.invalidate()
+            if isinstance(value, nn.Module):
+                self._owners = {id(m): s for s in self._slots for m in s.module.modules()}
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The members whose calls are dispatched."""
+        return tuple(s.name for s in self._slots)
+
+    def stats(self) -> DispatchStats:
+        """Hits per capture, misses per member and their reasons."""
+        reasons: Counter[str] = Counter()
+        for s in self._slots:
+            reasons.update(s.reasons)
+        unusable = {e.label: e.unusable for e in self._entries if e.unusable is not None}
+        unusable.update(self._programs.unfit)
+        return DispatchStats({e.label: e.hits for e in self._entries},
+                             {s.name: s.misses for s in self._slots}, dict(reasons),
+                             unusable, tuple(self._programs.compiled))
+
+    def remove(self) -> None:
+        """Put back every member's ``forward`` as it was; a wrapper another
+        tool set on top of ours stays, and ours passes calls straight
+        through.  Idempotent."""
+        if self.removed:
+            return
+        self.removed = True
+        holders: list[_Slot | _Root] = [*self._slots, *([self._root] if self._root else [])]
+        for h in reversed(holders):
+            h.off = True
+            current = h.module.__dict__.get("forward")
+            if getattr(current, "__self__", None) is h:
+                if h.prev is ABSENT:
+                    del h.module.forward
+                else:
+                    h.module.forward = h.prev
+        for s in self._slots:
+            s.memo.clear()
+            s.last = None
+            s.targets.clear()
+        self._programs.clear()
+        for c in reversed(self._copies):
+            c.remove()
+        self._copies.clear()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._owners.clear()
+
+    def __enter__(self) -> InstallHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def install(model: nn.Module,
+            source: CaptureReport | LoadedManifest | Capture | LoadedCapture
+            | Iterable[CaptureReport | LoadedManifest | Capture | LoadedCapture], *,
+            compile: Compiler | None = None,
+            ignore: Iterable[str] = (), object_args: str = "eager") -> InstallHandle:
+    """Route each captured member's calls to the capture whose key matches.
+
+    For every member a capture lists, ``model.<member>``'s calls are matched
+    by member, input signature and context (the probes' states of the live
+    call the capture was made from); a match runs the capture's program with
+    that member's own weights, any other call runs eagerly (a miss, counted
+    with its reason in ``handle.stats()``).  Without ``compile`` the outputs
+    are those of the program (bit-identical to eager for the models tried).
+
+    Args:
+        model: the live model the captures were made from.
+        source: a ``CaptureReport``, what :func:`ctxreplay.load` returns, a
+            ``Capture``, or an iterable of them.
+        compile: ``torch.compile`` or any callable ``GraphModule -> callable``
+            (a kernel-discovery tool's compiler), applied once per member on
+            its first hit; a compiler that fails warns and leaves that member
+            eager.
+        ignore: probe names left out of the context key (you vouch for them:
+            e.g. a framework's forward context this process cannot compare).
+        object_args: ``"eager"`` (default) runs calls whose arguments hold
+            Python objects (a KV cache) eagerly, since a forward may update
+            such an object in Python where no graph records it;
+            ``"dispatch"`` dispatches them too.
+
+    Returns:
+        An :class:`InstallHandle`: ``stats()`` counts hits and misses,
+        ``remove()`` (or the ``with`` exit) restores the model exactly.
+
+    Raises:
+        ValueError: a member that is not in ``model``, or an unknown
+            ``object_args``.
+        TypeError: ``model`` is not an ``nn.Module``, ``source`` is none of
+            the above, or ``compile`` is not callable.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"install: expected an nn.Module, got {type(model).__name__}")
+    if compile is not None and not callable(compile):
+        raise TypeError("install: compile must be None, torch.compile or a callable taking "
+                        "a GraphModule")
+    if object_args not in OBJECT_POLICIES:
+        raise ValueError(f"object_args: {object_args!r} is not one of {list(OBJECT_POLICIES)}")
+    ignore = tuple(ignore)
+    entries = [entry(s, ignore, object_args) for s in sources(source)]
+    modules: dict[str, nn.Module] = {}
+    for e in entries:
+        for m in e.members:
+            if m in modules:
+                continue
+            try:
+                modules[m] = model.get_submodule(m)
+            except AttributeError:
+                raise ValueError(f"install: the model has no submodule {m!r} (a member of "
+                                 f"{e.label})") from None
+    handle = InstallHandle(model, entries, compile)
+    observers: dict[tuple[Any, ...], Observer] = {}
+    for name, module in modules.items():
+        slot = _Slot(handle, name, module)
+        slot.entries = [e for e in entries if name in e.members]
+        by_probes: dict[tuple[Any, ...], list[Entry]] = {}
+        for e in slot.entries:
+            probes = tuple(p for p, s in zip(e.match.probes, e.match.states)
+                           if not isinstance(p, UnknownProbe) and not isinstance(s, UnknownState))
+            key = tuple((p.name, id(p)) for p in probes)
+            if key not in observers:
+                # the numerics-only flags (watch_forward) are checked once per
+                # call of ``model``, as observation does (DESIGN.md fact 14)
+                observers[key] = Observer(probes, per_call=False)
+            by_probes.setdefault(key, []).append(e)
+        slot.groups = [(observers[k], v) for k, v in by_probes.items()]
+        handle._slots.append(slot)
+    handle._observers = tuple(observers.values())
+    handle._watch()
+    for slot in handle._slots:
+        # the wrapper keeps the signature of what it wraps (jit.trace names
+        # inputs by it; frameworks read it for keyword arguments)
+        slot.module.forward = signed(slot, _Slot.forward, slot.orig)
+    if all(s.module is not model for s in handle._slots):
+        handle._root = _Root(handle, model)
+        model.forward = signed(handle._root, _Root.forward, handle._root.orig)
+    # copies, pickles and torch.jit.script of the model are plain (``_copies``)
+    handle._copies = [Entries(m) for m in path_modules(model, list(modules))]
+    for c in handle._copies:
+        c.install()
+    return handle

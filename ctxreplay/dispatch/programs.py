@@ -1,0 +1,239 @@
+"""The captures as ``install`` uses them, and the program each member runs.
+
+An ``Entry`` is one capture with what dispatch decides once: its context key
+(the snapshot less the probes ignored), and why it cannot be used here at
+all (``unusable``: a reason code of ``dispatch.MISS_REASONS``).
+``Programs`` makes, once per capture and member, the program bound to that
+member's own weights (DESIGN.md fact 20) -- when the member is what it was
+when it ran the variant (its identity) and its weights fit -- and compiles
+it on first use; a ``Target`` runs it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from ..capture.results import Capture
+from ..core.snapshots import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
+from ..loading.load import LoadedCapture, LoadedManifest
+from ..loading.needs import Needs, needs_of, static_differences
+from ..loading.weights import WeightsError, bind_weights
+from ..observation.targets import identity_digest, identity_of
+from ..report.capture_report import CaptureReport
+from ..specs.materialize import build
+from ..specs.signature import (
+    CallSpec,
+    DataclassSpec,
+    ObjectSpec,
+    PytreeSpec,
+    Spec,
+    children,
+    is_native,
+    tensor_values,
+)
+
+__all__ = ["Entry", "Programs", "Target", "entry", "sources"]
+
+Compiler = Callable[[nn.Module], Callable[..., Any]]
+
+
+@attrs.define(eq=False)
+class Entry:
+    """One capture, as dispatch uses it."""
+
+    label: str
+    members: tuple[str, ...]
+    binding: str
+    program: Any
+    signature: CallSpec | None
+    outputs: Spec | None
+    flatten_out: bool
+    match: ContextSnapshot
+    unusable: str | None
+    #: member -> identity digest when it ran, and the attributes left out
+    identities: dict[str, str] = attrs.field(factory=dict)
+    ignore_attributes: tuple[str, ...] = ()
+    hits: int = 0
+
+
+def _has_objects(spec: Spec) -> bool:
+    if isinstance(spec, (DataclassSpec, ObjectSpec, PytreeSpec)):
+        return True
+    return any(_has_objects(c) for _, c in children(spec) or ())
+
+
+def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
+           object_args: str) -> Entry:
+    needs: Needs
+    if isinstance(source, LoadedCapture):
+        needs = source.needs
+        program: Any = source.program
+        signature, outputs = source.signature(), source.outputs()
+        backend_ok = True
+    else:
+        needs = needs_of(source)
+        program = source.artifact
+        signature, outputs = source.signature, source.outputs
+        backend_ok = isinstance(program, torch.export.ExportedProgram)
+    snap = needs.snapshot.without(*ignore)
+    binding = source.binding
+    flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
+    unusable = _unusable(needs, snap, signature, outputs, flatten_out, backend_ok, ignore,
+                         object_args)
+    return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
+                  flatten_out, snap, unusable, dict(source.identities),
+                  tuple(source.ignore_attributes))
+
+
+def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
+              outputs: Spec | None, flatten_out: bool, backend_ok: bool,
+              ignore: tuple[str, ...], object_args: str) -> str | None:
+    if not backend_ok:
+        return "backend_not_dispatchable"
+    static = static_differences(needs, ignore)
+    if static:
+        return static[0].kind if static[0].kind != "state" else "unknown_probe"
+    if any(isinstance(s, UnknownState) or isinstance(p, UnknownProbe)
+           for _, p, s in zip(snap.names, snap.probes, snap.states)):
+        return "unknown_probe"
+    if any(isinstance(s, Unresolved) for s in snap.states):
+        return "live_state"
+    if signature is None or (flatten_out and outputs is None):
+        return "not_rebuildable"
+    if object_args != "dispatch" and any(_has_objects(s) for _, s in signature.items()):
+        return "object_arguments"
+    return None
+
+
+def _identity(module: nn.Module, ignore: tuple[str, ...]) -> str:
+    try:
+        return identity_digest(identity_of(module, ignore))
+    except Exception:  # an attribute that cannot be read: not the same member
+        return "unreadable"
+
+
+def sources(source: object) -> list[Capture | LoadedCapture]:
+    if isinstance(source, (CaptureReport, LoadedManifest)):
+        return list(source.captures)
+    if isinstance(source, (Capture, LoadedCapture)):
+        return [source]
+    if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
+        raise TypeError("install: source must be a CaptureReport, a loaded manifest or "
+                        "capture (ctxreplay.load), a Capture, or an iterable of them; got "
+                        f"{type(source).__name__}")
+    out: list[Capture | LoadedCapture] = []
+    for s in source:
+        out += sources(s)
+    return out
+
+class Programs:
+    """Each capture's program per member, made once: bound to the member's
+    weights, or the reason it cannot be (``unfit``), and compiled with
+    ``compile`` on first use."""
+
+    def __init__(self, compile: Compiler | None) -> None:
+        self.compile = compile
+        self._built: dict[tuple[int, str], nn.Module | None] = {}
+        #: ``label@member`` -> why that member cannot run that capture
+        self.unfit: dict[str, str] = {}
+        #: ``label@member`` compiled so far
+        self.compiled: list[str] = []
+
+    def fits(self, e: Entry, name: str, module: nn.Module) -> str | None:
+        """Whether member ``name`` can run ``e``'s program (``None``), or why not: it is
+        what the member was when it ran the variant (its identity) and its weights fit."""
+        key = (id(e), name)
+        if key not in self._built:
+            where = f"{e.label}@{name}"
+            try:
+                gm: nn.Module | None = bind_weights(e.program, module, e.binding)
+            except WeightsError:
+                gm = None
+                self.unfit[where] = "structure"
+            if gm is not None and e.identities.get(name, "") not in (
+                    "", _identity(module, e.ignore_attributes)):
+                gm = None
+                self.unfit[where] = "identity"
+            self._built[key] = gm
+        if self._built[key] is not None:
+            return None
+        return self.unfit.get(f"{e.label}@{name}", "structure")
+
+    def make(self, e: Entry, name: str) -> Callable[..., Any] | None:
+        """The callable member ``name`` runs for ``e`` (compiled where asked)."""
+        gm = self._built.get((id(e), name))
+        if gm is None:
+            return None
+        if self.compile is None:
+            return gm
+        try:
+            fn = self.compile(gm)
+        except Exception:
+            self.compile_failed(e, name)
+            return None
+        self.compiled.append(f"{e.label}@{name}")
+        return fn
+
+    def compile_failed(self, e: Entry, name: str) -> None:
+        """Member ``name`` runs ``e`` eagerly from now on, and the user is told."""
+        where = f"{e.label}@{name}"
+        self.unfit[where] = "compile_failed"
+        warnings.warn(f"ctxreplay.install: compiling {where} failed; its calls run eagerly",
+                      RuntimeWarning, stacklevel=4)
+
+    def forget(self, name: str) -> None:
+        """Member ``name``'s tensors or submodules were replaced: bind again."""
+        for key in [k for k in self._built if k[1] == name]:
+            del self._built[key]
+
+    def clear(self) -> None:
+        """Drop every program (``remove()``)."""
+        self._built.clear()
+
+
+class Target:
+    """One capture's program for one member: built (and compiled) on first use."""
+
+    __slots__ = ("entry", "failed", "fn", "name", "programs")
+
+    def __init__(self, entry: Entry, programs: Programs, name: str) -> None:
+        self.entry, self.programs, self.name = entry, programs, name
+        self.fn: Callable[..., Any] | None = None
+        self.failed = False
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        e = self.entry
+        fn = self.fn
+        first = fn is None
+        if fn is None:
+            fn = self.programs.make(e, self.name)
+            if fn is None:
+                self.failed = True
+                return None
+            self.fn = fn
+        try:
+            if e.binding == "flattened":
+                leaves = [t for a in args for t in tensor_values(a)]
+                leaves += [t for v in kwargs.values() for t in tensor_values(v)]
+                out = fn(*leaves)
+            else:
+                out = fn(*args, **kwargs)
+        except Exception:
+            if not first or self.programs.compile is None:
+                raise
+            # torch.compile compiles on the first call: a compiler that fails
+            # there costs this capture, not the user's forward
+            self.programs.compile_failed(e, self.name)
+            self.failed = True
+            return None
+        if e.flatten_out:
+            it = iter(out)
+            assert e.outputs is not None
+            return build(e.outputs, lambda _s: next(it))
+        return out

@@ -1,0 +1,128 @@
+"""Running graphs that hold collectives on every rank at once.
+
+A graph that calls ``all_reduce`` can only run when every rank of its group
+runs it too.  So after the captures, for each such capture in report order,
+the rank that made it sends the program (``torch.export.save`` bytes), and
+every rank runs it -- with its own copy of the block it stands for, or the
+program's own weights where it has none -- and then the block itself on the
+same inputs, issuing the same collectives in the same order; their findings
+are merged into the capture's fidelity.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..capture.isolate import isolated
+from ..capture.results import Capture
+from ..core.probe import ContextProbe
+from ..fidelity.verify import Fidelity, Mismatch, compare_values, merge_mismatches, neutral_replay
+from ..specs.materialize import bind_call, inputs_for, materialize_leaves
+from ..specs.signature import tensor_values
+
+__all__ = ["run_collective_checks"]
+
+
+class Collective(Protocol):
+    """What running together needs of the group (``_collective.Collective``)."""
+
+    rank: int
+
+    def broadcast(self, obj: Any, src: int) -> Any: ...
+
+    def gather(self, obj: Any) -> list[Any]: ...
+
+
+def run_collective_checks(coll: Collective, captures: list[Capture],
+                          local: Mapping[str, Capture], modules: Mapping[str, nn.Module],
+                          baseline: tuple[ContextProbe[Any], ...], level: str
+                          ) -> dict[tuple[str, int], Fidelity]:
+    """For every capture whose graph holds collectives (in report order), run
+    it on every rank at once: the owner sends the program, each rank runs it
+    with its own copy of the member (or the program's weights where it has
+    none) and then the member itself, and the ranks' findings are merged."""
+    out: dict[tuple[str, int], Fidelity] = {}
+    for c in captures:
+        if not c.collective or c.rank is None:
+            continue
+        mine = local.get(f"{c.scope}#{c.variant}")
+        payload = None
+        if coll.rank == c.rank and mine is not None:
+            try:
+                buf = io.BytesIO()
+                torch.export.save(mine.artifact, buf)
+                payload = buf.getvalue()
+            except Exception:
+                payload = None
+        payload = coll.broadcast(payload, c.rank)
+        found = _run_here(c, payload, modules, baseline)
+        every = coll.gather(found)
+        merged = merge_mismatches(m for ms in every for m in ms)
+        checked = ("signature", "execute") if level == "execute" else \
+            ("signature", "execute", "values")
+        base = c.fidelity.mismatches
+        out[(c.scope, c.variant)] = Fidelity(level, not (merged or base),
+                                             merge_mismatches((*base, *merged)), checked,
+                                             c.fidelity.members)
+    return out
+
+
+def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module],
+              baseline: tuple[ContextProbe[Any], ...]) -> list[Mismatch]:
+    if payload is None:
+        return [Mismatch("out", "execution", "ran on every rank", "program not sent",
+                         "execute")]
+    program = torch.export.load(io.BytesIO(payload))
+    name = next((m for m in (c.weights_from, *c.members) if m in modules), None)
+    leaves = materialize_leaves(c.signature)
+    runs: list[Any] = []
+    try:
+        gm = program.module()
+        if name is not None:
+            with isolated(modules[name]) as view:
+                state = {("inner." if c.binding == "flattened" else "") + k: v
+                         for k, v in view.state_dict(keep_vars=True).items()}
+                gm.load_state_dict(state, strict=False, assign=True)
+                runs.append(_call(gm, c, leaves, baseline, full=False))
+                runs.append(_eager(view, c, leaves, baseline))
+        else:  # the same collectives, in the same order, as the other ranks
+            runs.append(_call(gm, c, leaves, baseline, full=False))
+            runs.append(_call(gm, c, leaves, baseline, full=False))
+    except Exception as exc:
+        return [Mismatch("out", "execution", "ran", type(exc).__name__, "execute")]
+    if name is None:
+        return []
+    return compare_values(runs[1], runs[0], "execute",
+                          member=None if len(c.members) == 1 else name)
+
+
+def _call(gm: Callable[..., Any], c: Capture, leaves: tuple[torch.Tensor, ...],
+          baseline: tuple[ContextProbe[Any], ...], *, full: bool) -> Any:
+    args, kwargs = inputs_for(c.signature, c.binding,
+                              leaves=tuple(t.clone() for t in leaves))
+    with neutral_replay(c.snapshot, baseline, full=full):
+        return gm(*args, **kwargs)
+
+
+def _eager(view: nn.Module, c: Capture, leaves: tuple[torch.Tensor, ...],
+           baseline: tuple[ContextProbe[Any], ...]) -> Any:
+    it = iter(tuple(t.clone() for t in leaves))
+    args, kwargs = bind_call(c.signature, lambda _s: next(it))
+    try:
+        replay = neutral_replay(c.snapshot, baseline, full=True)
+        replay.__enter__()
+    except Exception:  # a live state this rank never held: its neutral state
+        replay = neutral_replay(c.snapshot, baseline)
+        replay.__enter__()
+    try:
+        out = view(*args, **kwargs)
+    finally:
+        replay.__exit__(None, None, None)
+    return tuple(tensor_values(out)) if c.binding == "flattened" else out
+
+

@@ -1,0 +1,116 @@
+"""A capture's program behind a per-call check: ``GuardedCapture``.
+
+The guarded call checks on every call through the observation fast path: a
+snapshot cached behind ``GlobalStateGuard().check()`` plus the probes'
+watched getters (``observer.Observer``), compared by identity with the last
+snapshot that passed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..core.observer import Observer
+from ..core.snapshots import ContextSnapshot
+from ..errors import Error, Warning
+from .needs import (
+    Difference,
+    Needs,
+    check_needs,
+    observe_all,
+    state_differences,
+    static_differences,
+)
+
+__all__ = ["GUARD_MODES", "GuardError", "GuardWarning", "GuardedCapture"]
+
+#: ``on_mismatch``: what a guarded call does on a difference
+GUARD_MODES = ("raise", "warn", "fallback")
+
+
+class GuardError(Error, RuntimeError):
+    """A guarded call found that the current process differs from what the
+    capture needs (``on_mismatch="raise"``).  ``differences`` lists them."""
+
+    def __init__(self, label: str, differences: tuple[Difference, ...]) -> None:
+        self.label = label
+        """The ``scope#variant`` of the guarded capture."""
+        self.differences = differences
+        """What differs, one ``Difference`` each."""
+        super().__init__(f"{label}: this process differs from what the capture needs, so it "
+                         "would not reproduce its live call:\n  "
+                         + "\n  ".join(d.text for d in differences))
+
+
+class GuardWarning(Warning):
+    """A guarded call ran although the process differs from what the capture
+    needs (``on_mismatch="warn"``); once per distinct state."""
+
+
+class GuardedCapture:
+    """A capture's program behind a per-call check (made by
+    :meth:`LoadedCapture.guarded`).  ``mismatches`` counts calls that found
+    a difference; ``check()`` is the check now."""
+
+    __slots__ = ("_fallback", "_label", "_mode", "_needs", "_observer", "_ok", "_run",
+                 "_static", "_verdicts", "ignore", "mismatches")
+
+    def __init__(self, needs: Needs, run: Callable[..., Any], *, on_mismatch: str = "raise",
+                 fallback: Callable[..., Any] | None = None,
+                 ignore: Iterable[str] = ()) -> None:
+        if on_mismatch not in GUARD_MODES:
+            raise ValueError(f"on_mismatch: {on_mismatch!r} is not one of {list(GUARD_MODES)}")
+        if on_mismatch == "fallback" and not callable(fallback):
+            raise ValueError("on_mismatch='fallback' needs fallback=<a callable taking the "
+                             "same arguments>")
+        self._needs, self._run, self._mode, self._fallback = needs, run, on_mismatch, fallback
+        self._label = needs.label
+        self.ignore = tuple(ignore)
+        """Probe names the guard leaves out."""
+        self._static = tuple(static_differences(needs, self.ignore))
+        self._observer = Observer(needs.observable(self.ignore), per_call=True)
+        self._ok: ContextSnapshot | None = None
+        self._verdicts: dict[ContextSnapshot, tuple[Difference, ...]] = {}
+        self.mismatches = 0
+        """Calls that found a difference so far."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            snap: ContextSnapshot | None = self._observer()
+        except Exception:  # a probe that cannot observe: the slow path says which
+            snap = None
+        if snap is not None and snap is self._ok:
+            return self._run(*args, **kwargs)
+        return self._slow(snap, args, kwargs)
+
+    def check(self) -> tuple[Difference, ...]:
+        """What differs now (as :meth:`LoadedCapture.check`)."""
+        return check_needs(self._needs, self.ignore)
+
+    def _slow(self, snap: ContextSnapshot | None, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
+        found = self._verdicts.get(snap) if snap is not None else None
+        first = found is None
+        if found is None:
+            current = dict(snap.items()) if snap is not None else \
+                observe_all(self._needs.observable(self.ignore))
+            found = self._static + tuple(state_differences(self._needs, current, self.ignore))
+            if snap is not None:
+                if len(self._verdicts) >= 256:  # a state that changes every call
+                    self._verdicts.clear()
+                self._verdicts[snap] = found
+        if not found:
+            self._ok = snap
+            return self._run(*args, **kwargs)
+        self.mismatches += 1
+        if self._mode == "raise":
+            raise GuardError(self._label, found)
+        if self._mode == "warn":
+            if first:
+                warnings.warn(str(GuardError(self._label, found)), GuardWarning, stacklevel=3)
+            return self._run(*args, **kwargs)
+        assert self._fallback is not None
+        return self._fallback(*args, **kwargs)
+

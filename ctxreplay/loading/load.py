@@ -1,0 +1,389 @@
+"""Using saved captures: ``load`` a manifest directory or one saved capture,
+``check`` what it needs against this process (``needs``), call it guarded
+(``guard``), run it with a member's weights (``weights``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from ..artifacts.sidecar import ArtifactError, ArtifactSidecar, read_sidecar, warn_unknown
+from ..core.snapshots import ContextSnapshot, Unresolved
+from ..fidelity.verify import combined_status
+from ..report.manifest import ManifestEntry, read_manifest
+from ..specs.signature import CallSpec, Spec
+from ..specs.specjson import resolve_opaque, spec_from_json
+from .detect import detect
+from .guard import GuardedCapture
+from .needs import (
+    Difference,
+    Needs,
+    Probes,
+    check_needs,
+    devices_of,
+    document_fidelity,
+    merge_differences,
+    probe_map,
+)
+from .weights import Weights, bind_weights
+
+__all__ = ["LoadedCapture", "LoadedManifest", "load"]
+
+@attrs.frozen(eq=False)
+class LoadedCapture:
+    """One saved capture, opened by :func:`ctxreplay.load`.
+
+    Its program holds the weights of ``weights_from`` -- the first member
+    that ran the variant; run it for another member with
+    ``module(weights=member)``.  ``check()`` says what differs between now
+    and what it needs; ``guarded()`` is a callable that checks on every call;
+    ``replay()`` establishes what it needs around a block of code.
+    """
+
+    path: Path
+    """The ``.pt2`` file."""
+    sidecar: ArtifactSidecar = attrs.field(repr=False)
+    """Its sidecar, read back."""
+    members: tuple[str, ...]
+    """The blocks the capture stands for."""
+    weights_from: str
+    """The member whose weights the program holds."""
+    fidelity: str
+    """``Fidelity.status`` of the live check and the saved file's check together: ``"ok"``,
+    ``"ok_with_needs"`` (reproduces where its ``ambient_only`` states hold), ``"failed"`` or
+    ``"unchecked"``."""
+    environment: Mapping[str, Any] = attrs.field(repr=False)
+    """Versions, device and autocast op policy it was made with."""
+    merged: tuple[int, ...] = ()
+    """Variants merged into this capture (``Capture.merged``)."""
+    _cache: dict[str, Any] = attrs.field(factory=dict, repr=False, alias="cache")
+
+    @property
+    def scope(self) -> str:
+        """The capture's variant table."""
+        return self.sidecar.scope
+
+    @property
+    def variant(self) -> int:
+        """The capture's variant number."""
+        return self.sidecar.variant
+
+    @property
+    def label(self) -> str:
+        """``scope#variant``."""
+        return f"{self.scope}#{self.variant}"
+
+    @property
+    def binding(self) -> str:
+        """How the program takes its inputs: ``native`` or ``flattened``."""
+        return self.sidecar.binding
+
+    @property
+    def fingerprint(self) -> str:
+        """The capture's fingerprint."""
+        return self.sidecar.fingerprint
+
+    @property
+    def snapshot(self) -> ContextSnapshot:
+        """The context of the live call (unknown probes as opaque states)."""
+        return self.sidecar.snapshot
+
+    @property
+    def embedded(self) -> tuple[str, ...]:
+        """Probes whose state the program carries itself."""
+        return self.sidecar.embedded
+
+    @property
+    def ambient_only(self) -> tuple[str, ...]:
+        """Probes whose non-neutral state must be re-established around each call (``check()`` says
+        whether it holds; ``replay()`` establishes it)."""
+        return self.sidecar.ambient_only
+
+    @property
+    def identities(self) -> tuple[tuple[str, str], ...]:
+        """``(member, identity digest)`` when it ran (``Capture.identities``)."""
+        return self.sidecar.identities
+
+    @property
+    def ignore_attributes(self) -> tuple[str, ...]:
+        """Attributes left out of the members' identities."""
+        return self.sidecar.ignore_attributes
+
+    @property
+    def needs(self) -> Needs:
+        """What the guard checks (see :func:`ctxreplay.load`)."""
+        needs = self._cache.get("needs")
+        if needs is None:
+            side = self.sidecar
+            specs = [s for _, s in side.inputs] + list(side.outputs or ())
+            context = side.document.get("context")
+            needs = Needs(self.label, side.snapshot, side.ambient_only,
+                          dict(context) if isinstance(context, Mapping) else {},
+                          self.environment, devices_of(specs), self.fidelity)
+            self._cache["needs"] = needs
+        return needs
+
+    @property
+    def program(self) -> Any:
+        """The ``torch.export.ExportedProgram`` (loaded once, on first use)."""
+        program = self._cache.get("program")
+        if program is None:
+            program = self._cache["program"] = torch.export.load(self.path)
+        return program
+
+    def signature(self) -> CallSpec | None:
+        """The captured call's signature, or ``None`` where the document does
+        not carry it fully (an object argument, a string constant)."""
+        try:
+            return self.sidecar.signature()
+        except ArtifactError:
+            return None
+
+    def outputs(self) -> Spec | None:
+        """The live call's output structure, or ``None`` where the document
+        does not carry it fully."""
+        doc = self.sidecar.document.get("outputs")
+        if doc is None:
+            return None
+        try:
+            return resolve_opaque(spec_from_json(doc, "$.outputs"))
+        except ValueError:
+            return None
+
+    def module(self, weights: Weights = None) -> nn.Module:
+        """The program as a module: with its own weights (``weights_from``'s),
+        or with another member's.
+
+        Args:
+            weights: a member module or its state dict (``None``: the
+                program's own weights).
+
+        Raises:
+            WeightsError: the weights do not fit the program."""
+        return bind_weights(self.program, weights, self.binding)
+
+    def example_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Fresh inputs of the recorded signature (``ArtifactSidecar.example_inputs``)."""
+        return self.sidecar.example_inputs()
+
+    def check(self, *, ignore: Iterable[str] = ()) -> tuple[Difference, ...]:
+        """What differs between now and what this capture needs, one
+        :class:`Difference` per probe or field (empty when all holds).
+
+        Args:
+            ignore: probe names not to check (you vouch for them)."""
+        return check_needs(self.needs, ignore)
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """Establish what the capture needs -- every probe at its neutral
+        state, then each state it does not carry itself (``ambient_only``)
+        as the live call had it -- and restore exactly on exit.  Raises
+        ``ValueError`` for a needed state this process cannot establish (an
+        unknown probe, a live state a document cannot carry)."""
+        snap = self.snapshot
+        needed = [n for n, s in snap.items() if isinstance(s, Unresolved)
+                  and n in self.ambient_only]
+        if needed:
+            raise ValueError(f"{self.label}: cannot establish the state of "
+                             f"{', '.join(needed)} here (not portable, or the probe is not "
+                             "registered in this process)")
+        with ExitStack() as stack:
+            for name, probe, state in zip(snap.names, snap.probes, snap.states):
+                if isinstance(state, Unresolved):
+                    continue
+                neutral = probe.neutral_state()
+                if name in self.ambient_only:
+                    stack.enter_context(probe.replay(state))
+                elif neutral is not None:
+                    stack.enter_context(probe.replay(neutral))
+            yield
+
+    def guarded(self, *, on_mismatch: str = "raise",
+                fallback: Callable[..., Any] | None = None, weights: Weights = None,
+                ignore: Iterable[str] = ()) -> GuardedCapture:
+        """A callable that runs the program after checking, on each call,
+        that the process still holds what the capture needs.
+
+        Args:
+            on_mismatch: on a difference, ``"raise"`` (:class:`GuardError`
+                listing it), ``"warn"`` (:class:`GuardWarning` once per
+                distinct state, then run) or ``"fallback"`` (call
+                ``fallback`` with the same arguments instead).
+            fallback: what to call instead, for ``on_mismatch="fallback"``.
+            weights: a member module or its state dict, as for ``module()``.
+            ignore: probe names not to check (you vouch for them)."""
+        return GuardedCapture(self.needs, self.module(weights), on_mismatch=on_mismatch,
+                              fallback=fallback, ignore=ignore)
+
+
+
+@attrs.frozen(eq=False)
+class LoadedManifest:
+    """A directory written by ``report.save_all``, opened by :func:`ctxreplay.load`.
+
+    ``captures``: every saved capture; ``not_saved``: ``(scope#variant,
+    reason)`` of captures the report had that could not be written;
+    ``failures``: ``(scope, variant, backend, reason)`` of variants that
+    failed to capture; ``problems``: the report's problem codes; ``ok``:
+    the report was ok when saved.  ``unknown_probes``: probes the files
+    name that this process does not have."""
+
+    path: Path
+    """The ``manifest.json``."""
+    ctxreplay_version: str
+    """The ctxreplay version that wrote it."""
+    environment: Mapping[str, Any] = attrs.field(repr=False)
+    """Versions, device and autocast op policy it was made with."""
+    ok: bool
+    """Whether the report was ok when it was saved."""
+    probes: tuple[str, ...]
+    """The probes the session observed."""
+    captures: tuple[LoadedCapture, ...]
+    """Every saved capture."""
+    not_saved: tuple[tuple[str, str], ...] = ()
+    """``(scope#variant, reason)`` of captures the report had that were not written."""
+    failures: tuple[tuple[str, int, str, str], ...] = ()
+    """``(scope, variant, backend, reason)`` of variants that failed to capture."""
+    problems: tuple[str, ...] = ()
+    """The report's problem codes."""
+    unknown_probes: tuple[str, ...] = ()
+    """Probes the files name that this process does not have."""
+
+    @property
+    def directory(self) -> Path:
+        """The directory the manifest is in."""
+        return self.path.parent
+
+    def __iter__(self) -> Iterator[LoadedCapture]:
+        return iter(self.captures)
+
+    def __len__(self) -> int:
+        return len(self.captures)
+
+    def check(self, *, ignore: Iterable[str] = ()) -> tuple[Difference, ...]:
+        """What differs between now and what the captures need, each
+        difference once, listing the captures it concerns (empty when all
+        holds)."""
+        ignore = tuple(ignore)
+        return merge_differences(d for c in self.captures for d in c.check(ignore=ignore))
+
+
+# -- load ---------------------------------------------------------------------------
+
+def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
+             fidelity: str, environment: Mapping[str, Any] | None,
+             merged: tuple[int, ...] = ()) -> LoadedCapture:
+    env = environment
+    if env is None:
+        doc_env = side.document.get("environment")
+        env = doc_env if isinstance(doc_env, Mapping) else {"torch": side.torch_version}
+    return LoadedCapture(side.artifact, side, members or side.members or (side.scope,),
+                         weights_from or side.weights_from or
+                         (members[0] if members else side.scope),
+                         fidelity, env, merged)
+
+
+def _load_single(path: Path, probes: Probes) -> LoadedCapture:
+    side = read_sidecar(path, probe_map(probes))
+    warn_unknown(side.snapshot.unknown, side.path.name)
+    doc = side.document
+    saved = None if doc.get("saved_fidelity") is None else document_fidelity(doc, "saved_fidelity")
+    return _capture(side, (), "", combined_status(document_fidelity(doc, "fidelity"), saved), None)
+
+
+def _check_entry(e: ManifestEntry, side: ArtifactSidecar) -> None:
+    where = f"$.captures[{e.index}]"
+    for field, mine, theirs in (("scope", e.scope, side.scope),
+                                ("variant", e.variant, side.variant),
+                                ("fingerprint", e.fingerprint, side.fingerprint),
+                                ("binding", e.binding, side.binding),
+                                ("artifact", e.artifact, side.artifact.name)):
+        if mine != theirs:
+            raise ValueError(f"{where}.capture.{field}: does not match its sidecar "
+                             f"{side.path.name}")
+
+
+def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
+    try:
+        doc = read_manifest(path, data)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in {path})") from None
+    given = probe_map(probes)
+    captures = []
+    unknown: list[str] = []
+    not_saved = []
+    for e in doc.entries:
+        if e.sidecar is None:
+            not_saved.append((e.label, e.not_saved or "unknown"))
+            continue
+        side_file = doc.directory / e.sidecar
+        try:
+            side = read_sidecar(side_file, given)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"$.captures[{e.index}].sidecar: {side_file} is "
+                                    "missing") from None
+        except ValueError as exc:
+            raise ValueError(f"{exc} (in {side_file})") from None
+        _check_entry(e, side)
+        if not side.artifact.is_file():
+            raise FileNotFoundError(f"$.captures[{e.index}].artifact: {side.artifact} is "
+                                    "missing")
+        unknown += side.snapshot.unknown
+        merged = e.capture.get("merged", [])
+        captures.append(_capture(side, e.members, e.weights_from,
+                                 combined_status(e.fidelity, e.saved),
+                                 doc.environment,
+                                 tuple(m for m in merged if type(m) is int)
+                                 if isinstance(merged, list) else ()))
+    names = tuple(sorted(set(unknown)))
+    warn_unknown(names, doc.path.name)
+    return LoadedManifest(doc.path, doc.ctxreplay_version, doc.environment, doc.ok,
+                          doc.probes, tuple(captures), tuple(not_saved),
+                          doc.failures, doc.problems, names)
+
+
+
+def load(path: str | os.PathLike[str], *,
+         probes: Probes = None) -> LoadedManifest | LoadedCapture:
+    """Open a directory written by ``report.save_all`` (or its
+    ``manifest.json``) as a :class:`LoadedManifest`, or one capture written
+    by ``Capture.save`` (the ``.pt2`` or its ``.pt2.json`` sidecar) as a
+    :class:`LoadedCapture`.
+
+    Every document is validated strictly (a malformed field raises
+    ``ValueError`` naming its JSON path; a wrong kind of file says what was
+    expected).  Probes the documents name that this process does not have
+    load as opaque states, with one :class:`ctxreplay.UnknownProbeWarning`
+    naming them; ``probes`` supplies instances for names the registry does
+    not hold (a framework's forward-context probe).  Programs are loaded on
+    first use.
+
+    Args:
+        path: a manifest directory or its ``manifest.json``, a ``.pt2`` or
+            its ``.pt2.json`` sidecar.
+        probes: probe instances for names the registry does not hold.
+
+    Returns:
+        A :class:`LoadedManifest` for a manifest, a :class:`LoadedCapture`
+        for one saved capture.
+
+    Raises:
+        ValueError: a malformed document (naming its JSON path) or a file of
+            another kind.
+    """
+    kind, target, data = detect(path)
+    if kind == "manifest":
+        return _load_manifest(target, data, probes)
+    if kind in ("artifact", "sidecar"):
+        return _load_single(target, probes)
+    raise ValueError(f"$.schema: a report holds no artifacts; write them with "
+                     f"report.save_all(directory) and load that directory (in {target})")

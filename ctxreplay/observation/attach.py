@@ -1,0 +1,224 @@
+"""Attaching to a model and detaching exactly: one wrapper per targeted
+module, one ``_Root`` on the module given to ``capture_with``, a counter on
+each compiled entry point; and reading the variant table out as capture
+requests."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from torch import nn
+
+from ..capture.options import MemberCall, VariantRequest
+from ..core.observer import Observer
+from .copies import Entries, path_modules, signed
+from .modules import ABSENT, CompiledCounter
+from .targets import (
+    describe_identity_change,
+    identity_digest,
+    identity_of,
+    structure_key,
+    training_of,
+)
+from .variants import MemberVariant, Scope
+from .wrapper import _Member, _Root, _Shared
+
+__all__ = ["Observation"]
+
+
+def _compiled_entry_points(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """Compiled regions over or around observed blocks: ``(qualified name,
+    owner, attribute)``."""
+    out: list[tuple[str, nn.Module, str]] = []
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    for name, m in root.named_modules():
+        if optimized is not None and isinstance(m, optimized) and "forward" in m.__dict__:
+            out.append((name, m, "forward"))
+        elif m.__dict__.get("_compiled_call_impl") is not None:
+            out.append((name, m, "_compiled_call_impl"))
+    return out
+
+
+class Observation:
+    """Every member of one session, attached; ``detach()`` restores exactly."""
+
+    def __init__(self, root: nn.Module, targets: list[tuple[str, nn.Module]], *,
+                 observer: Observer, max_variants: int, max_scopes: int, profile: bool,
+                 retain_bytes: int | None, ignore: tuple[str, ...]) -> None:
+        self.shared = _Shared(observer, max_variants=max_variants, profile=profile,
+                              retain_bytes=retain_bytes)
+        self.scopes: list[Scope] = []
+        self.dropped_scopes: list[str] = []
+        self.members: list[_Member] = []
+        self.root: _Root | None = None
+        by_key: dict[tuple[Any, ...], Scope] = {}
+        dropped: set[tuple[Any, ...]] = set()
+        # compiled entry points that exist now are counted exactly; blocks
+        # compiled later are only marked (see observe._Member.forward)
+        self.compiled: list[CompiledCounter] = []
+        for name, owner, attr in _compiled_entry_points(root):
+            counter = CompiledCounter(owner, attr, name)
+            owner.__dict__[attr] = counter
+            self.compiled.append(counter)
+        for name, mod in targets:
+            key = structure_key(mod)
+            scope = by_key.get(key)
+            if scope is None:
+                if len(by_key) >= max_scopes:
+                    if key not in dropped:
+                        dropped.add(key)
+                    self.dropped_scopes.append(name or type(mod).__name__)
+                    continue
+                scope = Scope(name or type(mod).__name__, key, [])
+                by_key[key] = scope
+                self.scopes.append(scope)
+            scope.members.append(name)
+            member = _Member(mod, name, scope, self.shared, ignore)
+            scope.member_states.append(member)
+            # the wrapper keeps the signature of what it wraps (jit.trace
+            # names inputs by it; frameworks read it for keyword arguments)
+            mod.forward = signed(member, _Member.forward, member.orig)
+            self.members.append(member)
+        self.root = _Root(root, self.shared)
+        root.forward = signed(self.root, _Root.forward, self.root.orig)
+        self.dropped_structures = len(dropped)
+        # copies and torch.jit.script see a plain model (``_copies``)
+        self.entries = [Entries(m) for m in path_modules(root, [m.name for m in self.members])]
+        for e in self.entries:
+            e.install()
+
+    # -- reading ------------------------------------------------------------
+    def dropped(self) -> dict[str, int]:
+        """What bookkeeping left out: variants past ``max_variants`` (and
+        their calls), structures past ``max_scopes``."""
+        return {"variants": sum(len(s.dropped) for s in self.scopes),
+                "variant_calls": sum(s.dropped_calls for s in self.scopes),
+                "scopes": self.dropped_structures}
+
+    def member_modules(self) -> dict[str, nn.Module]:
+        return {m.name: m.module for m in self.members}
+
+    def requests(self) -> list[VariantRequest]:
+        """One request per variant, members in attach order."""
+        out = []
+        for scope in self.scopes:
+            per_index: dict[int, list[tuple[_Member, MemberVariant]]] = {}
+            for m in self._of(scope):
+                for _, mv in m.all_variants():
+                    per_index.setdefault(mv.index, []).append((m, mv))
+            for index in sorted(per_index):
+                pairs = per_index[index]
+                first = pairs[0][1]
+                recorded = next((mv for _, mv in pairs if mv.completed), first)
+                identity = scope.identities[first.identity] if first.identity >= 0 else ()
+                out.append(VariantRequest(
+                    scope.name, index, first.snapshot, recorded.inputs,
+                    tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed, mv.retained)
+                          for m, mv in pairs),
+                    training_of(identity), identity_digest(identity) if identity else ""))
+        return out
+
+    def changed_members(self) -> list[tuple[Scope, _Member, str]]:
+        """Members whose identity now differs from the one their calls were
+        recorded under (an attribute changed while observed)."""
+        out = []
+        for scope in self.scopes:
+            for m in self._of(scope):
+                if m.identity_value is None or not m.tables:
+                    continue
+                try:
+                    now = identity_of(m.module, m.ignore)
+                except Exception:
+                    continue
+                if m.module.training is m.training and now != m.identity_value:
+                    out.append((scope, m, describe_identity_change(m.identity_value, now)))
+        return out
+
+    def stateful_members(self) -> list[tuple[Scope, str, tuple[str, ...]]]:
+        """Members whose forward wrote Python state they hold."""
+        return [(m.scope, m.name or m.scope.name, tuple(sorted(m.stateful)))
+                for m in self.members if m.stateful]
+
+    def compiled_calls(self) -> tuple[dict[str, int], list[str]]:
+        """Calls of each compiled entry point counted, and the members that
+        ran compiled outside any of them (not countable)."""
+        counted = {c.name or type(c.owner).__name__: c.calls for c in self.compiled if c.calls}
+        marked = [m.name or m.scope.name for m in self.members if m.compiled.seen
+                  and not any(_inside(m.name, c.name) for c in self.compiled if c.calls)]
+        return counted, marked
+
+    def identity_value(self, request: VariantRequest) -> Any:
+        """The identity of the members that ran ``request``'s variant."""
+        for scope in self.scopes:
+            if scope.name != request.scope:
+                continue
+            for m in self._of(scope):
+                for _, mv in m.all_variants():
+                    if mv.index == request.variant:
+                        return scope.identities[mv.identity]
+        return None
+
+    def _of(self, scope: Scope) -> list[_Member]:
+        return [m for m in self.members if m.scope is scope]
+
+    # -- detaching ----------------------------------------------------------
+    def detach(self) -> None:
+        """Stop observing and put back what each wrapped attribute held.  A
+        wrapper another tool wrapped on top of stays in its chain as a
+        pass-through holding no session state."""
+        for e in reversed(self.entries):
+            e.remove()
+        holders: list[_Member | _Root] = [*self.members, *([self.root] if self.root else [])]
+        for c in reversed(self.compiled):  # (their counts stay, for the report)
+            if c.owner.__dict__.get(c.attr) is c:
+                c.owner.__dict__[c.attr] = c.orig
+        for h in reversed(holders):
+            h.off = True
+            if isinstance(h, _Member):
+                h.memo = None  # the memo's hit path does not read ``off``
+            mod = h.module
+            current = mod.__dict__.get("forward")
+            if isinstance(current, types.MethodType) and current.__self__ is h:
+                prev = _skip_detached(h.prev)
+                if prev is ABSENT:
+                    del mod.forward
+                else:
+                    mod.forward = prev
+
+    def release(self) -> None:
+        """Drop every module reference (after detach and capture)."""
+        self.entries = []
+        for c in self.compiled:
+            c.owner = None  # type: ignore[assignment]
+            c.orig = None
+        for m in self.members:
+            m.module = None  # type: ignore[assignment]
+            m.orig = None  # type: ignore[assignment]
+            m.memo = None
+            for table in m.tables.values():
+                for mv in table.values():
+                    mv.retained = None
+                    mv.retained_inputs = None
+        if self.root is not None:
+            self.root.module = None  # type: ignore[assignment]
+            self.root.orig = None  # type: ignore[assignment]
+
+
+def _inside(member: str, qualified: str) -> bool:
+    """Whether ``member`` is at or below the module ``qualified`` names."""
+    return qualified == "" or member == qualified or member.startswith(qualified + ".")
+
+
+def _skip_detached(fn: Any) -> Any:
+    """What ``fn`` stands for once detached sessions' wrappers are dropped: a
+    session closed while another wrapped on top of it left its wrapper as a
+    pass-through, which the top one's detach unwinds too."""
+    while fn is not ABSENT:
+        holder = getattr(fn, "__self__", None)
+        if not isinstance(holder, (_Member, _Root)) or not holder.off:
+            break
+        fn = holder.prev
+    return fn

@@ -1,0 +1,128 @@
+"""The variant table: each member's calls by variant, and the scopes that
+group members of one structure."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Protocol
+
+import attrs
+import torch
+from torch import nn
+
+from ..capture.options import RetainedCall
+from ..core.snapshots import ContextSnapshot
+from ..specs.signature import CallSpec, Spec
+
+
+class _MemberLike(Protocol):
+    """What a scope reads of its members (``observe._Member``)."""
+
+    name: str
+    module: nn.Module
+    tables: dict[int, dict[Any, Any]]
+
+    def all_variants(self) -> Any: ...
+
+
+__all__ = ["MAX_DROPPED", "MemberVariant", "Scope", "VariantView"]
+
+#: distinct dropped variants counted exactly per scope; bookkeeping stays bounded
+MAX_DROPPED = 256
+
+
+@attrs.define(eq=False, slots=True)
+class MemberVariant:
+    """One member's calls of one variant."""
+
+    index: int
+    identity: int
+    snapshot: ContextSnapshot
+    inputs: CallSpec
+    outputs: Spec | None = None
+    completed: bool = False
+    counter: Any = attrs.field(factory=itertools.count)
+    retained: RetainedCall | None = None
+    retained_inputs: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def calls(self) -> int:
+        # itertools.count increments atomically under the GIL (a plain
+        # ``+= 1`` loses updates between threads); its repr, "count(N)",
+        # gives the next value without consuming it.
+        return int(repr(self.counter)[6:-1])
+
+
+@attrs.frozen(eq=False)
+class VariantView:
+    """A variant of a scope, all members together (read-only)."""
+
+    index: int
+    snapshot: ContextSnapshot
+    inputs: CallSpec
+    outputs: Spec | None
+    calls: int
+    members: tuple[str, ...]
+    #: the first member that ran it (``None`` once the session let go)
+    module: nn.Module | None = None
+
+
+@attrs.define(eq=False)
+class Scope:
+    """Members sharing one structure (class and parameter shapes): they are
+    reported together; members of one identity share captures."""
+
+    name: str
+    key: tuple[Any, ...]
+    members: list[str]
+    identities: list[Any] = attrs.field(factory=list)
+    index: dict[Any, int] = attrs.field(factory=dict)  # (identity, snap, sig) -> variant
+    #: hashes of the keys of variants past max_variants (exact up to MAX_DROPPED)
+    dropped: set[int] = attrs.field(factory=set)
+    #: calls of those variants, exact
+    dropped_calls: int = 0
+    #: more distinct variants were dropped than ``dropped`` holds
+    dropped_overflow: bool = False
+    #: snapshots of the first few dropped variants (for notices)
+    dropped_first: list[ContextSnapshot] = attrs.field(factory=list)
+    member_states: list[_MemberLike] = attrs.field(factory=list, repr=False)
+
+    def drop(self, key: Any, snap: ContextSnapshot) -> None:
+        """Count one call of a variant past max_variants (under the lock)."""
+        self.dropped_calls += 1
+        h = hash(key)
+        if h in self.dropped:
+            return
+        if len(self.dropped) < MAX_DROPPED:
+            self.dropped.add(h)
+            if len(self.dropped_first) < 16:
+                self.dropped_first.append(snap)
+        else:  # bookkeeping stays bounded whatever a caller sends
+            self.dropped_overflow = True
+
+    @property
+    def variants(self) -> dict[Any, VariantView]:
+        """Every recorded variant with its calls summed over members."""
+        out: dict[Any, list[tuple[str, MemberVariant]]] = {}
+        for m in self.member_states:
+            for key, mv in m.all_variants():
+                out.setdefault(key, []).append((m.name, mv))
+        views = {}
+        for key, pairs in sorted(out.items(), key=lambda kv: kv[1][0][1].index):
+            first = pairs[0][1]
+            outputs = next((mv.outputs for _, mv in pairs if mv.completed), None)
+            holder = next(m for m in self.member_states if m.name == pairs[0][0])
+            views[key] = VariantView(first.index, first.snapshot, first.inputs, outputs,
+                                     sum(mv.calls for _, mv in pairs),
+                                     tuple(n for n, _ in pairs), holder.module)
+        return views
+
+    def identity_id(self, identity: Any) -> int:
+        for i, known in enumerate(self.identities):
+            try:
+                if known == identity:
+                    return i
+            except Exception:  # a config object whose __eq__ fails: not equal
+                continue
+        self.identities.append(identity)
+        return len(self.identities) - 1

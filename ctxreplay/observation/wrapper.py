@@ -1,0 +1,418 @@
+"""Observation on the hot path: the wrapper around every targeted module's
+forward, which observes each call cheaply and records its variant.
+
+Each targeted module gets one ``_Member``: its bound ``forward`` is set as
+the module's instance attribute (``Module.__call__`` finds it like the
+class's forward; hooks still run; it costs a fraction of a hook pair --
+DESIGN.md fact 14); ``attach`` sets and unsets it.  A
+call's key is (snapshot, input signature) inside a table per *identity*
+(``targets.identity_of``: class, shapes, ``training`` and plain attributes),
+so members share a capture only when nothing but their weights differ.
+The hot path reuses a cached snapshot (``observer.Observer``) and a memo of
+the member's last variant checked in C by ``TensorGuards``.
+
+The module passed to ``capture_with`` gets a ``_Root`` wrapper too: per
+call of the whole model it checks the numerics-only flags that probes list
+in ``watch_forward`` (too many to read on every block call); a change of
+one inside a forward counts from the next model call (``watch="call"``
+reads them on every block call instead).
+
+Copies of an observed module (``copy.deepcopy``, ``pickle``, ``torch.save``)
+are plain models (``_copies``); a copy of a wrapper that another tool holds
+calls the copy's own forward and observes nothing (``Detached``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
+from .._base.torchcaps import dynamo_exporting as _dynamo_exporting
+from .._base.torchcaps import tensor_guard
+from ..core.observer import Observer, ProbeObservationError
+from ..core.snapshots import ContextSnapshot
+from ..specs.frozen import freeze_constants
+from ..specs.signature import NotRealError, call_key, call_spec, spec_of
+from .modules import (
+    ABSENT,
+    Holder,
+    held_changes,
+    held_state,
+    in_jit_check,
+    uninitialized,
+)
+from .retained import Retention
+from .targets import identity_of
+from .variants import MemberVariant, Scope
+
+__all__ = ["ABSENT"]
+
+
+_is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
+
+
+class _Tally:
+    """A plain flag compiled code sets (see ``_Member.forward``)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+class _Python:
+    """The memo check where ``TensorGuards`` is unavailable: the Python key."""
+
+    __slots__ = ("sig",)
+
+    def __init__(self, sig: Any) -> None:
+        self.sig = sig
+
+    def check(self, *args: Any) -> bool:
+        try:
+            return bool(call_key(args, {}) == self.sig)
+        except NotRealError:
+            return False
+
+
+def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
+    check = tensor_guard(args)
+    return check if check is not None else _Python(sig)
+
+
+class _Shared:
+    """What every member of one session shares."""
+
+    __slots__ = ("active", "errors", "failing_probes", "lock", "max_variants", "observer",
+                 "profile", "retention", "root")
+
+    def __init__(self, observer: Observer, *, max_variants: int, profile: bool,
+                 retain_bytes: int | None) -> None:
+        self.observer = observer
+        self.lock = threading.Lock()
+        self.max_variants = max_variants
+        self.profile = profile
+        self.retention = Retention(retain_bytes, self.lock)
+        self.errors: Counter[tuple[str, str]] = Counter()
+        self.failing_probes: Counter[str] = Counter()
+        self.active = 0  # calls of the root module in progress (approximate across threads)
+        self.root: _Root | None = None
+
+    def error(self, where: str, exc: BaseException) -> None:
+        """Count one observation error by where it happened and the type of
+        what was raised (a probe's own exception, not our wrapper of it)."""
+        if isinstance(exc, ProbeObservationError):
+            what, probe = exc.exc_type, exc.probe
+        else:
+            what, probe = type(exc).__name__, None
+        with self.lock:
+            self.errors[(where, what)] += 1
+            if probe is not None:
+                self.failing_probes[probe] += 1
+
+
+class _Member(Holder):
+    """The observation state of one targeted module; ``forward`` is its wrapper."""
+
+    __slots__ = ("__weakref__", "compiled", "identity", "identity_value", "ignore", "lazy",
+                 "memo", "module", "name", "off", "orig", "prev", "scope", "shared", "stateful",
+                 "table", "tables", "training")
+
+    def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
+                 ignore: tuple[str, ...]) -> None:
+        self.module = module
+        self.name = name
+        self.scope = scope
+        self.shared = shared
+        self.ignore = ignore
+        self.off = False
+        self.compiled = _Tally()
+        self.stateful: set[str] = set()  # held attributes its forward wrote
+        self.memo: tuple[Any, ...] | None = None
+        self.prev = module.__dict__.get("forward", ABSENT)
+        self.orig = module.forward
+        self.tables: dict[int, dict[Any, MemberVariant]] = {}
+        self.lazy = uninitialized(module)
+        self.identity_value: Any = None
+        self.identity = -1
+        self.training = module.training
+        self.table: dict[Any, MemberVariant] = {}
+        if not self.lazy:
+            self.refresh_identity()
+
+    # -- the hot path -----------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # The memo (``_memoize``) holds everything a repeat of the member's
+        # last variant needs, in one tuple: a hit reads one attribute of
+        # ``self`` and makes one C-level check of the state (the guard and the
+        # watched getters) and one of the inputs (``TensorGuards``).  Every
+        # operation here is paid on every observed call.
+        # (Dynamo folds ``_dynamo_compiling()`` first, so it guards on nothing here.)
+        if not _dynamo_compiling():
+            memo = self.memo
+            if memo is not None and not kwargs and not _is_tracing():
+                # (another argument count fails ``check``: TensorGuards raises, the
+                # Python key differs)
+                cache, state, check, counter, training, module, orig, obs, shared = memo
+                if obs.cache is cache and module.training is training:
+                    try:
+                        hit = (state() and check(*args)
+                               and (shared.active or not obs.forward_changed()))
+                    except Exception:  # a getter or check that raises: the slow path decides
+                        hit = False
+                    if hit:
+                        next(counter)
+                        return orig(*args)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Every call the memo does not answer."""
+        if self.off or _dynamo_compiling() or _is_tracing():
+            # Under torch.compile the check is a constant and orig is
+            # inlined: compiled regions are not observed and get no graph
+            # break.  The store below is a side effect Dynamo replays on every
+            # run of the compiled code: it marks the block as having run
+            # compiled.  (A count would be read too, and Dynamo would guard on
+            # it and recompile every call; torch.export warns about side
+            # effects.)  Under jit tracing, reading a tensor's shape would be
+            # recorded into the trace.
+            if _dynamo_compiling() and not self.off and not _dynamo_exporting():
+                self.compiled.seen = True
+            return self.orig(*args, **kwargs)
+        failed: BaseException | None = None
+        real = True
+        mv = None
+        try:
+            shared = self.shared
+            obs = shared.observer
+            try:
+                snap = obs()
+            except ProbeObservationError:
+                raise
+            except Exception:  # a watched getter that raises: the state changed
+                snap = obs.refresh()
+            if not shared.active and obs.forward_changed():
+                snap = obs.refresh()  # called outside the model: check those flags here
+            mv = self._lookup(snap, args, kwargs)
+        except NotRealError:  # fx proxies, fake or functorch tensors: a tracer's call
+            real = False
+        except Exception as exc:  # observation must never disturb the forward
+            failed = exc
+        # the user's forward runs outside every ``except`` above, so its own
+        # exceptions never carry ours as their context
+        if failed is not None:
+            self.shared.error("observe", failed)
+            del failed
+            return self.orig(*args, **kwargs)
+        if not real:
+            return self.orig(*args, **kwargs)
+        if mv is not None:
+            next(mv.counter)
+            if shared.profile:
+                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                    return self.orig(*args, **kwargs)
+            return self.orig(*args, **kwargs)
+        return self._first(snap, args, kwargs)
+
+    def _memoize(self, snap: ContextSnapshot, args: tuple[Any, ...], sig: Any,
+                 mv: MemberVariant) -> None:
+        """Make ``mv`` the member's memo: what ``forward`` checks first.  Only
+        while ``snap`` is the observer's cached snapshot and still holds (and
+        never while profiling, whose calls each open a profiler range)."""
+        self.memo = None
+        shared = self.shared
+        obs = shared.observer
+        cache = obs.cache
+        if cache is None or cache.snapshot is not snap or shared.profile or self.off:
+            return
+        check = _memo_check(args, sig)
+        # a TensorGuards check of at least one tensor sees the dispatch keys
+        state = cache.beside_tensors if args and not isinstance(check, _Python) else cache.check
+        try:
+            if not (state() and check.check(*args)):
+                return
+        except Exception:
+            return
+        self.memo = (cache, state, check.check, mv.counter, self.training, self.module,
+                     self.orig, obs, shared)
+
+    # -- the slow paths ---------------------------------------------------
+    def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> MemberVariant | None:
+        sig = call_key(args, kwargs)
+        if self.lazy or self.module.training is not self.training:
+            self.refresh_identity()
+        mv = self.table.get((snap, sig))
+        if mv is None or not mv.completed:
+            return None
+        if not kwargs:
+            self._memoize(snap, args, sig, mv)
+        return mv
+
+    def _first(self, snap: ContextSnapshot, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        """A call whose variant this member has not completed yet."""
+        failed: BaseException | None = None
+        mv = None
+        try:
+            mv = self._record(snap, args, kwargs)
+        except NotRealError:
+            pass
+        except Exception as exc:
+            failed = exc
+        if failed is not None:
+            self.shared.error("record", failed)
+            del failed
+        if mv is None:
+            return self.orig(*args, **kwargs)
+        next(mv.counter)
+        held = held_state(self.module, self.ignore)
+        if self.shared.profile:
+            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                out = self.orig(*args, **kwargs)
+        else:
+            out = self.orig(*args, **kwargs)
+        try:
+            changed = held_changes(held)
+            if self.lazy:  # a lazy module materialises in its first call
+                self._rekey()
+        except Exception:  # an object whose __dict__ went away: not our business
+            changed = []
+        if changed:
+            self.stateful.update(changed)
+        if not mv.completed:
+            try:
+                self._complete(mv, snap, args, kwargs, out)
+            except Exception as exc:
+                failed = exc
+            if failed is not None:
+                self.shared.error("record", failed)
+        return out
+
+    def _record(self, snap: ContextSnapshot, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> MemberVariant | None:
+        if in_jit_check():
+            return None  # torch.jit.trace running the module again to check its trace
+        sig = call_key(args, kwargs)
+        key = (snap, sig)
+        scope, shared = self.scope, self.shared
+        mv = self.table.get(key)
+        if mv is None:
+            full = (self.identity, snap, sig)
+            with shared.lock:
+                if full not in scope.index and len(scope.index) >= shared.max_variants:
+                    scope.drop(full, snap)
+                    return None
+            # mutable constants (a dict the forward fills) are copied as first
+            # seen; the spec is made outside the lock
+            inputs = freeze_constants(call_spec(args, kwargs))
+            with shared.lock:
+                mv = self.table.get(key)
+                if mv is None:
+                    index = scope.index.get(full)
+                    if index is None:
+                        if len(scope.index) >= shared.max_variants:
+                            scope.drop(full, snap)
+                            return None
+                        index = len(scope.index)
+                        scope.index[full] = index
+                    mv = MemberVariant(index, self.identity, snap, inputs)
+                    self.table[key] = mv
+        retention = shared.retention
+        if retention.limit is not None:
+            if mv.retained_inputs is not None:
+                retention.release(mv.retained_inputs)
+            mv.retained_inputs = retention.inputs(args, kwargs)
+        return mv
+
+    def _complete(self, mv: MemberVariant, snap: ContextSnapshot, args: tuple[Any, ...],
+                  kwargs: dict[str, Any], out: Any) -> None:
+        mv.outputs = spec_of(out)
+        if mv.retained_inputs is not None:
+            mv.retained = self.shared.retention.call(mv.retained_inputs, out)
+            mv.retained_inputs = None
+        mv.completed = True
+        if not kwargs:
+            sig = call_key(args, kwargs)
+            if self.table.get((snap, sig)) is mv:  # the forward left its inputs as they were
+                self._memoize(snap, args, sig, mv)
+
+    def refresh_identity(self) -> None:
+        """Recompute the member's identity (after ``train()``/``eval()``, or on
+        a lazy module's first call) and switch to that identity's table."""
+        self.training = self.module.training
+        self.identity_value = identity_of(self.module, self.ignore)
+        self.lazy = uninitialized(self.module)
+        with self.shared.lock:
+            self.identity = self.scope.identity_id(self.identity_value)
+        self.table = self.tables.setdefault(self.identity, {})
+        self.memo = None
+
+    def _rekey(self) -> None:
+        """A lazy module's first call made its parameters (and class): its
+        variants move to the identity it has now."""
+        if uninitialized(self.module):
+            return
+        self.lazy = False
+        value = identity_of(self.module, self.ignore)
+        scope = self.scope
+        with self.shared.lock:
+            old, new = self.identity, scope.identity_id(value)
+            self.identity_value, self.training = value, self.module.training
+            if new == old:
+                return
+            moved = self.tables.pop(old, {})
+            dest = self.tables.setdefault(new, {})
+            for (snap, sig), mv in moved.items():
+                taken = scope.index.get((new, snap, sig))
+                if taken is None:
+                    scope.index[(new, snap, sig)] = mv.index
+                else:
+                    mv.index = taken
+                mv.identity = new
+                dest[(snap, sig)] = mv
+                others = any((snap, sig) in m.tables.get(old, {})
+                             for m in scope.member_states if m is not self)
+                if not others:
+                    scope.index.pop((old, snap, sig), None)
+            self.identity, self.table, self.memo = new, dest, None
+
+    def all_variants(self) -> Iterator[tuple[Any, MemberVariant]]:
+        for identity, table in list(self.tables.items()):
+            for (snap, sig), mv in list(table.items()):
+                yield (identity, snap, sig), mv
+
+
+class _Root(Holder):
+    """Wraps the module given to ``capture_with``: per call of the whole
+    model, checks the ``watch_forward`` flags once."""
+
+    __slots__ = ("__weakref__", "module", "off", "orig", "prev", "shared")
+
+    def __init__(self, module: nn.Module, shared: _Shared) -> None:
+        self.module = module
+        self.shared = shared
+        self.off = False
+        self.prev = module.__dict__.get("forward", ABSENT)
+        self.orig = module.forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            return self.orig(*args, **kwargs)
+        shared = self.shared
+        try:
+            # Once per model call, not per block: the numerics-only flags
+            # (a change inside a forward is seen from the next model call
+            # on; watch="call" follows it exactly)
+            shared.observer.forward_changed()
+        except Exception as exc:  # a getter that raises: the members see it too
+            shared.error("observe", exc)
+        shared.active += 1
+        try:
+            return self.orig(*args, **kwargs)
+        finally:
+            shared.active -= 1

@@ -1,0 +1,196 @@
+"""The report ``finalize()`` returns: captures, failures, and what keeps it
+from being ok; metadata-only JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .._base.version import environment
+from ..capture.options import CaptureOptions
+from ..capture.results import Capture, CaptureFailure, Notice, Problem
+from ..errors import Error
+from ..fidelity.verify import Mismatch
+from . import manifest as _manifest
+from .explain import CaptureExplanation, Explanation, explain_captures
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..backends import Backend
+
+__all__ = ["REPORT_SCHEMA", "CaptureReport", "FidelityError"]
+
+REPORT_SCHEMA = "ctxreplay.report/1"
+
+
+@attrs.frozen(eq=False)
+class CaptureReport:
+    """What ``finalize()`` returns.
+
+    ``ok`` is True only when every observed call is covered by a capture
+    proven to reproduce it: no capture failed, every capture's fidelity
+    holds, and there is no ``problem`` (dropped variants, observation
+    errors, calls in compiled regions, a session that captured nothing...).
+    """
+
+    captures: tuple[Capture, ...]
+    """Every captured variant."""
+    failures: tuple[CaptureFailure, ...]
+    """Variants that could not be captured (a reason code each)."""
+    probes: tuple[str, ...]
+    """Names of the probes observed."""
+    settings: dict[str, Any]
+    """The session's options as JSON (``options.to_json()``)."""
+    dropped: dict[str, int]
+    """Counts: ``variants`` and ``variant_calls`` past ``max_variants``, ``scopes`` (structures)
+    past ``max_scopes``."""
+    observation_errors: tuple[tuple[str, str, int], ...] = ()
+    """``(where, what, count)`` of observation errors."""
+    seconds: float = 0.0
+    """Seconds ``finalize()`` took."""
+    problems: tuple[Problem, ...] = ()
+    """Why the report is not ok although no capture failed (reason codes)."""
+    notices: tuple[Notice, ...] = ()
+    """Suspicious though not wrong (``ok`` is unaffected)."""
+    options: CaptureOptions | None = attrs.field(default=None, repr=False)
+    """The session's options (``None`` for a report built by hand)."""
+    retained: dict[str, int] | None = None
+    """``verify="values"``: the byte cap, bytes held, variants not retained."""
+    distributed: dict[str, Any] | None = None
+    """A distributed finalize: world size, the group's ranks, backend, each rank's finalize seconds
+    and number of captures (``None``: one process)."""
+    _explanations: dict[tuple[str, int], CaptureExplanation] = attrs.field(
+        factory=dict, repr=False, alias="explanations")
+
+    @property
+    def ok(self) -> bool:
+        """Every observed call is covered by a capture proven to reproduce it."""
+        return not self.failures and not self.problems and \
+            all(c.fidelity.ok for c in self.captures)
+
+    @property
+    def explanations(self) -> dict[tuple[str, int], CaptureExplanation]:
+        """``(scope, variant)`` -> probe effects, once computed."""
+        return dict(self._explanations)
+
+    def mismatches(self) -> Iterator[tuple[Capture, Mismatch]]:
+        """Every ``(capture, mismatch)`` pair of the report, in capture order."""
+        for c in self.captures:
+            for m in c.fidelity.mismatches:
+                yield c, m
+
+    def explain(self, model: nn.Module, *, backend: str | Backend | None = None,
+                include_neutral: bool = False) -> Explanation:
+        """Which probes changed each captured graph.
+
+        ``model`` is the module that was passed to ``capture_with`` (a
+        finalized session keeps no reference to it).  Each capture is
+        recaptured once per probe whose state was not neutral, with that
+        probe's replay left out, and the graphs are compared op by op and
+        dtype by dtype.  The results are returned, printable with
+        ``.table()``, and kept on the report: ``to_json()`` stores them
+        under each capture's ``explain`` key.  Live probe states (a forward
+        context) are released by ``finalize()``: pass ``explain=True`` to
+        ``finalize`` to explain while they are held; here such captures say
+        ``unavailable``.
+
+        Args:
+            model: the module that was passed to ``capture_with``.
+            backend: ``None`` reuses each capture's backend (a custom backend
+                must be passed again).
+            include_neutral: recapture probes in their neutral state too.
+        """
+        options = self.options
+        if options is None:
+            raise ValueError("explain: this report has no session options; explain it with "
+                             "finalize(explain=True)")
+        if backend is not None:
+            from ..backends import get_backend
+
+            options = attrs.evolve(options, backend=get_backend(backend))
+        result = explain_captures(self.captures, model, options,
+                                  include_neutral=include_neutral,
+                                  reuse_backend=backend is None)
+        # what finalize(explain=True) worked out while the live states were
+        # held stays: a later explain that can no longer replay them says less
+        kept = []
+        for ce in result.captures:
+            before = self._explanations.get((ce.scope, ce.variant))
+            unavailable = any(e.status == "unavailable" for e in ce.effects)
+            kept.append(before if before is not None and unavailable else ce)
+        result = Explanation(tuple(kept))
+        self._keep(result)
+        return result
+
+    def _keep(self, explanation: Explanation) -> None:
+        """Store explanations on this report (the report's own state)."""
+        for ce in explanation.captures:
+            self._explanations[(ce.scope, ce.variant)] = ce
+
+    def to_json(self) -> dict[str, Any]:
+        """Metadata only: no tensor values, parameters, strings from the
+        user's inputs or source."""
+        return {
+            "schema": REPORT_SCHEMA,
+            "ok": self.ok,
+            "environment": environment(),
+            "probes": list(self.probes),
+            "settings": dict(self.settings),
+            "seconds": round(self.seconds, 6),
+            "dropped": dict(self.dropped),
+            "observation_errors": [list(e) for e in self.observation_errors],
+            "problems": [p.to_json() for p in self.problems],
+            "notices": [n.to_json() for n in self.notices],
+            "retained": None if self.retained is None else dict(self.retained),
+            "distributed": None if self.distributed is None else dict(self.distributed),
+            "captures": [self._capture_json(c) for c in self.captures],
+            "failures": [f.to_json() for f in self.failures],
+        }
+
+    def _capture_json(self, c: Capture) -> dict[str, Any]:
+        doc = c.to_json()
+        explained = self._explanations.get((c.scope, c.variant))
+        if explained is not None:
+            doc["explain"] = [e.to_json() for e in explained.effects]
+        return doc
+
+    def save(self, path: str | Path) -> None:
+        """Write ``to_json()`` to ``path`` (what ``ctxreplay explain`` reads)."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True))
+
+    def save_all(self, directory: str | Path, *, verify: bool = True) -> _manifest.SavedManifest:
+        """Write every capture into ``directory`` (created if missing): per
+        capture its ``.pt2`` and metadata-only sidecar (``Capture.save``,
+        ``verify`` as there), and one ``manifest.json`` indexing them --
+        scopes, the members each capture stands for and whose weights it
+        holds (``weights_from``), variants, signatures, snapshots (their
+        portable part), fingerprints, fidelity, failures, problems and the
+        versions (ctxreplay, torch, Python, device type and capability,
+        autocast op policy).  A capture no ``.pt2`` can hold (another
+        backend than ``torch.export``) is recorded as not saved, with its
+        reason code.  Open the directory with :func:`ctxreplay.load`."""
+        return _manifest.save_all(self, directory, verify=verify)
+
+
+class FidelityError(Error, AssertionError):
+    """Raised by ``finalize(strict=True)``: lists every mismatch, failure and
+    problem."""
+
+    def __init__(self, report: CaptureReport) -> None:
+        lines = [f"{c.scope}#{c.variant}: {m.path} {m.field} live={m.live} "
+                 f"captured={m.captured} ({m.level})"
+                 + (f" [{', '.join(m.members)}]" if m.members else "")
+                 + (f" -- {m.hint}" if m.hint else "")
+                 for c, m in report.mismatches()]
+        lines += [f"{f.scope}#{f.variant}: capture failed: {f.reason} ({f.exc_type}"
+                  + (f": {f.message}" if f.message else "") + ")"
+                  for f in report.failures]
+        lines += [f"{p.reason}: {p.message}" for p in report.problems]
+        super().__init__("capture does not match the live call:\n  " + "\n  ".join(lines))
+        self.report = report
+        """The report that was not ok."""
