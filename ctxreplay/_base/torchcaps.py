@@ -97,7 +97,8 @@ class TorchCaps:
 
     #: the :data:`AUTOCAST_DEVICE_TYPES` ``torch.amp.is_autocast_available``
     #: names, in that order (a device type whose query raises is left out).
-    #: Even a CPU build names most of them (DESIGN.md fact 7).
+    #: Even a CPU build names most of them (measured on torch 2.13: cpu,
+    #: cuda, xpu, mps, hpu, xla, ipu, mtia, maia, privateuseone).
     autocast_devices: tuple[str, ...]
 
     # -- GlobalStateGuard (torch._C._dynamo.guards) ----------------------------
@@ -108,8 +109,8 @@ class TorchCaps:
     #: of any device in ``autocast_devices`` (``torch.set_autocast_enabled(d,
     #: ...)``) or its cache flag (``torch.set_autocast_cache_enabled``)
     #: changes.  Detected by flipping each flag and restoring it.  The guard's
-    #: C++ state gained the autocast fields in torch 2.7 (DESIGN.md fact 12);
-    #: before that a snapshot cache built on the guard must watch both flags
+    #: C++ state gained the autocast fields in torch 2.7; before that a
+    #: snapshot cache built on the guard must watch both flags
     #: itself.
     guard_sees_autocast_flags: bool
     #: ``GlobalStateGuard().check()`` turns false when the autocast dtype of a
@@ -139,7 +140,7 @@ class TorchCaps:
     # -- torch.export --------------------------------------------------------
     #: non-strict ``torch.export.export`` records an autocast entered *inside*
     #: ``forward`` (``higher_order.wrap_with_autocast``): the program computes
-    #: in the autocast dtype with no ambient state (DESIGN.md fact 3).  Before
+    #: in the autocast dtype with no ambient state.  Before
     #: torch 2.6 (pytorch PR 137495, "Fix autocast for non-strict export",
     #: which made ``autocast.__enter__``/``__exit__`` dispatch to
     #: ``PreDispatchTorchFunctionMode``) it is silently dropped.  From the
@@ -160,11 +161,11 @@ class TorchCaps:
     #: ``with`` in the traced code (``ContextlibContextManagerVariable``): from
     #: torch 2.7 (measured: works on 2.7.0, also for a generator function
     #: made in a closure and for explicit ``__enter__``/``__exit__`` calls;
-    #: before 2.7 per issue 16).  From the version.
+    #: refused before 2.7).  From the version.
     dynamo_traces_contextmanager: bool
     #: Dynamo exports a module whose ``forward`` is an *instance attribute*
     #: (``module.forward = wrapper``, how ctxreplay swaps in its capture
-    #: wrapper) and traces through it: from torch 2.10 (issue 16).  Measured:
+    #: wrapper) and traces through it: from torch 2.10.  Measured:
     #: ``torch._dynamo.export`` raises ``UserError`` "Cannot export model which
     #: references tensors that are neither buffers/parameters/constants nor are
     #: direct inputs" on 2.7.0 and 2.9.1, works on 2.11.0.  From the version.
@@ -191,7 +192,7 @@ class TorchCaps:
     #: the per-backend precision API: ``torch._C._get_fp32_precision_getter`` /
     #: ``_set_fp32_precision_setter`` (``torch.backends.cuda.matmul.fp32_precision``,
     #: cudnn conv/rnn, mkldnn; torch >= 2.9).  Setting it makes
-    #: ``torch.get_float32_matmul_precision()`` raise (DESIGN.md fact 16).  hasattr.
+    #: ``torch.get_float32_matmul_precision()`` raise.  hasattr.
     fp32_precision_api: bool
     #: ``torch._C._get_cublas_allow_{fp16,bf16}_reduced_precision_reduction()``
     #: returns ``(allow_reduced_precision, allow_splitk)`` and the setters take

@@ -93,8 +93,8 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
     A program that recorded embedded contexts as wrapper higher-order ops
     (``wrap_with_autocast``) is lowered first: ``run_decompositions({})``
     turns them into explicit casts, which every consumer of a ``.pt2``
-    understands and older torch needs to serialise it at all (DESIGN.md
-    fact 4).  Lowering can lose a cast, though: autocast registered on a
+    understands and older torch needs to serialise it at all (its verifier
+    rejected the wrappers).  Lowering can lose a cast, though: autocast registered on a
     composite op (``nll_loss`` under ``nll_loss_nd``, ``mkldnn_rnn_layer``
     under ``lstm``) acts inside a decomposition the retrace never records.
     So with ``verify`` the written file is loaded back and run on fresh

@@ -20,10 +20,11 @@ class ExportBackend(Backend):
     """``torch.export.export`` (non-strict by default).
 
     A program that recorded embedded contexts as higher-order ops
-    (``wrap_with_autocast``) already runs like the live call (DESIGN.md
-    fact 3); ``lower_wrappers`` turns them into explicit ``_to_copy`` nodes
+    (``wrap_with_autocast``) already runs like the live call, with no ambient
+    state; ``lower_wrappers`` turns them into explicit ``_to_copy`` nodes
     with ``run_decompositions({})`` -- no op decomposed -- which
-    ``torch.export.save`` needs (fact 4).  Lowering costs several times the
+    ``torch.export.save`` needed before it accepted the wrappers, and which
+    every consumer of a ``.pt2`` understands.  Lowering costs several times the
     export itself, so by default it happens only when an artifact is saved;
     ``lower=True`` does it at capture.
     """
@@ -55,7 +56,8 @@ class ExportBackend(Backend):
         return artifact.module()(*args, **kwargs)
 
     def module(self, artifact: Any) -> torch.nn.Module | None:
-        # a new GraphModule sharing the program's tensors (DESIGN.md fact 20)
+        # a new GraphModule sharing the program's tensors: ``module()`` makes
+        # a fresh one each call, all over the same parameter tensors
         out: torch.nn.Module = artifact.module()
         return out
 

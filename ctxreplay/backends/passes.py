@@ -14,7 +14,7 @@ __all__ = ["WRAPPER_HOPS", "graph_code", "graph_nodes", "graph_op_args", "graph_
            "has_wrapper_hops", "lower_wrappers", "pin_factory_defaults"]
 
 #: higher-order ops export records for contexts entered inside the traced
-#: callable; torch.export.save rejected them on older torch (DESIGN.md fact 4)
+#: callable; torch.export.save rejected them on older torch (its verifier did)
 WRAPPER_HOPS = frozenset({"wrap_with_autocast", "wrap_with_set_grad_enabled"})
 
 
@@ -120,7 +120,9 @@ def _is_factory(target: Any) -> bool:
 
 
 def pin_factory_defaults(gm: torch.fx.GraphModule) -> int:
-    """Pin what ambient defaults decided at trace time (DESIGN.md fact 5).
+    """Pin what ambient defaults decided at trace time: export records factory
+    ops without a dtype or device, so they would follow the defaults of
+    wherever the program runs.
 
     * Factory ops recorded without ``dtype``/``device`` get them from the
       node's traced value.

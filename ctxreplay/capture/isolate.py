@@ -3,7 +3,8 @@
 Tracing a forward runs it: a BatchNorm in train mode updates its running
 statistics, a forward that stores ``self.state.cache = ...`` leaves a
 FakeTensor there, a forward drawing random numbers advances the global
-generator and the user's own ones (DESIGN.md fact 15).  So every capture
+generator and the user's own ones (``torch.export`` puts back tensors
+assigned on a module, not the Python objects it holds).  So every capture
 and every execution check works on ``isolated(module)``: a copy that shares
 the parameters (the weights are not copied) and owns everything else --
 buffers, plain attributes, the Python objects the module holds, generators

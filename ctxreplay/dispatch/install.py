@@ -11,7 +11,8 @@ capture's static needs hold (torch, device, autocast policy, fidelity).
 Every other call runs eagerly and is counted as a miss with a reason.
 
 The program runs with the member's own weights: ``program.module()`` with
-the member's parameters and buffers assigned (DESIGN.md fact 20), made once
+the member's parameters and buffers assigned (``program.module()`` shares
+the program's tensors, so loading into them would change every member), made once
 per member -- and, with ``compile``, compiled once per member on its first
 hit.  Per call: the cached snapshot check (``observer.Observer``), the call
 key (``signature.call_key``) and one dictionary lookup.
@@ -414,7 +415,8 @@ def install(model: nn.Module,
             key = tuple((p.name, id(p)) for p in probes)
             if key not in observers:
                 # the numerics-only flags (watch_forward) are checked once per
-                # call of ``model``, as observation does (DESIGN.md fact 14)
+                # call of ``model``, as observation does: too many to read on
+                # every block call
                 observers[key] = Observer(probes, per_call=False)
             by_probes.setdefault(key, []).append(e)
         slot.groups = [(observers[k], v) for k, v in by_probes.items()]

@@ -4,7 +4,9 @@ An ``Entry`` is one capture with what dispatch decides once: its context key
 (the snapshot less the probes ignored), and why it cannot be used here at
 all (``unusable``: a reason code of ``dispatch.MISS_REASONS``).
 ``Programs`` makes, once per capture and member, the program bound to that
-member's own weights (DESIGN.md fact 20) -- when the member is what it was
+member's own weights, assigned (``program.module()`` shares the program's
+tensors: loading into them would write into every member's module) -- when
+the member is what it was
 when it ran the variant (its identity) and its weights fit -- and compiles
 it on first use; a ``Target`` runs it.
 """

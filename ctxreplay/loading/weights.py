@@ -33,7 +33,10 @@ def _tensor_at(gm: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor |
 def bind_weights(program: Any, weights: Weights, binding: str) -> nn.Module:
     """``program.module()`` running with ``weights``: a member module (its own
     parameters and buffers, shared, not copied) or a state dict.  Only this
-    module changes (DESIGN.md fact 20); buffers the graph updates in place
+    module changes: ``program.module()`` shares the program's parameter
+    tensors, so the weights are assigned (``assign=True``), never loaded into
+    them, which would write into every module made from the program; buffers
+    the graph updates in place
     are the member's own, as they are when it runs eagerly.  A flattened
     capture's program names them with an ``inner.`` prefix."""
     gm: nn.Module = program.module()

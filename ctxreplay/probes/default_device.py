@@ -34,8 +34,8 @@ def _current() -> str:
 @register_probe
 class DefaultDeviceProbe(ContextProbe[str]):
     """The state is the device string as set (``"cuda"`` stays unindexed).
-    Not seen by torch's global-state guard (DESIGN.md fact 12), so it is read
-    on every call -- cheaply."""
+    ``GlobalStateGuard`` does not notice a change of the default device, so it
+    is read on every call -- cheaply."""
 
     name = "default_device"
     description = "the default device for factory functions"

@@ -20,8 +20,9 @@ _DEFAULT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch
 
 @register_probe
 class DefaultDtypeProbe(ContextProbe[torch.dtype]):
-    """Not traceable: export records factory ops without a dtype (DESIGN.md
-    fact 5); the capture engine pins them from the replayed value instead."""
+    """Not traceable: export records factory ops (``torch.ones(3)``) without a
+    dtype, so a program exported under a float64 default later runs as
+    float32; the capture engine pins them from the replayed value instead."""
 
     name = "default_dtype"
     description = "torch.get_default_dtype()"

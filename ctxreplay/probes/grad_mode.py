@@ -34,8 +34,9 @@ _STATES = {(g, i): GradModeState(g, i) for g in (True, False) for i in (True, Fa
 @register_probe
 class GradModeProbe(ContextProbe[GradModeState]):
     """Grad mode is recorded by export when set inside the traced callable
-    (``wrap_with_set_grad_enabled``); inference mode is silently dropped there
-    (DESIGN.md fact 13), so it is always replayed around the capture."""
+    (``wrap_with_set_grad_enabled``); ``inference_mode`` entered there is
+    silently dropped (no graph node), so it is always replayed around the
+    capture."""
 
     name = "grad_mode"
     description = "grad enabled (traceable) and inference mode (replayed around capture)"

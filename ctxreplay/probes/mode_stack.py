@@ -1,4 +1,4 @@
-"""The user's torch-function and torch-dispatch modes (issue 15).  Opt-in.
+"""The user's torch-function and torch-dispatch modes.  Opt-in.
 
 Frameworks route ops through a ``TorchFunctionMode`` or ``TorchDispatchMode``
 entered around the forward (a mode that re-routes attention, a cast or

@@ -1,4 +1,4 @@
-"""Scaled-dot-product-attention backend selection (issue 15): which backends
+"""Scaled-dot-product-attention backend selection: which backends
 ``F.scaled_dot_product_attention`` may use (``torch.nn.attention.sdpa_kernel``,
 ``torch.backends.cuda.enable_*_sdp``), their priority order, and whether the
 math backend may reduce in fp16/bf16.

@@ -1,11 +1,13 @@
 """Inputs from specs: fresh tensors with the live call's metadata, bound the
 way a capture takes them.
 
-Call these outside the live forward (DESIGN.md fact 10): created inside an
-inference-mode forward they would be inference tensors.  Values are drawn
-from a private generator, so materialising never moves the user's random
-state: floats uniform in [0, 1), integers zero, bools true (masks that keep
-everything; DESIGN.md fact 11).
+Call these outside the live forward: created inside an inference-mode
+forward they would be inference tensors, which export cannot trace outside
+inference mode.  Values are drawn from a private generator, so materialising
+never moves the user's random state: floats uniform in [0, 1), integers zero,
+bools true (masks that keep everything) -- executed ops have domains
+(``binary_cross_entropy`` needs [0, 1], embeddings in-range indices), and
+these values were safe for every case tried.
 Retained copies of a live call's tensors (``verify="values"``) are bound
 through the same path with ``leaves=``.
 """

@@ -1,7 +1,8 @@
 """Tensor specs, call signatures, the per-call key, and comparing specs.
 
 Specs describe values without holding them: a ``TensorSpec`` keeps shape,
-stride, dtype, device and ``requires_grad``, never data (DESIGN.md fact 10).
+stride, dtype, device and ``requires_grad``, never data: non-strict export
+fakifies its inputs, so fresh tensors with that metadata serve to capture.
 Containers, dataclasses and pytree-registered types nest.  A plain object
 that holds tensors anywhere inside its attributes (a KV cache made of
 per-layer objects) is described attribute by attribute (``ObjectSpec``);

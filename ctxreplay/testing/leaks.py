@@ -31,7 +31,7 @@ _DEVICES = CAPS.autocast_devices
 class GlobalState(NamedTuple):
     """Global torch state that ``GlobalStateGuard`` does not (fully) see.
 
-    The blind spots of DESIGN.md fact 12 -- default device, autocast dtype
+    What the guard does not notice -- default device, autocast dtype
     per device, ``no_grad`` vs ``inference_mode``, cuDNN flags -- plus a few
     flags the guard does see, so that a failure message can name them.
     Compare two values with ``==``; ``state_changes`` lists the fields.
