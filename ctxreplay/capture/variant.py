@@ -157,17 +157,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         raise fail("isolation_failed", exc) from None
     try:
         artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
-        embedded, ambient = plan.embedded, plan.ambient
-        if embedded and not real.records_embedded:  # the artifact carries none of them
-            embedded, ambient = (), request.snapshot.names
-        pinned = tuple(p.name for p in request.snapshot.probes
-                       if options.pin_factories and p.pinnable)
-        carried = tuple(n for n in embedded if n not in ambient) + pinned
-        ambient_only = tuple(
-            n for n, p, s in zip(request.snapshot.names, request.snapshot.probes,
-                                 request.snapshot.states)
-            if (n in ambient or n not in embedded) and n not in pinned
-            and not is_neutral(p, s))
+        embedded, carried, ambient_only = _context_split(request, plan, options, real)
         gm = real.graph_module(artifact)
         collective = gm is not None and has_collectives(gm)
         check_options = options
@@ -183,13 +173,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     finally:
         view_cm.__exit__(None, None, None)
     try:
-        gm = real.graph_module(artifact)
-        ops = graph_ops(gm) if gm is not None else ()
-        op_args = graph_op_args(gm) if gm is not None else ()
-        digest = hashlib.sha256(graph_code(gm).encode()).hexdigest()[:32] \
-            if gm is not None else ""
-        fingerprint = _fingerprint(ops, request.inputs, request.snapshot.to_json(), real.name,
-                                   digest)
+        ops, op_args, digest, fingerprint = _graph_summary(request, real, artifact)
     except Exception as exc:
         raise fail("bad_artifact", exc) from None
     return Capture(
@@ -206,6 +190,42 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                                           if request.identity),
         ignore_attributes=options.ignore_attributes,
     )
+
+
+def _context_split(request: VariantRequest, plan: _Plan, options: CaptureOptions,
+                   real: Backend) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """Where each probe's state lives for the artifact ``real`` produced:
+    ``(embedded, carried, ambient_only)`` -- the probes replayed inside the
+    graph (none when ``real`` records no embedded context), those the
+    artifact carries itself (embedded and not also ambient, plus the pinned
+    factory defaults), and the non-neutral ones that must be re-established
+    around it wherever it runs."""
+    embedded, ambient = plan.embedded, plan.ambient
+    if embedded and not real.records_embedded:  # the artifact carries none of them
+        embedded, ambient = (), request.snapshot.names
+    pinned = tuple(p.name for p in request.snapshot.probes
+                   if options.pin_factories and p.pinnable)
+    carried = tuple(n for n in embedded if n not in ambient) + pinned
+    ambient_only = tuple(
+        n for n, p, s in zip(request.snapshot.names, request.snapshot.probes,
+                             request.snapshot.states)
+        if (n in ambient or n not in embedded) and n not in pinned
+        and not is_neutral(p, s))
+    return embedded, carried, ambient_only
+
+
+def _graph_summary(request: VariantRequest, real: Backend, artifact: Any
+                   ) -> tuple[tuple[tuple[str, str | None], ...], Any, str, str]:
+    """``(ops, op_args, digest, fingerprint)`` of the artifact's graph (empty
+    when the backend exposes no graph module)."""
+    gm = real.graph_module(artifact)
+    ops = graph_ops(gm) if gm is not None else ()
+    op_args = graph_op_args(gm) if gm is not None else ()
+    digest = hashlib.sha256(graph_code(gm).encode()).hexdigest()[:32] \
+        if gm is not None else ""
+    fingerprint = _fingerprint(ops, request.inputs, request.snapshot.to_json(), real.name,
+                               digest)
+    return ops, op_args, digest, fingerprint
 
 
 def recapture(capture: Capture, module: nn.Module, options: CaptureOptions, *,
@@ -244,58 +264,92 @@ def _failure(request: VariantRequest, backend: Backend, reason: str,
 def _trace(request: VariantRequest, plan: _Plan, view: nn.Module, options: CaptureOptions,
            fail: Callable[..., CaptureFailed],
            baseline: tuple[ContextProbe[Any], ...] = ()) -> tuple[Any, Spec | None, Backend]:
-    backend = options.backend
+    """Trace ``view`` under the plan's replay: ``(artifact, output spec, the
+    backend that produced it)``, or raise ``fail``'s ``CaptureFailed``."""
     try:
-        if plan.binding == "native":
-            target: nn.Module = view
-            args, kwargs = inputs_for(request.inputs, "native")
-        else:
-            target = _Flattened(view, request.inputs, plan.inside, plan.flatten_out)
-            args, kwargs = materialize_leaves(request.inputs), {}
+        target, args, kwargs = _bind(request, plan, view)
     except Exception as exc:
         raise fail("materialize_failed", exc) from None
+    job = functools.partial(_trace_once, request, plan, options, baseline, target, args,
+                            kwargs)
+    return _run_reported(job, plan, options, fail)
 
-    def job() -> tuple[Any, Spec | None, Backend]:
-        with ExitStack() as stack:
-            try:
-                # from a fresh process's state, whatever the caller of
-                # finalize() has active (an autocast already on would make
-                # the embedded replay a no-op the tracer never records)
-                stack.enter_context(neutral_replay(request.snapshot, baseline,
-                                                   only_neutral=True))
-                stack.enter_context(plan.around)
-            except Exception as exc:
-                raise _ReplayFault() from exc
-            with rng_guard(watch_generators=False), \
-                    _swapped_forward(target, plan.inside if plan.binding == "native" else None):
-                raw = backend.capture(target, args, kwargs)
-                try:  # what the backend returned must hold up, or it is no artifact
-                    real, artifact = backend.resolve(raw)
-                    if artifact is None:
-                        raise _ArtifactFault("no_artifact")
-                    gm = real.graph_module(artifact)
-                    if options.pin_factories and gm is not None:
-                        pin_factory_defaults(gm)
-                    # a fallback backend that records no embedded context
-                    # (symbolic, under auto) reads its outputs inside them
-                    unrecorded = plan.inside is not None and not real.records_embedded
-                    # a backend may run the module here (symbolic): random
-                    # state and the generators it reaches are put back
-                    with rng_guard(), \
-                            plan.inside() if plan.inside and unrecorded else nullcontext():
-                        spec = real.output_spec(artifact, args, kwargs)
-                except _ArtifactFault:
-                    raise
-                except Exception as exc:
-                    code = classify_exception(exc)
-                    raise _ArtifactFault("bad_artifact" if code == "trace_error" else code) \
-                        from exc
-            try:  # a replay that fails while restoring is a replay fault too
-                stack.close()
-            except Exception as exc:
-                raise _ReplayFault() from exc
-            return artifact, spec, real
 
+def _bind(request: VariantRequest, plan: _Plan, view: nn.Module
+          ) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """What the backend traces and the inputs it is called with: the view
+    itself with the native call, or ``_Flattened`` around it with the tensor
+    leaves."""
+    if plan.binding == "native":
+        args, kwargs = inputs_for(request.inputs, "native")
+        return view, args, kwargs
+    target = _Flattened(view, request.inputs, plan.inside, plan.flatten_out)
+    return target, materialize_leaves(request.inputs), {}
+
+
+def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
+                baseline: tuple[ContextProbe[Any], ...], target: nn.Module,
+                args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[Any, Spec | None, Backend]:
+    """One trace of ``target`` inside the replay (in the thread ``_run``
+    picks); a replay that fails entering or restoring raises
+    ``_ReplayFault``, an unusable result ``_ArtifactFault``."""
+    with ExitStack() as stack:
+        try:
+            # from a fresh process's state, whatever the caller of
+            # finalize() has active (an autocast already on would make
+            # the embedded replay a no-op the tracer never records)
+            stack.enter_context(neutral_replay(request.snapshot, baseline,
+                                               only_neutral=True))
+            stack.enter_context(plan.around)
+        except Exception as exc:
+            raise _ReplayFault() from exc
+        with rng_guard(watch_generators=False), \
+                _swapped_forward(target, plan.inside if plan.binding == "native" else None):
+            raw = options.backend.capture(target, args, kwargs)
+            traced = _resolve(raw, plan, options, args, kwargs)
+        try:  # a replay that fails while restoring is a replay fault too
+            stack.close()
+        except Exception as exc:
+            raise _ReplayFault() from exc
+        return traced
+
+
+def _resolve(raw: Any, plan: _Plan, options: CaptureOptions, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[Any, Spec | None, Backend]:
+    """The artifact in what the backend returned, factory defaults pinned
+    when asked, and its output spec; any failure is an ``_ArtifactFault``."""
+    try:  # what the backend returned must hold up, or it is no artifact
+        real, artifact = options.backend.resolve(raw)
+        if artifact is None:
+            raise _ArtifactFault("no_artifact")
+        gm = real.graph_module(artifact)
+        if options.pin_factories and gm is not None:
+            pin_factory_defaults(gm)
+        # a fallback backend that records no embedded context
+        # (symbolic, under auto) reads its outputs inside them
+        unrecorded = plan.inside is not None and not real.records_embedded
+        # a backend may run the module here (symbolic): random
+        # state and the generators it reaches are put back
+        with rng_guard(), \
+                plan.inside() if plan.inside and unrecorded else nullcontext():
+            spec = real.output_spec(artifact, args, kwargs)
+    except _ArtifactFault:
+        raise
+    except Exception as exc:
+        code = classify_exception(exc)
+        raise _ArtifactFault("bad_artifact" if code == "trace_error" else code) \
+            from exc
+    return artifact, spec, real
+
+
+def _run_reported(job: Callable[[], tuple[Any, Spec | None, Backend]], plan: _Plan,
+                  options: CaptureOptions, fail: Callable[..., CaptureFailed]
+                  ) -> tuple[Any, Spec | None, Backend]:
+    """Run ``job`` under the capture timeout and turn what went wrong into
+    ``fail``'s ``CaptureFailed``: a replay fault the traced callable
+    remembered wins over what the tracer made of it."""
+    backend = options.backend
     try:
         artifact, spec, real = _run(job, options.capture_timeout)
     except _Timeout:

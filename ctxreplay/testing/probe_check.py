@@ -18,7 +18,7 @@ A test suite can make the leak oracle automatic with a fixture::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, NoReturn, TypeVar
 
@@ -113,6 +113,16 @@ class _Checker:
                           "process-global numerics-only state, watch_forward()) must "
                           "list the getters the guard is blind to")
 
+    @contextmanager
+    def propagates(self, label: str, check: str) -> Iterator[None]:
+        """The body raises ``_BodyError``; it must come out of what the body
+        ran in, not be swallowed."""
+        try:
+            yield
+        except _BodyError:
+            return
+        self.fail(label, check, "the exception was swallowed")
+
     def replay(self, label: str, state: Any) -> AbstractContextManager[None]:
         try:
             return self.probe.replay(state)
@@ -176,46 +186,66 @@ def check_probe(
                f"expected the neutral state {_describe(probe, neutral)} ({neutral!r})")
     declared = _check_neutral_state(c, neutral)
     labels = [f"state #{i} ({_describe(probe, s)})" for i, s in enumerate(states)]
-
     for label, state in zip(labels, states, strict=True):
-        try:
-            hash(state)
-        except TypeError as exc:
-            c.fail(label, "hashable", str(exc))
-        if state == outside:
-            c.fail(label, "differs from the current state",
-                   "the state equals what the probe observes now, so replaying it "
-                   "proves nothing; pass a state observed under a different context")
-        if not isinstance(_describe(probe, state), str):
-            c.fail(label, "describe()", "did not return a string")
-
-        with c.no_leak(label, "replay"), c.replay(label, state):
-            c.expect(label, "observe inside replay", state)
-
-        try:
-            with c.no_leak(label, "replay with a raising body"), c.replay(label, state):
-                c.expect(label, "observe inside replay (raising body)", state)
-                raise _BodyError
-        except _BodyError:
-            pass
-        else:
-            c.fail(label, "replay with a raising body", "the exception was swallowed")
-
-        try:
-            inside, around = probe.split_replay(state)
-        except Exception as exc:
-            c.fail(label, "split_replay()", f"raised {type(exc).__name__}: {exc}")
-        with c.no_leak(label, "split_replay"), ExitStack() as stack:
-            for part in (around, inside):
-                if part is not None:
-                    stack.enter_context(part)
-            c.expect(label, "observe inside split_replay (around, then inside)", state)
-
+        _check_value(c, label, state)
+        _check_replay(c, label, state)
+        _check_split_replay(c, label, state)
         _check_encoding(c, label, state)
-
     for label, state in zip(labels, states, strict=True):
         c.expect_switch_seen(f"{label} replayed from the state before", outside, state)
+    _check_nested(c, labels, states)
+    if declared is not None:
+        _check_neutral_nested(c, labels, states, declared)
+    _check_sequential(c, labels, states)
+    if clear:
+        _check_clear(c)
 
+
+def _check_value(c: _Checker, label: str, state: Any) -> None:
+    """The state is hashable, differs from what the probe observes outside
+    any replay, and ``describe()`` names it with a string."""
+    try:
+        hash(state)
+    except TypeError as exc:
+        c.fail(label, "hashable", str(exc))
+    if state == c.outside:
+        c.fail(label, "differs from the current state",
+               "the state equals what the probe observes now, so replaying it "
+               "proves nothing; pass a state observed under a different context")
+    if not isinstance(_describe(c.probe, state), str):
+        c.fail(label, "describe()", "did not return a string")
+
+
+def _check_replay(c: _Checker, label: str, state: Any) -> None:
+    """``replay(state)`` establishes the state and restores the outside one
+    without a leak, also when the body raises -- and the exception
+    propagates."""
+    with c.no_leak(label, "replay"), c.replay(label, state):
+        c.expect(label, "observe inside replay", state)
+    with c.propagates(label, "replay with a raising body"), \
+            c.no_leak(label, "replay with a raising body"), c.replay(label, state):
+        c.expect(label, "observe inside replay (raising body)", state)
+        raise _BodyError
+
+
+def _check_split_replay(c: _Checker, label: str, state: Any) -> None:
+    """Entering ``split_replay``'s ``around`` then its ``inside`` part
+    establishes the state and restores it."""
+    try:
+        inside, around = c.probe.split_replay(state)
+    except Exception as exc:
+        c.fail(label, "split_replay()", f"raised {type(exc).__name__}: {exc}")
+    with c.no_leak(label, "split_replay"), ExitStack() as stack:
+        for part in (around, inside):
+            if part is not None:
+                stack.enter_context(part)
+        c.expect(label, "observe inside split_replay (around, then inside)", state)
+
+
+def _check_nested(c: _Checker, labels: Sequence[str], states: Sequence[Any]) -> None:
+    """Every ordered pair of states replayed one inside the other: the switch
+    is seen, each replay establishes its state, and the outer state is back
+    after the inner replay exits -- also when the inner body raises."""
     for i, a in enumerate(states):
         for j, b in enumerate(states):
             pair = f"{labels[j]} nested in {labels[i]}"
@@ -226,38 +256,43 @@ def check_probe(
                 with c.replay(pair, b):
                     c.expect(pair, "inner replay", b)
                 c.expect(pair, "outer state after the inner replay exits", a)
-                try:
-                    with c.replay(pair, b):
-                        raise _BodyError
-                except _BodyError:
-                    pass
-                else:
-                    c.fail(pair, "nested replay with a raising body",
-                           "the exception was swallowed")
+                with c.propagates(pair, "nested replay with a raising body"), \
+                        c.replay(pair, b):
+                    raise _BodyError
                 c.expect(pair, "outer state after the inner replay raised", a)
 
-    if declared is not None:
-        for label, state in zip(labels, states, strict=True):
-            pair = f"neutral_state() nested in {label}"
-            with c.no_leak(pair, "nested replay"), c.replay(pair, state):
-                with c.replay(pair, declared):
-                    c.expect(pair, "replay of neutral_state()", declared)
-                c.expect(pair, "outer state after neutral_state() exits", state)
 
+def _check_neutral_nested(c: _Checker, labels: Sequence[str], states: Sequence[Any],
+                          declared: Any) -> None:
+    """Replaying ``neutral_state()`` inside each state establishes it, and
+    the state is back after it exits."""
+    for label, state in zip(labels, states, strict=True):
+        pair = f"neutral_state() nested in {label}"
+        with c.no_leak(pair, "nested replay"), c.replay(pair, state):
+            with c.replay(pair, declared):
+                c.expect(pair, "replay of neutral_state()", declared)
+            c.expect(pair, "outer state after neutral_state() exits", state)
+
+
+def _check_sequential(c: _Checker, labels: Sequence[str], states: Sequence[Any]) -> None:
+    """The states replayed one after another each restore the outside state,
+    and together leak nothing."""
     with c.no_leak("all states", "sequential replays"):
         for label, state in zip(labels, states, strict=True):
             with c.replay(label, state):
                 c.expect(label, "sequential replay", state)
             c.expect_outside(label, "sequential replay")
 
-    if clear:
-        try:
-            with c.no_leak("after all checks", "clear()"):
-                probe.clear()
-        except AssertionError:
-            raise
-        except Exception as exc:
-            c.fail("after all checks", "clear()", f"raised {type(exc).__name__}: {exc}")
+
+def _check_clear(c: _Checker) -> None:
+    """``probe.clear()`` runs and leaks nothing."""
+    try:
+        with c.no_leak("after all checks", "clear()"):
+            c.probe.clear()
+    except AssertionError:
+        raise
+    except Exception as exc:
+        c.fail("after all checks", "clear()", f"raised {type(exc).__name__}: {exc}")
 
 
 def _check_neutral_state(c: _Checker, neutral: Any) -> Any:
