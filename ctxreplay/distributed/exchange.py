@@ -1,6 +1,9 @@
-"""``finalize()`` as a collective over a ``torch.distributed`` group.
+"""What ``finalize()`` needs of the other ranks: the exchange.
 
-Every rank observed its own calls.  At finalize the ranks
+``finalize()`` runs one pipeline (``ctxreplay.engine.pipeline``) over an
+``Exchange``: ``Alone`` for a single process -- the one-rank case, where
+nothing crosses a wire -- or ``Collective`` over a ``torch.distributed``
+group, where every rank observed its own calls and the ranks
 
 1. *join*: each writes an arrival key to the group's store and waits, with a
    deadline, for the others' -- a rank that never comes is named, never
@@ -13,12 +16,9 @@ Every rank observed its own calls.  At finalize the ranks
 4. *assign* each distinct variant to one rank that observed it, balanced
    (fewest assigned so far, lowest rank on a tie) -- the same plan on every
    rank, made from the same gathered lists;
-5. *capture* their own assignments, and *exchange* the results (captures
-   without their artifacts, failures, problems), so every rank builds the
-   same merged report;
-6. run each graph that holds collectives *together*: the owner sends the
-   program (``torch.export.save`` bytes), every rank runs it and the block it
-   stands for in the same order, and their verdicts are merged.
+5. *share* what each captured (captures without their artifacts, failures,
+   problems, counts), so every rank builds the same merged report;
+6. run each graph that holds collectives *together* (``lockstep``).
 
 Only ``torch.distributed`` carries anything (its store and object
 collectives on the session's group); no ctxreplay transport exists.
@@ -31,16 +31,16 @@ import itertools
 import json
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..capture.options import VariantRequest
-from ..capture.results import Capture, CaptureFailure, Problem
+from ..capture.options import CaptureOptions, VariantRequest
+from ..capture.results import Capture, CaptureFailure, Notice, Problem
 from ..core.probe import ContextProbe
 from ..core.snapshots import ContextSnapshot
 from ..errors import Error
@@ -50,7 +50,8 @@ from ..specs.specjson import call_to_json
 from .lockstep import run_collective_checks
 from .wire import from_wire, portable, to_wire
 
-__all__ = ["Collective", "DistributedError", "active_group"]
+__all__ = ["Alone", "Collective", "DistributedError", "Exchange", "Observed", "Plan",
+           "RankResults", "active_group", "variant_key"]
 
 _sequence: dict[tuple[int, ...], itertools.count[int]] = {}
 _DEVICE_INDEX = re.compile(r"\b(cuda|xpu|mps|hpu|mtia|privateuseone):\d+\b")
@@ -69,16 +70,16 @@ class DistributedError(Error, RuntimeError):
 
 def active_group(group: Any) -> Any:
     """The process group a finalize is a collective over, or ``None`` for a
-    single process (nothing initialised, or a group of one rank)."""
+    single process: nothing initialised, or no group named and a world of
+    one rank.  A group named explicitly is used whatever its size."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise DistributedError("capture_with(group=...): torch.distributed is not "
                                    "initialised in this process")
         return None
-    pg = group if group is not None else dist.group.WORLD
-    if dist.get_world_size(pg) <= 1:
-        return None
-    return pg
+    if group is not None:
+        return group
+    return dist.group.WORLD if dist.get_world_size() > 1 else None
 
 
 def _digest(value: Any) -> str:
@@ -141,7 +142,8 @@ class Plan:
     observed_on: dict[str, tuple[int, ...]]
     rank_calls: dict[str, tuple[tuple[int, int], ...]]
     members: dict[str, tuple[tuple[str, int], ...]]
-    variant: dict[str, int]  # key -> the merged report's variant number
+    variant: dict[str, int]  # key -> the merged report's variant number, in report order
+    scope: dict[str, str]
 
 
 def make_plan(gathered: Sequence[Sequence[Observed]]) -> Plan:
@@ -150,7 +152,7 @@ def make_plan(gathered: Sequence[Sequence[Observed]]) -> Plan:
         for o in items:
             by_key.setdefault(o.key, []).append((rank, o))
     load = [0] * len(gathered)
-    owner, observed_on, rank_calls, members, variant = {}, {}, {}, {}, {}
+    owner, observed_on, rank_calls, members, variant, scopes = {}, {}, {}, {}, {}, {}
     per_scope: dict[str, int] = {}
     # numbered in the order the ranks first saw them, so a one-rank job reads
     # like a single process
@@ -174,9 +176,10 @@ def make_plan(gathered: Sequence[Sequence[Observed]]) -> Plan:
                 calls[name] = calls.get(name, 0) + n
         members[key] = tuple(calls.items())
         scope = seen[0][1].scope
+        scopes[key] = scope
         variant[key] = per_scope.get(scope, 0)
         per_scope[scope] = variant[key] + 1
-    return Plan(owner, observed_on, rank_calls, members, variant)
+    return Plan(owner, observed_on, rank_calls, members, variant, scopes)
 
 
 class Collective:
@@ -232,6 +235,64 @@ class Collective:
                                    f"sets ({detail}); pass the same probes= on every rank",
                                    [r for rs in list(groups.values())[1:] for r in rs])
 
+    # -- the exchange finalize runs over ------------------------------------
+    def open(self, options: CaptureOptions) -> None:
+        self.join(options.capture_timeout or group_timeout(self.group))
+        self.agree_on_probes(options.probe_names)
+
+    def key(self, request: VariantRequest, identity: Any) -> str:
+        return variant_key(request, identity)
+
+    def plan(self, observed: list[Observed]) -> Plan:
+        return make_plan(self.gather(observed))
+
+    def relabel(self, result: Capture | CaptureFailure, key: str,
+                plan: Plan) -> Capture | CaptureFailure:
+        variant = plan.variant[key]
+        if isinstance(result, CaptureFailure):
+            return attrs.evolve(result, variant=variant)
+        members = plan.members[key]
+        return attrs.evolve(
+            result, variant=variant, rank=self.ranks[self.rank],
+            observed_on=tuple(self.ranks[r] for r in plan.observed_on[key]),
+            rank_calls=tuple((self.ranks[r], n) for r, n in plan.rank_calls[key]),
+            members=tuple(n for n, _ in members), member_calls=members,
+            calls=sum(n for _, n in members))
+
+    def share(self, mine: RankResults, options: CaptureOptions) -> list[RankResults]:
+        """Captures cross the wire without their artifacts (they stay with the
+        rank that made them); each rank's problems name it."""
+        own = {f"{c.scope}#{c.variant}": c for c in mine.captures}
+        docs = self.gather({"results": attrs.evolve(mine, captures=()),
+                            "captures": [portable(to_wire(c)) for c in mine.captures]})
+        probes = {p.name: p for p in options.probes}
+        every = []
+        for r, doc in enumerate(docs):
+            wired = [own.get(f"{w['scope']}#{w['variant']}") or from_wire(w, probes)
+                     for w in doc["captures"]]
+            results: RankResults = doc["results"]
+            every.append(attrs.evolve(
+                results, captures=tuple(wired),
+                problems=tuple(attrs.evolve(p, rank=self.ranks[r]) for p in results.problems)))
+        return every
+
+    def check_collectives(self, captures: list[Capture], mine: Mapping[str, Capture],
+                          modules: Mapping[str, nn.Module],
+                          baseline: tuple[ContextProbe[Any], ...],
+                          verify: str) -> list[Capture]:
+        if verify not in ("execute", "values"):
+            return captures
+        checked = run_collective_checks(self, captures, mine, modules, baseline, verify)
+        return [attrs.evolve(c, fidelity=checked[(c.scope, c.variant)])
+                if (c.scope, c.variant) in checked else c for c in captures]
+
+    def info(self, plan: Plan, every: list[RankResults]) -> dict[str, Any] | None:
+        return {"world_size": dist.get_world_size(), "group_ranks": list(self.ranks),
+                "backend": str(dist.get_backend(self.group)),
+                "rank_seconds": [round(r.seconds, 6) for r in every],
+                "assigned": [sum(1 for o in plan.owner.values() if o == r)
+                             for r in range(self.size)]}
+
 
 def group_timeout(group: Any, fallback: float = 1800.0) -> float:
     """The group's own collective timeout in seconds (``fallback`` when torch
@@ -246,120 +307,97 @@ def group_timeout(group: Any, fallback: float = 1800.0) -> float:
 
 
 @attrs.frozen(eq=False)
-class GroupOutcome:
-    """What a distributed finalize produced: the same on every rank."""
+class RankResults:
+    """What one rank finalized, as every rank receives it: its own captures
+    (with artifacts on the rank that made them, without elsewhere), its
+    failures, the problems and notices of its observation, and its counts."""
 
     captures: tuple[Capture, ...]
     failures: tuple[CaptureFailure, ...]
     problems: tuple[Problem, ...]
-    notices: tuple[Any, ...]
-    errors: tuple[tuple[str, str, int], ...]
+    notices: tuple[Notice, ...]
+    errors: dict[tuple[str, str], int]
     dropped: dict[str, int]
     retained: dict[str, int] | None
-    seconds: tuple[float, ...]
-    info: dict[str, Any]
-    explanations: tuple[Any, ...] = ()
+    requests: int  # variants observed, completed or not
+    calls: int  # their calls
+    observed: bool  # anything seen: variants, observation errors, compiled calls, scopes
+    seconds: float
+    explained: tuple[Any, ...] | None = None
 
 
-def _relabel(result: Capture | CaptureFailure, key: str, plan: Plan,
-             coll: Collective) -> Capture | CaptureFailure:
-    variant = plan.variant[key]
-    if isinstance(result, CaptureFailure):
-        return attrs.evolve(result, variant=variant)
-    members = plan.members[key]
-    return attrs.evolve(
-        result, variant=variant, rank=coll.ranks[coll.rank],
-        observed_on=tuple(coll.ranks[r] for r in plan.observed_on[key]),
-        rank_calls=tuple((coll.ranks[r], n) for r, n in plan.rank_calls[key]),
-        members=tuple(n for n, _ in members), member_calls=members,
-        calls=sum(n for _, n in members))
+class Exchange(Protocol):
+    """What ``finalize()`` needs of the other ranks.  One process is the
+    one-rank case (``Alone``); a ``torch.distributed`` group is ``Collective``."""
+
+    rank: int  # this rank's index in ``ranks``
+    ranks: tuple[int, ...]
+
+    def open(self, options: CaptureOptions) -> None:
+        """Wait for the other ranks and agree on the probes."""
+
+    def key(self, request: VariantRequest, identity: Any) -> str:
+        """The variant's key: the same for the same variant on every rank."""
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` from every rank, in rank order."""
+
+    def plan(self, observed: list[Observed]) -> Plan:
+        """Who captures which variant, and its number in the report."""
+
+    def relabel(self, result: Capture | CaptureFailure, key: str,
+                plan: Plan) -> Capture | CaptureFailure:
+        """A result as the merged report names it."""
+
+    def share(self, mine: RankResults, options: CaptureOptions) -> list[RankResults]:
+        """Every rank's results, in rank order (this rank's as they are)."""
+
+    def check_collectives(self, captures: list[Capture], mine: Mapping[str, Capture],
+                          modules: Mapping[str, nn.Module],
+                          baseline: tuple[ContextProbe[Any], ...],
+                          verify: str) -> list[Capture]:
+        """Captures whose graphs hold collectives, verified on every rank together."""
+
+    def info(self, plan: Plan, every: list[RankResults]) -> dict[str, Any] | None:
+        """What the report says of the job (``None``: one process)."""
 
 
-def finalize_group(coll: Collective, requests: Sequence[VariantRequest],
-                   identities: Sequence[Any], options: Any,
-                   capture: Callable[[VariantRequest], list[Capture | CaptureFailure]],
-                   local_coverage: Callable[[], tuple[tuple[Problem, ...], tuple[Any, ...]]],
-                   local_counts: Callable[[], dict[str, Any]],
-                   modules: Mapping[str, nn.Module],
-                   baseline: tuple[ContextProbe[Any], ...],
-                   explain: Callable[[list[Capture]], Any] | None,
-                   progress: Callable[[str], None]) -> GroupOutcome:
-    """Steps 1-6 of the module docstring."""
-    t0 = time.perf_counter()
-    timeout = options.capture_timeout or group_timeout(coll.group)
-    coll.join(timeout)
-    coll.agree_on_probes(options.probe_names)
-    keys = [variant_key(r, ident) for r, ident in zip(requests, identities)]
-    observed = [Observed(k, r.scope, r.variant, r.calls,
-                         tuple((m.name, m.calls) for m in r.members))
-                for k, r in zip(keys, requests)]
-    plan = make_plan(coll.gather(observed))
-    mine: dict[str, Capture] = {}
-    failures: list[CaptureFailure] = []
-    for key, request in zip(keys, requests):
-        if plan.owner[key] != coll.rank:
-            continue
-        for result in capture(request):
-            result = _relabel(result, key, plan, coll)
-            if isinstance(result, Capture):
-                mine[f"{result.scope}#{result.variant}"] = result
-            else:
-                failures.append(result)
-        progress(f"{request.scope}#{plan.variant[key]}")
-    problems, notices = local_coverage()
-    counts = local_counts()
-    explained = explain(list(mine.values())) if explain is not None else None
-    every = coll.gather({
-        "captures": [portable(to_wire(c)) for c in mine.values()],
-        "failures": failures, "problems": problems, "notices": notices, "counts": counts,
-        "seconds": time.perf_counter() - t0,
-        "explained": None if explained is None else explained.captures})
-    probes = {p.name: p for p in options.probes}
-    captures: list[Capture] = []
-    for doc in every:
-        for wire in doc["captures"]:
-            key = f"{wire['scope']}#{wire['variant']}"
-            captures.append(mine[key] if key in mine else from_wire(wire, probes))
-    captures.sort(key=lambda c: (c.scope, c.variant))
-    if options.verify in ("execute", "values"):
-        checked = run_collective_checks(coll, captures, mine, modules, baseline,
-                                        options.verify)
-        captures = [attrs.evolve(c, fidelity=checked[(c.scope, c.variant)])
-                    if (c.scope, c.variant) in checked else c for c in captures]
-    all_failures = sorted((f for doc in every for f in doc["failures"]),
-                          key=lambda f: (f.scope, f.variant))
-    ranks = coll.ranks
-    all_problems = tuple(attrs.evolve(p, rank=ranks[r])
-                         for r, doc in enumerate(every) for p in doc["problems"])
-    if not plan.owner and not all_problems:
-        all_problems = (Problem("nothing_observed"),)
-    elif plan.owner and not captures:
-        all_problems += (Problem("no_captures", None, len(plan.owner),
-                                 sum(n for rc in plan.rank_calls.values() for _, n in rc)),)
-    seen_notices: list[Any] = []
-    for doc in every:
-        seen_notices += [n for n in doc["notices"] if n not in seen_notices]
-    errors: dict[tuple[str, str], int] = {}
-    dropped = {"variants": 0, "variant_calls": 0, "scopes": 0}
-    retained: dict[str, int] | None = None
-    for doc in every:
-        c = doc["counts"]
-        for (w, t), n in c["errors"].items():
-            errors[(w, t)] = errors.get((w, t), 0) + n
-        for k in dropped:
-            dropped[k] += c["dropped"][k]
-        if c["retained"] is not None:
-            retained = retained or {k: 0 for k in c["retained"]}
-            for k, v in c["retained"].items():
-                retained[k] = max(retained[k], v) if k == "retain_bytes" else retained[k] + v
-    explanations = tuple(e for doc in every for e in (doc["explained"] or ()))
-    seconds = tuple(float(doc["seconds"]) for doc in every)
-    info = {"world_size": dist.get_world_size(), "group_ranks": list(ranks),
-            "backend": str(dist.get_backend(coll.group)),
-            "rank_seconds": [round(s, 6) for s in seconds],
-            "assigned": [sum(1 for o in plan.owner.values() if o == r)
-                         for r in range(coll.size)]}
-    return GroupOutcome(tuple(captures), tuple(all_failures), all_problems,
-                        tuple(seen_notices),
-                        tuple((w, t, n) for (w, t), n in sorted(errors.items())), dropped,
-                        retained, seconds, info, explanations)
+class Alone:
+    """One process: every variant is this rank's, numbered as it was observed,
+    and nothing crosses a wire."""
+
+    rank: int = 0
+    ranks: tuple[int, ...] = (0,)
+
+    def open(self, options: CaptureOptions) -> None:
+        return None
+
+    def key(self, request: VariantRequest, identity: Any) -> str:
+        return f"{request.scope}#{request.variant}"
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def plan(self, observed: list[Observed]) -> Plan:
+        return Plan(owner={o.key: 0 for o in observed},
+                    observed_on={o.key: (0,) for o in observed},
+                    rank_calls={o.key: ((0, o.calls),) for o in observed},
+                    members={o.key: o.members for o in observed},
+                    variant={o.key: o.index for o in observed},
+                    scope={o.key: o.scope for o in observed})
+
+    def relabel(self, result: Capture | CaptureFailure, key: str,
+                plan: Plan) -> Capture | CaptureFailure:
+        return result
+
+    def share(self, mine: RankResults, options: CaptureOptions) -> list[RankResults]:
+        return [mine]
+
+    def check_collectives(self, captures: list[Capture], mine: Mapping[str, Capture],
+                          modules: Mapping[str, nn.Module],
+                          baseline: tuple[ContextProbe[Any], ...],
+                          verify: str) -> list[Capture]:
+        return captures  # a graph that holds collectives needs a group
+
+    def info(self, plan: Plan, every: list[RankResults]) -> dict[str, Any] | None:
+        return None

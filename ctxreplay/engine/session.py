@@ -6,35 +6,28 @@ The engine never names a concrete probe: it only calls the probe contract.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
 from ..backends import Backend, get_backend
-from ..capture.merge import merge_identical
-from ..capture.options import CaptureOptions, VariantRequest
-from ..capture.results import Capture, CaptureFailure, Notice, Problem
-from ..capture.variant import CaptureFailed, capture_variant
+from ..capture.options import CaptureOptions
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
-from ..distributed.exchange import Collective, active_group, finalize_group
+from ..distributed.exchange import Alone, Collective, Exchange, active_group
 from ..errors import Error
 from ..observation.attach import Observation
 from ..observation.targets import resolve_targets
 from ..observation.variants import Scope, VariantView
 from ..report.capture_report import CaptureReport, FidelityError
 from .baseline import Baseline
-from .coverage import coverage
-from .progress import Progress
+from .pipeline import Finalizing, ProgressCallback, run_finalize
 
 __all__ = ["CaptureSession", "SessionError", "capture_with"]
 
 Targets = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
-ProgressCallback = Callable[[int, int, str], None]
 
 
 class SessionError(Error, RuntimeError):
@@ -62,8 +55,7 @@ class CaptureSession:
             retain_bytes=options.retain_bytes if options.verify == "values" else None,
             ignore=options.ignore_attributes)
         self._state = "open"
-        self._done: dict[tuple[str, int], Capture | CaptureFailure] = {}
-        self._leaks: list[CaptureFailure] = []
+        self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None
 
     # -- attributes kept from the first release -----------------------------
@@ -125,6 +117,11 @@ class CaptureSession:
         ``tqdm`` bar when tqdm is installed; otherwise one ``logging`` line
         per variant on logger ``"ctxreplay"`` at INFO).
 
+        In a ``torch.distributed`` job (see ``capture_with(group=...)``) it is
+        a collective: every rank must call it, and every rank gets the same
+        merged report.  A single process runs the same steps as a group of
+        one.
+
         An interrupted finalize (Ctrl-C) keeps what it captured: calling it
         again captures the rest.  Once it completed, calling it again raises
         :class:`SessionError` (the report is ``session.report``).
@@ -138,6 +135,7 @@ class CaptureSession:
         Raises:
             FidelityError: with ``strict=True``, when the report is not ok.
             SessionError: ``finalize()`` already completed.
+            DistributedError: ranks missing or disagreeing (a distributed job).
         """
         if self._report is not None:
             raise SessionError("finalize() already completed for this session: it detached "
@@ -145,188 +143,28 @@ class CaptureSession:
                                "session.report. Open a new session with "
                                "ctxreplay.capture_with(...) to capture more")
         group = active_group(self.options.group)
-        if group is not None:
-            return self._finalize_group(Collective(group), strict, explain, progress)
+        exchange: Exchange = Collective(group) if group is not None else Alone()
         self.close()
-        t0 = time.perf_counter()
-        requests = self._observation.requests()
-        modules = self._observation.member_modules()
-        baseline_probes = _baseline_probes()
-        # a variant none of whose calls returned has nothing to capture: it
-        # is a problem of the report (never_completed), not a capture failure
-        todo = [r for r in requests if (r.scope, r.variant) not in self._done
-                and any(m.completed for m in r.members)]
-        bar = Progress(len(requests), len(requests) - len(todo), progress)
         # The safety net: whatever a probe's replay, a backend or a capture
         # thread abandoned after ``capture_timeout`` did to the ambient state,
         # each variant starts from -- and the caller gets back -- the state
         # finalize() began with.  It also runs when a KeyboardInterrupt passes.
         net = Baseline()
-        explanation = None
-        with self._finalizing(bar, net):
-            for request in todo:
-                if self._state == "interrupted":  # nothing is held any more
-                    self._done[(request.scope, request.variant)] = CaptureFailure(
-                        request.scope, request.variant, self.backend.name, "interrupted", "-")
-                    continue
-                self._capture(request, modules, baseline_probes, net)
-                bar.step(f"{request.scope}#{request.variant}")
-            if explain and self._state != "interrupted":
-                from ..report.explain import explain_captures
-
-                explanation = explain_captures(self._captures(requests), modules,
-                                               self.options)
-        captures = list(merge_identical(self._captures(requests)))
-        coverage_ = coverage(self._observation, requests, captures, self.options)
-        if self._state != "interrupted":
-            self._release()  # before the report: a probe's clear() may fail, and counts
-        report = self._build(requests, captures, time.perf_counter() - t0, explanation,
-                             coverage_)
-        self._done.clear()  # the report holds them now
-        self._state = "finalized"
-        self._report = report
-        if strict and not report.ok:
-            raise FidelityError(report)
-        return report
-
-    def _finalize_group(self, coll: Collective, strict: bool, explain: bool,
-                        progress: ProgressCallback | None) -> CaptureReport:
-        """``finalize()`` as a collective: see ``_collective``."""
-        self.close()
-        obs = self._observation
-        everything = obs.requests()
-        requests = [r for r in everything if any(m.completed for m in r.members)]
-        modules = obs.member_modules()
-        baseline_probes = _baseline_probes()
-        bar = Progress(len(requests), 0, progress)
-        net = Baseline()
-
-        def capture(request: VariantRequest) -> list[Capture | CaptureFailure]:
-            self._leaks.clear()
-            self._capture(request, modules, baseline_probes, net)
-            return [self._done.pop((request.scope, request.variant)), *self._leaks]
-
-        def explain_mine(captures: list[Capture]) -> Any:
-            from ..report.explain import explain_captures
-
-            return explain_captures(captures, modules, self.options)
-
-        with self._finalizing(bar, net):
-            outcome = finalize_group(
-                coll, requests, [obs.identity_value(r) for r in requests], self.options,
-                capture, lambda: coverage(obs, everything, [], self.options, whole=False),
-                lambda: self._counts(), modules, baseline_probes,
-                explain_mine if explain else None, bar.step)
-        self._release()
-        report = CaptureReport(outcome.captures, outcome.failures, self.options.probe_names,
-                               self.options.to_json(), outcome.dropped, outcome.errors,
-                               max(outcome.seconds), problems=outcome.problems,
-                               notices=outcome.notices, options=self.options,
-                               retained=outcome.retained, distributed=outcome.info)
-        from ..report.explain import Explanation
-
-        if outcome.explanations:
-            report._keep(Explanation(outcome.explanations))
-        self._state = "finalized"
-        self._report = report
-        if strict and not report.ok:
-            raise FidelityError(report)
-        return report
-
-    @contextmanager
-    def _finalizing(self, bar: Progress, net: Baseline) -> Iterator[None]:
         try:
-            yield
+            report = run_finalize(self._job, exchange, net, explain=explain, progress=progress)
         except BaseException:
             # a Ctrl-C: let go of every module and live state now; what was
             # captured stays, and a second finalize() reports the rest
-            self._state = "interrupted"
-            self._release()
+            self._job.interrupted = True
+            self._job.release()
             raise
         finally:
-            bar.close()
             net.restore()
-
-    def _counts(self) -> dict[str, Any]:
-        obs = self._observation
-        return {"errors": dict(obs.shared.errors),
-                "dropped": obs.dropped(),
-                "retained": obs.shared.retention.summary()}
-
-    def _capture(self, request: VariantRequest, modules: dict[str, nn.Module],
-                 baseline_probes: tuple[ContextProbe[Any], ...], net: Baseline) -> None:
-        failure: CaptureFailure | None = None
-        try:
-            result: Capture | CaptureFailure = capture_variant(
-                request, modules, self.options, baseline=baseline_probes,
-                defer_collectives=active_group(self.options.group) is not None)
-        except CaptureFailed as f:
-            result = failure = f.failure
-        except Exception as exc:  # an engine bug must not cost the other variants
-            result = failure = CaptureFailure(request.scope, request.variant,
-                                              self.backend.name, "internal_error",
-                                              type(exc).__name__)
-        finally:
-            leaked = net.restore()
-        self._done[(request.scope, request.variant)] = result
-        # an abandoned capture thread holds its replay until its backend
-        # returns: expected after a timeout, not a leak
-        if leaked and (failure is None or failure.reason != "timeout"):
-            self._leaks.append(CaptureFailure(request.scope, request.variant,
-                                              self.backend.name, "state_leak", "-", (),
-                                              leaked))
-
-    def _captures(self, requests: list[VariantRequest]) -> list[Capture]:
-        out = []
-        for r in requests:
-            done = self._done.get((r.scope, r.variant))
-            if isinstance(done, Capture):
-                out.append(done)
-        return out
-
-    def _build(self, requests: list[VariantRequest], captures: list[Capture], seconds: float,
-               explanation: Any,
-               coverage_: tuple[tuple[Problem, ...], tuple[Notice, ...]]) -> CaptureReport:
-        failures: list[CaptureFailure] = []
-        for r in requests:
-            done = self._done.get((r.scope, r.variant))
-            if isinstance(done, CaptureFailure):
-                failures.append(done)
-        failures += self._leaks
-        obs = self._observation
-        problems, notices = coverage_
-        dropped = obs.dropped()
-        errors = tuple((w, t, n) for (w, t), n in sorted(obs.shared.errors.items()))
-        report = CaptureReport(tuple(captures), tuple(failures), self.options.probe_names,
-                               self.options.to_json(), dropped, errors, seconds,
-                               problems=problems, notices=notices, options=self.options,
-                               retained=obs.shared.retention.summary())
-        if explanation is not None:
-            report._keep(explanation)
+        self._state = "finalized"
+        self._report = report
+        if strict and not report.ok:
+            raise FidelityError(report)
         return report
-
-    def _release(self) -> None:
-        interrupt: BaseException | None = None
-        for p in self.probes:
-            try:
-                p.clear()
-            except Exception as exc:
-                self._observation.shared.error("clear", exc)
-            except BaseException as exc:  # a Ctrl-C: the rest still let go, then it goes on
-                interrupt = interrupt or exc
-        self._observation.release()
-        self._observer.invalidate()
-        if self._state != "interrupted":
-            self._state = "finalized"
-        if interrupt is not None:
-            raise interrupt
-
-
-def _baseline_probes() -> tuple[ContextProbe[Any], ...]:
-    try:
-        return resolve_probes(None)
-    except Exception:  # a broken registry must not break finalize
-        return ()
 
 
 def _describe_targets(targets: object) -> str:

@@ -1,0 +1,246 @@
+"""The one finalize pipeline: plan, capture, merge, share, build the report.
+
+A single process is the one-rank case of a distributed job: ``finalize()``
+runs these steps over an exchange -- ``Alone`` for one process, the group's
+``Collective`` otherwise -- so every report, distributed or not, is built by
+``build_report`` here, once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from torch import nn
+
+from ..capture.merge import merge_identical
+from ..capture.options import CaptureOptions, VariantRequest
+from ..capture.results import Capture, CaptureFailure, Notice, Problem
+from ..capture.variant import CaptureFailed, capture_variant
+from ..core.observer import Observer
+from ..core.probe import ContextProbe
+from ..core.registry import resolve_probes
+from ..distributed.exchange import Exchange, Observed, Plan, RankResults
+from ..observation.attach import Observation
+from ..report.capture_report import CaptureReport
+from ..report.explain import explain_captures
+from .baseline import Baseline
+from .coverage import coverage
+from .progress import Progress
+
+__all__ = ["Finalizing", "build_report", "run_finalize"]
+
+ProgressCallback = Callable[[int, int, str], None]
+Result = Capture | CaptureFailure
+
+
+@attrs.define(eq=False)
+class Finalizing:
+    """One session's finalize: what it works on, and what it captured so
+    far -- kept across an interrupted (Ctrl-C) finalize, so that calling it
+    again captures only the rest."""
+
+    observation: Observation
+    observer: Observer
+    options: CaptureOptions
+    done: dict[tuple[str, int], list[Result]] = attrs.Factory(dict)
+    interrupted: bool = False
+    released: bool = False
+
+    def release(self) -> None:
+        """Let go of every module and live state: each probe's ``clear()``
+        (what one raises is an observation error of the report), the
+        observation's references, the observer's cached snapshot.  A Ctrl-C
+        inside a ``clear()`` lets the others run first, then goes on."""
+        if self.released:
+            return
+        self.released = True
+        interrupt: BaseException | None = None
+        for p in self.options.probes:
+            try:
+                p.clear()
+            except Exception as exc:
+                self.observation.shared.error("clear", exc)
+            except BaseException as exc:
+                interrupt = interrupt or exc
+        self.observation.release()
+        self.observer.invalidate()
+        if interrupt is not None:
+            raise interrupt
+
+
+def run_finalize(job: Finalizing, exchange: Exchange, net: Baseline, *, explain: bool,
+                 progress: ProgressCallback | None) -> CaptureReport:
+    """Every step of ``finalize()`` once observation has stopped, on this rank."""
+    t0 = time.perf_counter()
+    obs, options = job.observation, job.options
+    everything = obs.requests()
+    # a variant none of whose calls returned has nothing to capture: it is a
+    # problem of the report (never_completed), not a capture failure
+    requests = [r for r in everything if any(m.completed for m in r.members)]
+    exchange.open(options)
+    keys = [exchange.key(r, obs.identity_value(r)) for r in requests]
+    plan = exchange.plan([Observed(k, r.scope, r.variant, r.calls,
+                                   tuple((m.name, m.calls) for m in r.members))
+                          for k, r in zip(keys, requests)])
+    mine = [(k, r) for k, r in zip(keys, requests) if plan.owner[k] == exchange.rank]
+    modules = obs.member_modules()
+    baseline = _baseline_probes()
+    todo = sum(1 for _, r in mine if (r.scope, r.variant) not in job.done)
+    results = _capture_mine(job, mine, plan, exchange, modules, baseline, net,
+                            Progress(len(everything), len(everything) - todo, progress))
+    captures = [c for c in results if isinstance(c, Capture)]
+    explained = None
+    if explain and not job.interrupted:
+        explained = tuple(explain_captures(captures, modules, options).captures)
+    captures = list(merge_identical(captures))
+    failures = [f for f in results if isinstance(f, CaptureFailure)]
+    local = _rank_results(job, everything, captures, failures, explained,
+                          time.perf_counter() - t0)
+    every = exchange.share(local, options)
+    order = _plan_order(plan)
+    shared = sorted((c for r in every for c in r.captures), key=order)
+    shared = exchange.check_collectives(shared, {f"{c.scope}#{c.variant}": c for c in captures},
+                                        modules, baseline, options.verify)
+    job.release()  # before the counts: what a probe's clear() raises is counted
+    errors = exchange.gather(dict(obs.shared.errors))
+    every = [attrs.evolve(r, errors=e) for r, e in zip(every, errors)]
+    job.done.clear()  # the report holds them now
+    return build_report(every, shared, options, order, exchange.info(plan, every))
+
+
+def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan: Plan,
+                  exchange: Exchange, modules: dict[str, nn.Module],
+                  baseline: tuple[ContextProbe[Any], ...], net: Baseline,
+                  bar: Progress) -> list[Result]:
+    """Capture this rank's variants (those an interrupted finalize already
+    captured are kept), each as the merged report names it."""
+    out: list[Result] = []
+    try:
+        for key, request in mine:
+            where = (request.scope, request.variant)
+            if where not in job.done:
+                if job.interrupted:  # nothing is held any more
+                    job.done[where] = [CaptureFailure(request.scope, request.variant,
+                                                      job.options.backend.name,
+                                                      "interrupted", "-")]
+                else:
+                    job.done[where] = capture_one(request, modules, job.options, baseline, net,
+                                                  distributed=len(exchange.ranks) > 1)
+                    bar.step(f"{request.scope}#{plan.variant[key]}")
+            out += [exchange.relabel(r, key, plan) for r in job.done[where]]
+    finally:
+        bar.close()
+    return out
+
+
+def capture_one(request: VariantRequest, modules: dict[str, nn.Module],
+                options: CaptureOptions, baseline: tuple[ContextProbe[Any], ...],
+                net: Baseline, *, distributed: bool) -> list[Result]:
+    """One variant's capture, or why it failed; and a ``state_leak`` failure
+    when it left the ambient state changed (the safety net put it back)."""
+    failure: CaptureFailure | None = None
+    try:
+        result: Result = capture_variant(request, modules, options, baseline=baseline,
+                                         defer_collectives=distributed)
+    except CaptureFailed as f:
+        result = failure = f.failure
+    except Exception as exc:  # an engine bug must not cost the other variants
+        result = failure = CaptureFailure(request.scope, request.variant, options.backend.name,
+                                          "internal_error", type(exc).__name__)
+    finally:
+        leaked = net.restore()
+    # an abandoned capture thread holds its replay until its backend
+    # returns: expected after a timeout, not a leak
+    if leaked and (failure is None or failure.reason != "timeout"):
+        return [result, CaptureFailure(request.scope, request.variant, options.backend.name,
+                                       "state_leak", "-", (), leaked)]
+    return [result]
+
+
+def _rank_results(job: Finalizing, everything: Sequence[VariantRequest],
+                  captures: list[Capture], failures: list[CaptureFailure],
+                  explained: tuple[Any, ...] | None, seconds: float) -> RankResults:
+    obs = job.observation
+    problems, notices = coverage(obs, everything, captures, job.options, whole=False)
+    # what ``nothing_observed`` needs to know of each rank: any variant,
+    # observation error, call in a compiled region or structure past the limit
+    seen = bool(everything) or any(p.reason in ("observation_error", "not_observed",
+                                                "scope_limit") for p in problems)
+    return RankResults(
+        captures=tuple(captures), failures=tuple(failures), problems=problems,
+        notices=notices, errors=dict(obs.shared.errors), dropped=obs.dropped(),
+        retained=obs.shared.retention.summary(), requests=len(everything),
+        calls=sum(r.calls for r in everything), observed=seen, seconds=seconds,
+        explained=explained)
+
+
+def _plan_order(plan: Plan) -> Callable[[Result], tuple[int, int]]:
+    """Report order: the plan's, scope by scope."""
+    scopes: dict[str, int] = {}
+    for key in plan.variant:
+        scopes.setdefault(plan.scope[key], len(scopes))
+    return lambda r: (scopes.get(r.scope, len(scopes)), r.variant)
+
+
+def build_report(every: list[RankResults], captures: list[Capture], options: CaptureOptions,
+                 order: Callable[[Result], tuple[int, int]],
+                 distributed: dict[str, Any] | None) -> CaptureReport:
+    """The report of a finalize, from what every rank produced (one rank
+    in a single process)."""
+    failures = sorted((f for r in every for f in r.failures), key=order)
+    problems = [p for r in every for p in r.problems]
+    problems += _job_problems(every, captures)
+    notices: list[Notice] = []
+    for r in every:
+        notices += [n for n in r.notices if n not in notices]
+    errors: dict[tuple[str, str], int] = {}
+    for r in every:
+        for where, n in r.errors.items():
+            errors[where] = errors.get(where, 0) + n
+    explanations = {(e.scope, e.variant): e for r in every for e in (r.explained or ())}
+    return CaptureReport(
+        tuple(captures), tuple(failures), options.probe_names, options.to_json(),
+        _summed_dropped(every), tuple((w, t, n) for (w, t), n in sorted(errors.items())),
+        max(r.seconds for r in every), problems=tuple(problems), notices=tuple(notices),
+        options=options, retained=_merged_retained(every), distributed=distributed,
+        explanations=explanations)
+
+
+def _job_problems(every: list[RankResults], captures: list[Capture]) -> list[Problem]:
+    """What only the whole job can say: nothing was observed anywhere, or
+    variants were and nothing was captured."""
+    if not any(r.observed for r in every):
+        return [Problem("nothing_observed")]
+    requests = sum(r.requests for r in every)
+    if requests and not captures:
+        return [Problem("no_captures", None, requests, sum(r.calls for r in every))]
+    return []
+
+
+def _summed_dropped(every: list[RankResults]) -> dict[str, int]:
+    dropped = {"variants": 0, "variant_calls": 0, "scopes": 0}
+    for r in every:
+        for k in dropped:
+            dropped[k] += r.dropped[k]
+    return dropped
+
+
+def _merged_retained(every: list[RankResults]) -> dict[str, int] | None:
+    retained: dict[str, int] | None = None
+    for r in every:
+        if r.retained is None:
+            continue
+        retained = retained or {k: 0 for k in r.retained}
+        for k, v in r.retained.items():
+            retained[k] = max(retained[k], v) if k == "retain_bytes" else retained[k] + v
+    return retained
+
+
+def _baseline_probes() -> tuple[ContextProbe[Any], ...]:
+    try:
+        return resolve_probes(None)
+    except Exception:  # a broken registry must not break finalize
+        return ()
