@@ -11,14 +11,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._base.jsonread import loads
 from ._base.version import __version__
+from .artifacts.sidecar import read_sidecar
+from .core.observer import snapshot
+from .core.registry import available_probes
+from .core.snapshots import describe_state
+from .demo import run_demo
+from .fidelity.verify import fidelity_status
+from .loading.detect import detect
+from .loading.load import LoadedManifest, load
+from .loading.needs import Needs, merge_differences, needs_from_document, static_differences
+from .report.explain import Explanation
+from .report.manifest import read_manifest
 
 __all__ = ["main"]
 
 
 def _probes(_: argparse.Namespace) -> int:
-    from .core.registry import available_probes
-
     # descriptions wrap under themselves at the terminal's width (88 when
     # stdout is not a terminal)
     width = max(60, shutil.get_terminal_size((88, 24)).columns)
@@ -36,8 +46,6 @@ def _probes(_: argparse.Namespace) -> int:
 
 
 def _snapshot(ns: argparse.Namespace) -> int:
-    from .core.observer import snapshot
-
     snap = snapshot(ns.probes or None)
     if ns.json:
         print(json.dumps(snap.to_json(), indent=2, sort_keys=True))
@@ -48,8 +56,6 @@ def _snapshot(ns: argparse.Namespace) -> int:
 
 
 def _demo(ns: argparse.Namespace) -> int:
-    from .demo import run_demo
-
     report, _base, ok = run_demo(depth=ns.depth)
     if ns.json:
         report.save(ns.json)
@@ -58,9 +64,6 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _explain(ns: argparse.Namespace) -> int:
-    from ._base.jsonread import loads
-    from .report.explain import Explanation
-
     data = Path(ns.report).read_bytes()
     if data[:4] == b"PK\x03\x04":
         raise ValueError(f"{ns.report}: a saved capture (.pt2 archive), not a report; explain "
@@ -126,8 +129,6 @@ def _fidelity(doc: Any) -> str:
     if not isinstance(doc, Mapping):
         return "-"
     checked = "+".join(str(c) for c in doc.get("checked", [])) or str(doc.get("level", "?"))
-    from .fidelity.verify import fidelity_status
-
     try:
         status = fidelity_status(doc, "fidelity")
     except ValueError:
@@ -170,9 +171,6 @@ def _failure_lines(failures: Any, problems: Any) -> list[str]:
 
 
 def _inspect(ns: argparse.Namespace) -> int:
-    from .loading.detect import detect
-    from .report.manifest import read_manifest
-
     kind, target, data = detect(ns.path)
     caps: list[tuple[Mapping[str, Any], str, str]] = []
     if kind == "manifest":
@@ -193,8 +191,6 @@ def _inspect(ns: argparse.Namespace) -> int:
               f"{_environment(data.get('environment'))})")
         extra = _failure_lines(data.get("failures"), data.get("problems"))
     else:
-        from .artifacts.sidecar import read_sidecar
-
         side = read_sidecar(target)
         doc_ = side.document
         saved = _fidelity(doc_.get("saved_fidelity"))
@@ -211,11 +207,6 @@ def _inspect(ns: argparse.Namespace) -> int:
 
 
 def _check(ns: argparse.Namespace) -> int:
-    from .core.snapshots import describe_state
-    from .loading.detect import detect
-    from .loading.load import LoadedManifest, load
-    from .loading.needs import Needs, merge_differences, needs_from_document, static_differences
-
     kind, target, data = detect(ns.path)
     notes: list[str] = []
     needs: list[Needs] = []

@@ -23,7 +23,9 @@ import torch
 from probe_cases import CASES
 
 import ctxreplay
+from ctxreplay._base.environment import ACCELERATORS
 from ctxreplay.probes.autocast import AutocastState
+from ctxreplay.probes.rng import RngState
 
 PORTABLE = sorted({c.probe for c in CASES})
 JUNK: tuple[Any, ...] = (None, True, False, 0, -1, 1.5, "", "bogus", "float64", [], [None],
@@ -251,3 +253,20 @@ def test_matmul_a_document_without_per_backend_values_is_marked_not_recorded() -
     assert state.fp32_precision is None
     assert "not recorded" in probe.describe(state)
     assert state != probe.observe()
+
+
+@pytest.mark.parametrize("device", ACCELERATORS)
+def test_rng_decodes_the_generator_state_of_every_accelerator(device: str) -> None:
+    """Whatever accelerator ``observe`` may record a generator state for, the
+    document it encodes to decodes back to the same state."""
+    probe = ctxreplay.probes.get_probe("rng")
+    state = RngState(bytes(torch.get_rng_state().tolist()), device, b"\x01\x02\x03")
+    assert probe.decode(json.loads(json.dumps(probe.encode(state))), "$.state") == state
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", "bogus"])
+def test_rng_refuses_an_accelerator_that_is_none(device: str) -> None:
+    probe = ctxreplay.probes.get_probe("rng")
+    doc = probe.encode(RngState(bytes(torch.get_rng_state().tolist()), device, b"\x01"))
+    with pytest.raises(ValueError, match=r"\$\.state\.accelerator: "):
+        probe.decode(doc, "$.state")

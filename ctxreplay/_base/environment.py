@@ -1,5 +1,6 @@
-"""What an artifact's environment is made of, beyond the versions:
-accelerators present, their capability, and torch's autocast op policy.
+"""The environment a document records: ctxreplay, torch and Python
+versions, the accelerator present and its capability, and -- for saved
+captures -- torch's autocast op policy.
 
 Metadata only: versions, device types, capability strings and short
 digests.  Every torch query is feature-detected (torch 2.5-2.14 differ).
@@ -9,14 +10,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import platform
 from typing import Any
 
 import torch
 
-from .version import environment
+from .version import __version__
 
 __all__ = ["ACCELERATORS", "autocast_policy", "capability", "device_available",
-           "full_environment"]
+           "environment", "full_environment"]
 
 #: device types an artifact's tensors may live on besides the CPU
 ACCELERATORS = ("cuda", "xpu", "mps", "hpu", "mtia", "privateuseone")
@@ -73,8 +75,18 @@ def capability(device_type: str) -> str | None:
     return f"{major}.{minor}"
 
 
+def environment() -> dict[str, Any]:
+    """ctxreplay, torch and Python versions, and the accelerator (metadata only)."""
+    cuda = capability("cuda")
+    return {"ctxreplay": __version__, "torch": str(torch.__version__),
+            "python": platform.python_version(), "device": "cpu" if cuda is None else "cuda",
+            "capability": cuda, "cuda": torch.version.cuda}
+
+
 def full_environment() -> dict[str, Any]:
-    """``_version.environment()`` plus the autocast op policy digests."""
+    """``environment()`` plus the autocast op policy digests: what a saved
+    capture records, since the same block under the same autocast traces
+    differently where torch's autocast casts other operators."""
     env = environment()
     env["autocast_policy"] = autocast_policy()
     return env

@@ -9,7 +9,6 @@ a fixed table, a device is parsed by ``torch.device`` from a bounded string.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,22 +16,18 @@ import torch
 
 __all__ = [
     "DTYPES",
-    "JSONValue",
     "dtype_name",
     "key_path",
     "loads",
     "read_bool",
     "read_device",
     "read_dtype",
-    "read_float",
     "read_int",
     "read_list",
     "read_mapping",
     "read_pairs",
     "read_str",
 ]
-
-JSONValue = Any
 
 # A fixed table: decoding never calls getattr(torch, <untrusted string>).
 DTYPES: dict[str, torch.dtype] = {
@@ -144,15 +139,6 @@ def read_int(value: object, path: str, *, lo: int = -(2**63), hi: int = 2**63 - 
     if not lo <= value <= hi:
         raise ValueError(f"{path}: integer out of range [{lo}, {hi}]")
     return value
-
-
-def read_float(value: object, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(path, "a number", value)
-    f = float(value)
-    if not math.isfinite(f):
-        raise ValueError(f"{path}: number must be finite")
-    return f
 
 
 def read_str(value: object, path: str, *, choices: set[str] | None = None,

@@ -1,9 +1,10 @@
 """The engine's results: captures, failures and the report-level problems
-and notices (what capture is asked to do is in ``options``).
+and notices (what capture is asked to do is in ``capture.options``).
 
 Records hold data and import no behaviour above them: a capture saves
-itself through ``artifact`` (below), and the modules that make captures
-(``capture``, ``session``) import this one, never the reverse.
+itself through ``artifacts.saving`` (a layer below), and the modules that
+make captures (``capture.variant``, ``capture.merge``, the engine) import
+this one, never the reverse.
 """
 
 from __future__ import annotations

@@ -430,7 +430,7 @@ def install(model: nn.Module,
     if all(s.module is not model for s in handle._slots):
         handle._root = _Root(handle, model)
         model.forward = signed(handle._root, _Root.forward, handle._root.orig)
-    # copies, pickles and torch.jit.script of the model are plain (``_copies``)
+    # copies, pickles and torch.jit.script of the model are plain (``observation.copies``)
     handle._copies = [Entries(m) for m in path_modules(model, list(modules))]
     for c in handle._copies:
         c.install()

@@ -85,7 +85,7 @@ class Observation:
         self.root = _Root(root, self.shared)
         root.forward = signed(self.root, _Root.forward, self.root.orig)
         self.dropped_structures = len(dropped)
-        # copies and torch.jit.script see a plain model (``_copies``)
+        # copies and torch.jit.script see a plain model (``observation.copies``)
         self.entries = [Entries(m) for m in path_modules(root, [m.name for m in self.members])]
         for e in self.entries:
             e.install()

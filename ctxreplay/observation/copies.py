@@ -23,7 +23,7 @@ member would be replaced by its copy).  ``signed`` gives a wrapper the
 signature of the forward it wraps.
 
 A holder of ctxreplay's wrappers (observation's and dispatch's, through
-``_observed.Holder``, and ``_observed.Detached``) has ``ctxreplay_holder =
+``observation.modules.Holder``, and ``observation.modules.Detached``) has ``ctxreplay_holder =
 True`` and ``user_forward()``: the instance ``forward`` the module had before
 ctxreplay, or ``None``.
 """

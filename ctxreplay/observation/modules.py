@@ -1,4 +1,4 @@
-"""What the observation wrapper (``observe``) needs to know of the modules it
+"""What the observation wrapper (``observation.wrapper``) needs to know of the modules it
 wraps besides their calls: the wrappers copies get, the counter on a compiled
 entry point, the Python state a forward writes, jit's re-runs and lazy
 modules."""

@@ -41,7 +41,7 @@ def structure_key(module: nn.Module) -> tuple[Any, ...]:
 # nn.Module's own bookkeeping, not state a forward reads
 _INTERNALS = frozenset(nn.Module().__dict__) | {
     "forward", "training", "_compiled_call_impl", "_is_torch_compile",
-    "__prepare_scriptable__", "__deepcopy__", "__reduce_ex__"}  # (``_copies.ENTRIES``)
+    "__prepare_scriptable__", "__deepcopy__", "__reduce_ex__"}  # (``copies.ENTRIES``)
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
           torch.layout, torch.memory_format)
 _SKIP = object()

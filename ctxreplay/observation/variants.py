@@ -16,7 +16,7 @@ from ..specs.signature import CallSpec, Spec
 
 
 class _MemberLike(Protocol):
-    """What a scope reads of its members (``observe._Member``)."""
+    """What a scope reads of its members (``wrapper._Member``)."""
 
     name: str
     module: nn.Module

@@ -19,7 +19,7 @@ one inside a forward counts from the next model call (``watch="call"``
 reads them on every block call instead).
 
 Copies of an observed module (``copy.deepcopy``, ``pickle``, ``torch.save``)
-are plain models (``_copies``); a copy of a wrapper that another tool holds
+are plain models (``observation.copies``); a copy of a wrapper that another tool holds
 calls the copy's own forward and observes nothing (``Detached``).
 """
 

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import torch
 
+from .._base.environment import ACCELERATORS
 from .._base.jsonread import read_mapping, read_str
 from ..core.probe import ContextProbe
 from ..core.registry import register_probe
@@ -85,7 +86,7 @@ class RngProbe(ContextProbe[RngState]):
         acc = doc.get("accelerator")
         if acc is None:
             return RngState(cpu)
-        device = read_str(acc, f"{path}.accelerator", choices={"cuda", "xpu", "mps", "mtia"})
+        device = read_str(acc, f"{path}.accelerator", choices=set(ACCELERATORS))
         if "accelerator_state" not in doc:
             raise ValueError(f"{path}.accelerator_state: missing required field")
         return RngState(cpu, device, _b64(doc["accelerator_state"], f"{path}.accelerator_state"))

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import torch
 
+from .._base.environment import ACCELERATORS
 from .._base.jsonread import read_bool, read_list, read_mapping, read_str
 from .._base.torchcaps import CAPS
 from ..core.probe import ContextProbe, applying
@@ -100,7 +101,9 @@ def _watched_names() -> tuple[str, ...]:
             names |= {"cudnn", "mem_efficient", "fa3"}
     except Exception:  # a broken CUDA install: watch as if it were there
         names |= {"cudnn", "mem_efficient", "fa3"}
-    for device in ("xpu", "hpu", "mtia"):
+    for device in ACCELERATORS:
+        if device in ("cuda", "mps"):  # CUDA above; MPS selects like the CPU
+            continue
         mod = getattr(torch, device, None)
         try:
             if mod is not None and mod.is_available():

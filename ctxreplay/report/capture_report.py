@@ -6,22 +6,19 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
+from torch import nn
 
-from .._base.version import environment
+from .._base.environment import environment
+from ..backends import Backend, get_backend
 from ..capture.options import CaptureOptions
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
 from ..errors import Error
 from ..fidelity.verify import Mismatch
 from . import manifest as _manifest
 from .explain import CaptureExplanation, Explanation, explain_captures
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from ..backends import Backend
 
 __all__ = ["REPORT_SCHEMA", "CaptureReport", "FidelityError"]
 
@@ -45,7 +42,7 @@ class CaptureReport:
     probes: tuple[str, ...]
     """Names of the probes observed."""
     settings: dict[str, Any]
-    """The session's options as JSON (``options.to_json()``)."""
+    """The session's options as JSON (``CaptureOptions.to_json()``)."""
     dropped: dict[str, int]
     """Counts: ``variants`` and ``variant_calls`` past ``max_variants``, ``scopes`` (structures)
     past ``max_scopes``."""
@@ -110,8 +107,6 @@ class CaptureReport:
             raise ValueError("explain: this report has no session options; explain it with "
                              "finalize(explain=True)")
         if backend is not None:
-            from ..backends import get_backend
-
             options = attrs.evolve(options, backend=get_backend(backend))
         result = explain_captures(self.captures, model, options,
                                   include_neutral=include_neutral,

@@ -34,8 +34,8 @@ from .signature import (
     TensorSpec,
 )
 
-__all__ = ["BINDINGS", "bind_call", "build", "inputs_for", "materialize", "materialize_call",
-           "materialize_leaves", "tensor"]
+__all__ = ["BINDINGS", "bind_call", "build", "inputs_for", "materialize", "materialize_leaves",
+           "tensor"]
 
 #: ``native``: the module's own arguments; ``flattened``: the call's tensor
 #: leaves, positionally (arguments torch's pytree does not know are rebuilt
@@ -164,12 +164,6 @@ def bind_call(call: CallSpec, make: Callable[[TensorSpec], Tensor]
     call = freeze_constants(call)  # each use mutates its own copies
     return (tuple(build(a, make) for a in call.args),
             {k: build(v, make) for k, v in call.kwargs})
-
-
-def materialize_call(call: CallSpec, *, fill: str = "uniform"
-                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Fresh ``(args, kwargs)`` for ``call``."""
-    return bind_call(call, _maker(None, fill))
 
 
 def materialize_leaves(call: CallSpec, *, fill: str = "uniform") -> tuple[Tensor, ...]:

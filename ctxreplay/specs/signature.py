@@ -1,4 +1,5 @@
-"""Tensor specs, call signatures, the per-call key, and comparing specs.
+"""Tensor specs, call signatures, the per-call key, and walking specs
+(comparing a live output's spec with a captured one is ``fidelity.compare``).
 
 Specs describe values without holding them: a ``TensorSpec`` keeps shape,
 stride, dtype, device and ``requires_grad``, never data: non-strict export
