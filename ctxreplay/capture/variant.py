@@ -1,10 +1,11 @@
-"""Capturing one variant: isolate, materialise, replay, trace, verify, record.
+"""Capturing one variant: isolate, materialise, replay, trace, record.
 
 ``capture_variant(request, modules, options)`` traces the request's first
-completed member on an isolated view of it (``_isolate``), under the
-variant's replayed context, and checks every member that ran the variant
-against the artifact (``verify``); it returns a ``Capture`` or raises
-``CaptureFailed`` carrying a ``CaptureFailure``.
+completed member on an isolated view of it (``capture.isolate``), under the
+variant's replayed context, has a ``checker.Checker`` run the artifact
+against every member that ran the variant, and records the result: it
+returns a ``Capture`` or raises ``CaptureFailed`` carrying a
+``CaptureFailure``.
 """
 
 from __future__ import annotations
