@@ -20,6 +20,7 @@ from torch import nn
 
 from ..backends import Backend, exception_message
 from ..core.probe import ContextProbe
+from ..fidelity.levels import checked_by, level
 from ..fidelity.verify import (
     Fidelity,
     Mismatch,
@@ -36,7 +37,7 @@ from ..specs.signature import Spec, TensorSpec, tensor_values
 from .isolate import isolated, rng_guard
 from .options import CaptureOptions, MemberCall, VariantRequest
 
-__all__ = ["Checker"]
+__all__ = ["Checker", "Step", "register_step", "unregister_step"]
 
 
 class Checker:
@@ -62,44 +63,46 @@ class Checker:
         self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
 
     def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
-        level = self.options.verify
-        if level == "off":
-            return Fidelity(level, True, (), ())
-        checked = {"signature": ("signature",), "execute": ("signature", "execute"),
-                   "values": ("signature", "execute", "values")}[level]
+        name = self.options.verify
+        if name == "off":
+            return Fidelity(name, True, (), ())
         members = [m for m in self.request.members if m.completed]
-        found = self._check(level, members, modules)
+        found = self._check(name, members, modules)
         merged = merge_mismatches(found)
         with_needs = None
-        if merged and level != "signature" and self.ambient_only:
+        if merged and level(name).executes and self.ambient_only:
             # would it reproduce where its ambient_only states hold (as the
             # guard of a loaded capture requires)?  ok stays False: the
             # artifact alone does not reproduce the call
             self.needs = self.ambient_only
             try:
-                with_needs = not self._check(level, members, modules)
+                with_needs = not self._check(name, members, modules)
             finally:
                 self.needs = ()
-        return Fidelity(level, not merged, merged, checked, len(members), with_needs)
+        return Fidelity(name, not merged, merged, checked_by(name), len(members), with_needs)
 
-    def _check(self, level: str, members: list[MemberCall],
+    def _check(self, name: str, members: list[MemberCall],
                modules: Mapping[str, nn.Module]) -> list[Mismatch]:
+        """Every check step up to level ``name``, member by member; a member
+        released before its module could run stops at the first step that
+        runs the artifact."""
         found: list[Mismatch] = []
         single = len(self.request.members) == 1
         for m in members:
-            name = None if single else m.name
-            found += check_signature(m.outputs, self.graph_outputs, self.request.snapshot,
-                                     self.applied, name)
-            if level == "signature":
-                continue
+            shown = None if single else m.name
             module = modules.get(m.name)
-            if module is None:
-                found.append(_mismatch("execution", "member", "released", "execute", None, name))
-                continue
-            found += self._execute(m, module, name)
-            if level == "values":
-                found += self._values(m, module, name)
+            for step in checked_by(name):
+                if level(step).executes and module is None:
+                    found.append(_mismatch("execution", "member", "released", step, None,
+                                           shown))
+                    break
+                found += _STEPS[step](self, m, module, shown)
         return found
+
+    def _signature(self, m: MemberCall, module: nn.Module | None,
+                   name: str | None) -> list[Mismatch]:
+        return check_signature(m.outputs, self.graph_outputs, self.request.snapshot,
+                               self.applied, name)
 
     def _program(self, view: nn.Module, member: MemberCall) -> Callable[..., Any] | None:
         """The artifact as a module running with ``view``'s tensors; for a
@@ -114,7 +117,9 @@ class Checker:
         _rebind(fresh, self.traced, view)
         return fresh
 
-    def _execute(self, m: MemberCall, module: nn.Module, name: str | None) -> list[Mismatch]:
+    def _execute(self, m: MemberCall, module: nn.Module | None,
+                 name: str | None) -> list[Mismatch]:
+        assert module is not None  # _check stops at a released member
         leaves = materialize_leaves(self.request.inputs)
         with isolated(module, self.request.training) as view:
             program = self._program(view, m)
@@ -144,7 +149,9 @@ class Checker:
                                   "execute", None, name)]
         return compare_values(reference, produced, "execute", hint=self.hint, member=name)
 
-    def _values(self, m: MemberCall, module: nn.Module, name: str | None) -> list[Mismatch]:
+    def _values(self, m: MemberCall, module: nn.Module | None,
+                name: str | None) -> list[Mismatch]:
+        assert module is not None  # _check stops at a released member
         if m.retained is None:
             return [_mismatch("values", "retained", "not retained (retain_bytes cap)", "values",
                               None, name)]
@@ -178,6 +185,27 @@ class Checker:
         with rng_guard(), neutral_replay(self.request.snapshot, self.baseline, full=True):
             out = view(*args, **kwargs)
         return tuple(tensor_values(out)) if self.flatten_out else out
+
+
+#: a check step: ``(checker, member call, the member's module or None, the
+#: member's name in mismatches or None) -> mismatches``
+Step = Callable[[Checker, MemberCall, "nn.Module | None", "str | None"], list[Mismatch]]
+
+_STEPS: dict[str, Step] = {"signature": Checker._signature, "execute": Checker._execute,
+                           "values": Checker._values}
+
+
+def register_step(name: str, step: Step) -> None:
+    """The check a verification level adds (``ctxreplay.fidelity.levels.add_level``)."""
+    level(name)  # an unknown level is an error naming the known ones
+    _STEPS[name] = step
+
+
+def unregister_step(name: str) -> None:
+    """Take an added level's step out again."""
+    if name in ("signature", "execute", "values"):
+        raise ValueError(f"the {name!r} check is built in")
+    del _STEPS[name]
 
 
 def _mismatch(field: str, live: str, captured: str, level: str, hint: str | None,

@@ -15,7 +15,7 @@ import torch
 from ..backends import Backend
 from ..core.probe import ContextProbe
 from ..core.snapshots import ContextSnapshot
-from ..fidelity.verify import LEVELS
+from ..fidelity.levels import level
 from ..specs.signature import CallSpec, Spec
 
 __all__ = ["REPLAY_MODES", "WATCH_MODES", "CaptureOptions", "MemberCall", "RetainedCall",
@@ -34,7 +34,7 @@ class CaptureOptions:
     backend: Backend
     targets: str = "None"
     replay: str = attrs.field(default="embedded", validator=attrs.validators.in_(REPLAY_MODES))
-    verify: str = attrs.field(default="signature", validator=attrs.validators.in_(LEVELS))
+    verify: str = attrs.field(default="signature", validator=lambda _i, _a, v: level(v))
     max_variants: int = 8
     max_scopes: int = 64
     profile_ranges: bool = False

@@ -33,6 +33,7 @@ from ..backends.passes import (
 )
 from ..core.probe import ContextProbe
 from ..errors import Error
+from ..fidelity.levels import level
 from ..fidelity.verify import is_neutral, neutral_replay
 from ..specs.materialize import inputs_for, materialize_leaves
 from ..specs.signature import (
@@ -162,7 +163,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         gm = real.graph_module(artifact)
         collective = gm is not None and has_collectives(gm)
         check_options = options
-        if collective and defer_collectives and options.verify in ("execute", "values"):
+        if collective and defer_collectives and level(options.verify).executes:
             check_options = attrs.evolve(options, verify="signature")
         checker = Checker(request, check_options, real, artifact, view, graph_outputs,
                           binding=plan.binding, flatten_out=plan.flatten_out,

@@ -44,6 +44,7 @@ from ..capture.results import Capture, CaptureFailure, Notice, Problem
 from ..core.probe import ContextProbe
 from ..core.snapshots import ContextSnapshot
 from ..errors import Error
+from ..fidelity.levels import level
 from ..observation.targets import ADDRESS
 from ..specs.signature import CallSpec, ConstSpec, Spec
 from ..specs.specjson import call_to_json
@@ -280,7 +281,7 @@ class Collective:
                           modules: Mapping[str, nn.Module],
                           baseline: tuple[ContextProbe[Any], ...],
                           verify: str) -> list[Capture]:
-        if verify not in ("execute", "values"):
+        if not level(verify).executes:
             return captures
         checked = run_collective_checks(self, captures, mine, modules, baseline, verify)
         return [attrs.evolve(c, fidelity=checked[(c.scope, c.variant)])

@@ -18,6 +18,7 @@ from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
 from ..distributed.exchange import Alone, Collective, Exchange, active_group
 from ..errors import Error
+from ..fidelity.levels import level
 from ..observation.attach import Observation
 from ..observation.targets import resolve_targets
 from ..observation.variants import Scope, VariantView
@@ -52,7 +53,7 @@ class CaptureSession:
             module, resolve_targets(module, targets), observer=self._observer,
             max_variants=options.max_variants, max_scopes=options.max_scopes,
             profile=options.profile_ranges,
-            retain_bytes=options.retain_bytes if options.verify == "values" else None,
+            retain_bytes=options.retain_bytes if level(options.verify).retains else None,
             ignore=options.ignore_attributes)
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)

@@ -29,11 +29,10 @@ from ..core.snapshots import ContextSnapshot
 from ..specs.signature import SeqSpec, Spec, TensorSpec, flatten_spec, spec_of, tensor_values
 from .compare import SpecMismatch, compare_specs, symbolic_dims
 
-__all__ = ["LEVELS", "Fidelity", "Mismatch", "check_outputs", "check_signature",
+__all__ = ["Fidelity", "Mismatch", "check_outputs", "check_signature",
            "compare_values", "flat_tensor_spec", "hint_for", "is_neutral", "merge_mismatches",
            "neutral_replay"]
 
-LEVELS = ("off", "signature", "execute", "values")
 
 
 @attrs.frozen

@@ -1,0 +1,90 @@
+"""The verification levels, in order: each checks what the one below it does,
+and more -- ``off < signature < execute < values``.
+
+A level is one ``Level`` here and one check step in
+``ctxreplay.capture.checker`` (``register_step``): adding a level is adding
+one member and one step, and every place that asks "does this level run the
+artifact?" or "does it need retained calls?" asks the ``Level``, never a
+list of names.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ..errors import Error
+
+__all__ = ["Level", "UnknownLevelError", "add_level", "at_least", "checked_by", "level",
+           "level_names", "remove_level"]
+
+
+@attrs.frozen
+class Level:
+    """One verification level."""
+
+    name: str
+    """The ``capture_with(verify=...)`` value."""
+    executes: bool
+    """Whether it runs the artifact (so it needs the member modules)."""
+    retains: bool
+    """Whether it needs copies of live calls kept during the session."""
+    description: str = ""
+    """What it checks beyond the level below it, in words."""
+
+
+class UnknownLevelError(Error, ValueError):
+    """No verification level of that name; the message lists the known ones."""
+
+
+_LEVELS: list[Level] = [
+    Level("off", False, False, "nothing"),
+    Level("signature", False, False, "the graph's output metadata against each member's "
+          "live outputs"),
+    Level("execute", True, False, "the artifact run with each member's weights on fresh "
+          "inputs, against the member itself"),
+    Level("values", True, True, "the artifact run on retained copies of live calls, "
+          "against their live outputs by value"),
+]
+
+
+def level_names() -> tuple[str, ...]:
+    """Every level's name, lowest first."""
+    return tuple(lv.name for lv in _LEVELS)
+
+
+def level(name: str) -> Level:
+    """The level called ``name``; an unknown name lists the known ones."""
+    for lv in _LEVELS:
+        if lv.name == name:
+            return lv
+    raise UnknownLevelError(f"unknown verification level {name!r}; choose one of "
+                            f"{list(level_names())}")
+
+
+def _index(name: str) -> int:
+    return _LEVELS.index(level(name))
+
+
+def at_least(name: str, floor: str) -> bool:
+    """Whether level ``name`` checks everything level ``floor`` checks."""
+    return _index(name) >= _index(floor)
+
+
+def checked_by(name: str) -> tuple[str, ...]:
+    """The checks level ``name`` runs: every level above ``off`` up to it."""
+    return level_names()[1:_index(name) + 1]
+
+
+def add_level(new: Level, *, after: str) -> None:
+    """Put ``new`` right above the level ``after``; its check step is
+    registered with ``ctxreplay.capture.checker.register_step``."""
+    if new.name in level_names():
+        raise ValueError(f"verification level {new.name!r} exists already")
+    _LEVELS.insert(_index(after) + 1, new)
+
+
+def remove_level(name: str) -> None:
+    """Take an added level out again (the built-in ones stay)."""
+    if name in ("off", "signature", "execute", "values"):
+        raise ValueError(f"verification level {name!r} is built in")
+    _LEVELS.remove(level(name))
