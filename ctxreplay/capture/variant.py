@@ -495,7 +495,7 @@ def _run(job: Callable[[], Any], timeout: float | None) -> Any:
     cannot be killed; it is abandoned as a daemon and its replay context
     unwinds when the backend eventually returns.  Until then its
     process-global replays (default dtype, determinism, matmul precision) are
-    in force, so ``finalize()``'s safety net (``_baseline.Baseline``) puts
+    in force, so ``finalize()``'s safety net (``engine.baseline.Baseline``) puts
     back the state finalize began with before the next variant and before it
     returns.  A ``KeyboardInterrupt`` raised in the worker is re-raised here."""
     if timeout is None:

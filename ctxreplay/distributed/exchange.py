@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._base.environment import ACCELERATORS
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
 from ..core.probe import ContextProbe
@@ -55,7 +56,8 @@ __all__ = ["Alone", "Collective", "DistributedError", "Exchange", "Observed", "P
            "RankResults", "active_group", "variant_key"]
 
 _sequence: dict[tuple[int, ...], itertools.count[int]] = {}
-_DEVICE_INDEX = re.compile(r"\b(cuda|xpu|mps|hpu|mtia|privateuseone):\d+\b")
+# a device index differs between ranks for the same call (cuda:0 on rank 0, cuda:1 on rank 1)
+_DEVICE_INDEX = re.compile(rf"\b({'|'.join(ACCELERATORS)}):\d+\b")
 _POLL = 0.02
 
 
