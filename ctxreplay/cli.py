@@ -7,13 +7,14 @@ import json
 import shutil
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ._base.jsonread import loads
 from ._base.version import __version__
 from .artifacts.sidecar import read_sidecar
+from .backends.registry import available_backends
 from .core.observer import snapshot
 from .core.registry import available_probes
 from .core.snapshots import describe_state
@@ -28,21 +29,32 @@ from .report.manifest import read_manifest
 __all__ = ["main"]
 
 
-def _probes(_: argparse.Namespace) -> int:
-    # descriptions wrap under themselves at the terminal's width (88 when
-    # stdout is not a terminal)
+def _registry_listing(rows: Iterable[tuple[str, list[str], str, str | None]]) -> int:
+    """Print ``(name, flags, description, error)`` rows: one line a name (the
+    description wrapped under itself), and the error of a broken entry point."""
+    # the terminal's width (88 when stdout is not a terminal)
     width = max(60, shutil.get_terminal_size((88, 24)).columns)
-    for name, info in available_probes().items():
-        flags = ["default" if info.default else "opt-in", info.origin]
-        if info.distribution:
-            flags.append(info.distribution)
-        print(textwrap.fill(info.description or "-", width=width,
+    for name, flags, description, error in rows:
+        print(textwrap.fill(description or "-", width=width,
                             initial_indent=f"{name:20s} [{', '.join(flags)}] ",
                             subsequent_indent=" " * 21, break_on_hyphens=False,
                             break_long_words=False))
-        if info.error:
-            print(f"{'':20s} ERROR: {info.error}")
+        if error:
+            print(f"{'':20s} ERROR: {error}")
     return 0
+
+
+def _probes(_: argparse.Namespace) -> int:
+    return _registry_listing(
+        (name, ["default" if info.default else "opt-in", info.origin,
+                *filter(None, [info.distribution])], info.description, info.error)
+        for name, info in available_probes().items())
+
+
+def _backends(_: argparse.Namespace) -> int:
+    return _registry_listing(
+        (name, [info.origin, *filter(None, [info.distribution])], info.description, info.error)
+        for name, info in available_backends().items())
 
 
 def _snapshot(ns: argparse.Namespace) -> int:
@@ -259,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("probes", help="list registered probes")
     p.set_defaults(func=_probes)
+    p = sub.add_parser("backends", help="list registered capture backends")
+    p.set_defaults(func=_backends)
     p = sub.add_parser("snapshot", help="print the current ambient state")
     p.add_argument("probes", nargs="*", help="probe names (default: the default set)")
     p.add_argument("--json", action="store_true", help="print the snapshot document")

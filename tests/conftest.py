@@ -1,7 +1,7 @@
 """Two oracles for every test.
 
-The leak oracle: every test must leave global torch state (and the probe
-registry) exactly as it found it.
+The leak oracle: every test must leave global torch state (and the probe and
+backend registries) exactly as it found it.
 
 The metadata oracle: every report any test's ``finalize()`` returns (or
 attaches to the ``FidelityError`` that ``finalize(strict=True)`` raises),
@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.utils.deterministic as det
 from metadata_check import MetadataViolation, ReportAudit
+from plugin_registries import fake_dist as fake_dist  # a fixture for every test module
+from plugin_registries import registered, registry_changes
 from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
@@ -30,20 +32,13 @@ pytest_plugins = ["pytester"]  # tests/test_metadata_check.py runs the oracle on
 
 @pytest.fixture(autouse=True)
 def _leak_oracle(request: pytest.FixtureRequest) -> Iterator[None]:
-    registered = dict(ctxreplay.probes.available_probes())
+    held = registered()
     before = global_state()
     # Explicit names: a fresh observer, so no cached snapshot can hide a change.
     snap = ctxreplay.snapshot(ctxreplay.probes.default_probes())
     guard = GlobalStateGuard()
     yield
-    problems = state_changes(guard, before, snap)
-    now_registered = dict(ctxreplay.probes.available_probes())
-    if now_registered != registered:
-        added = sorted(set(now_registered) - set(registered))
-        removed = sorted(set(registered) - set(now_registered))
-        changed = sorted(n for n in set(registered) & set(now_registered)
-                         if registered[n] != now_registered[n])
-        problems.append(f"probe registry: added {added}, removed {removed}, changed {changed}")
+    problems = state_changes(guard, before, snap) + registry_changes(held, registered())
     if problems:
         _restore(before)
         pytest.fail(

@@ -159,7 +159,7 @@ def test_example_package_is_fully_shown() -> None:
 def test_public_name_has_docstring(name: str) -> None:
     obj = public_names()[name]
     if not callable(obj) and not inspect.ismodule(obj):
-        return  # a constant (BUILTIN_BACKENDS) documents itself in its face's docstring
+        return  # a constant documents itself in its face's docstring
     doc = inspect.getdoc(obj)
     assert doc and doc.strip(), f"{name} has no docstring"
 

@@ -327,7 +327,7 @@ def test_clean():
 
 def test_a_swallowed_violation_still_fails_its_test(pytester: pytest.Pytester) -> None:
     here = Path(__file__).parent
-    for name in ("conftest.py", "metadata_check.py", "engine_models.py"):
+    for name in ("conftest.py", "metadata_check.py", "plugin_registries.py", "engine_models.py"):
         shutil.copy(here / name, pytester.path / name)
     pytester.makepyfile(test_swallow=_SWALLOWING)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W",

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-import textwrap
-import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 import pytest
 import torch
+from plugin_registries import MakeDist
 
 import ctxreplay
-from ctxreplay.core import registry
 from ctxreplay.probes import AutocastProbe
 
 BUILTIN_DEFAULTS = ("autocast", "default_device", "default_dtype", "determinism",
@@ -214,42 +210,6 @@ def test_the_example_package_is_discovered_through_its_metadata() -> None:
     assert info.error is None and not info.default
     assert ctxreplay.probes.get_probe("example_forward_context") is probe
     assert "example_forward_context" not in ctxreplay.probes.default_probes()
-
-
-MakeDist = Callable[..., Path]
-
-
-@pytest.fixture
-def fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MakeDist]:
-    """Build real on-disk distributions (``*.dist-info`` with METADATA and
-    ``entry_points.txt``) on ``sys.path``; the registry forgets them after."""
-    modules: list[str] = []
-    token = uuid.uuid4().hex[:8]
-
-    def make(name: str, entry_points: dict[str, str], files: dict[str, str]) -> Path:
-        root = tmp_path / f"site_{name}"
-        info = root / f"{name}-0.1.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1\n")
-        lines = [f"{ep} = {target.format(t=token)}" for ep, target in entry_points.items()]
-        (info / "entry_points.txt").write_text("[ctxreplay.probes]\n" + "\n".join(lines) + "\n")
-        for module, source in files.items():
-            module = module.format(t=token)
-            modules.append(module)
-            (root / f"{module}.py").write_text(textwrap.dedent(source))
-        monkeypatch.syspath_prepend(str(root))
-        registry._reset_entry_points_for_tests()
-        return root
-
-    registry._reset_entry_points_for_tests()
-    try:
-        yield make
-    finally:
-        monkeypatch.undo()
-        for module in modules:
-            sys.modules.pop(module, None)
-        registry._reset_entry_points_for_tests()
 
 
 FAKE_PROBES = """

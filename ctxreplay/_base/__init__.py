@@ -1,3 +1,4 @@
 """What every layer stands on: strict JSON readers, the version and the environment a
-document records, and what the installed torch can do.
+document records, what the installed torch can do, and the name -> plugin table the
+probe and backend registries are made of.
 """

@@ -1,4 +1,5 @@
-"""The built-in backends."""
+"""The built-in backends, each registered through ``register_backend`` exactly as
+a downstream package's backend would be."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from .._base.torchcaps import CAPS
 from ..specs.signature import SeqSpec, Spec, flatten_spec, spec_of
 from .base import Backend, BackendError, classify_exception, share_tensors_copy
 from .passes import lower_wrappers
+from .registry import register_backend
 
 __all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend"]
 
 
+@register_backend
 class ExportBackend(Backend):
     """``torch.export.export`` (non-strict by default).
 
@@ -62,6 +65,7 @@ class ExportBackend(Backend):
         return out
 
 
+@register_backend
 class DynamoBackend(Backend):
     """``torch._dynamo.export`` with an aten graph: casts from embedded
     autocast are baked in as ``_to_copy`` nodes."""
@@ -112,6 +116,7 @@ def _forward_on_the_class(module: torch.nn.Module) -> Iterator[None]:
         module.__dict__["forward"] = inst
 
 
+@register_backend
 class SymbolicBackend(Backend):
     """``torch.fx.symbolic_trace``.  Its graph has no dtypes and records no
     context, so its outputs are read by running it inside the replay."""
@@ -171,6 +176,7 @@ def _flat_spec(value: Any) -> Spec:
                                if not (hasattr(s, "value") and s.value is None)))
 
 
+@register_backend
 class AutoBackend(Backend):
     """Tries export, then dynamo, then symbolic; every failed attempt is kept
     on the capture (``attempts``)."""

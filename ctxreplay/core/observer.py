@@ -177,7 +177,7 @@ def snapshot(probes: object = None) -> ContextSnapshot:
     global _default_observer
     if probes is None:
         cached = _default_observer
-        if cached is not None and cached[0] == registry._generation:
+        if cached is not None and cached[0] == registry._PROBES.generation:
             fast: ContextSnapshot = cached[1]()
             return fast
         gen = registry.generation()

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
-import threading
-import warnings
 from collections.abc import Mapping
 from importlib import metadata
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import attrs
 
+from .._base.plugins import Origin, Registry
 from ..errors import Error, Warning
 from .probe import ContextProbe
 
@@ -30,7 +28,6 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "ctxreplay.probes"
 
-Origin = Literal["builtin", "entry_point", "runtime"]
 P = TypeVar("P", bound="type[ContextProbe[Any]] | ContextProbe[Any]")
 
 
@@ -68,20 +65,20 @@ class ProbeInfo:
         return self.error is None
 
 
-@attrs.define
-class _Entry:
-    probe: ContextProbe[Any]
-    origin: Origin
-    distribution: str | None
+def _register_entry_point(ep: metadata.EntryPoint, obj: object) -> None:
+    if not (isinstance(obj, ContextProbe) or (isinstance(obj, type)
+                                              and issubclass(obj, ContextProbe))):
+        raise TypeError(f"{ep.value} is not a ContextProbe class or instance")
+    instance = _as_instance(obj)
+    if instance.name != ep.name:
+        raise ValueError(f"entry point {ep.name!r} loads a probe named {instance.name!r}")
+    register_probe(instance)
 
 
-_lock = threading.RLock()
-_probes: dict[str, _Entry] = {}
-_broken: dict[str, ProbeInfo] = {}
-_entry_points_loaded = False
-_generation = 0  # bumped on every change, so callers can cache resolutions
-_registering_origin: tuple[Origin, str | None] = ("runtime", None)
-_BUILTIN_PREFIX = __name__.partition(".")[0] + ".probes."
+_PROBES: Registry[ContextProbe[Any]] = Registry(
+    "probe", ENTRY_POINT_GROUP, builtin_prefix=__name__.partition(".")[0] + ".probes.",
+    unknown=UnknownProbeError, warning=ProbeRegistrationWarning,
+    register_entry_point=_register_entry_point)
 
 
 def _as_instance(obj: object) -> ContextProbe[Any]:
@@ -117,78 +114,40 @@ def register_probe(probe: Any = None, *, replace: bool = False) -> Any:
     name = instance.name
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"probe name must be an identifier, got {name!r} from {probe!r}")
-    origin, dist = _registering_origin
-    if origin == "runtime" and type(instance).__module__.startswith(_BUILTIN_PREFIX):
-        origin = "builtin"
-    with _lock:
-        if name in _probes and not replace:
-            raise ValueError(
-                f"a probe named {name!r} is already registered "
-                f"({_probes[name].origin}); pass replace=True to replace it"
-            )
-        _probes[name] = _Entry(instance, origin, dist)
-        _broken.pop(name, None)
-        _bump()
+    _PROBES.add(name, instance, type(instance).__module__, replace=replace)
     return probe
 
 
 def unregister_probe(name: str) -> ContextProbe[Any]:
     """Remove a probe by name and return it."""
-    _load_entry_points()
-    with _lock:
-        try:
-            entry = _probes.pop(name)
-        except KeyError:
-            raise _unknown(name) from None
-        _bump()
-        return entry.probe
-
-
-def _bump() -> None:
-    global _generation
-    _generation += 1
+    return _PROBES.remove(name)
 
 
 def generation() -> int:
     """A counter that changes whenever the set of registered probes changes."""
-    _load_entry_points()
-    return _generation
-
-
-def _unknown(name: object) -> UnknownProbeError:
-    known = sorted(_probes)
-    close = difflib.get_close_matches(str(name), known, n=3)
-    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
-    return UnknownProbeError(f"unknown probe {name!r}{hint}; known probes: {', '.join(known)}")
+    _PROBES.load_entry_points()
+    return _PROBES.generation
 
 
 def get_probe(name: str) -> ContextProbe[Any]:
     """The registered probe called ``name``; an unknown name lists the known ones."""
-    _load_entry_points()
-    entry = _probes.get(name)
-    if entry is None:
-        raise _unknown(name)
-    return entry.probe
+    return _PROBES.get(name)
 
 
 def available_probes() -> Mapping[str, ProbeInfo]:
     """Every known name with its info, broken entry points included (with their error)."""
-    _load_entry_points()
-    with _lock:
-        out = {
-            n: ProbeInfo(n, e.probe.description, bool(e.probe.default), e.origin, e.distribution)
-            for n, e in _probes.items()
-        }
-        for n, info in _broken.items():
-            out.setdefault(n, info)
+    entries, broken = _PROBES.listing()
+    out = {n: ProbeInfo(n, e.value.description, bool(e.value.default), e.origin,
+                        e.distribution) for n, e in entries.items()}
+    for key, b in broken.items():
+        out.setdefault(key, ProbeInfo(b.name, "", False, "entry_point", b.distribution, b.error))
     return dict(sorted(out.items()))
 
 
 def default_probes() -> tuple[str, ...]:
     """Names used when ``probes=None``, in registry order (sorted by name)."""
-    _load_entry_points()
-    with _lock:
-        return tuple(sorted(n for n, e in _probes.items() if e.probe.default))
+    entries, _ = _PROBES.listing()
+    return tuple(sorted(n for n, e in entries.items() if e.value.default))
 
 
 def resolve_probes(
@@ -224,62 +183,3 @@ def resolve_probes(
         out[p.name] = p
     return tuple(out[n] for n in sorted(out))
 
-
-def _load_entry_points() -> None:
-    """Discover the ``ctxreplay.probes`` entry points once.  A broken one warns
-    and is listed with its error; it never breaks the others."""
-    global _entry_points_loaded, _registering_origin
-    if _entry_points_loaded:
-        return
-    with _lock:
-        if _entry_points_loaded:
-            return
-        _entry_points_loaded = True
-        try:
-            eps = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
-        except Exception as exc:  # pragma: no cover - broken metadata
-            warnings.warn(f"could not read entry points: {type(exc).__name__}",
-                          ProbeRegistrationWarning, stacklevel=3)
-            return
-        for ep in eps:
-            dist = ep.dist.name if ep.dist is not None else None
-            try:
-                obj = ep.load()
-                if isinstance(obj, ContextProbe) or (
-                    isinstance(obj, type) and issubclass(obj, ContextProbe)
-                ):
-                    instance = _as_instance(obj)
-                else:
-                    raise TypeError(f"{ep.value} is not a ContextProbe class or instance")
-                if instance.name != ep.name:
-                    raise ValueError(
-                        f"entry point {ep.name!r} loads a probe named {instance.name!r}"
-                    )
-                prev = _registering_origin
-                _registering_origin = ("entry_point", dist)
-                try:
-                    register_probe(instance)
-                finally:
-                    _registering_origin = prev
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                warnings.warn(
-                    f"ctxreplay probe entry point {ep.name!r} from {dist or '?'} "
-                    f"could not be registered: {error}",
-                    ProbeRegistrationWarning,
-                    stacklevel=3,
-                )
-                # A name already taken (a duplicate) is listed under
-                # "name@distribution", so the working probe keeps its name.
-                key = ep.name if ep.name not in _probes else f"{ep.name}@{dist or '?'}"
-                _broken[key] = ProbeInfo(ep.name, "", False, "entry_point", dist, error)
-
-
-def _reset_entry_points_for_tests() -> None:
-    global _entry_points_loaded
-    with _lock:
-        for name in [n for n, e in _probes.items() if e.origin == "entry_point"]:
-            del _probes[name]
-        _broken.clear()
-        _entry_points_loaded = False
-        _bump()

@@ -18,7 +18,7 @@ import attrs
 from torch import nn
 
 from .._base.jsonread import read_int, read_list, read_mapping, read_str
-from ..backends import BUILTIN_BACKENDS, Backend, get_backend
+from ..backends import Backend, UnknownBackendError, get_backend
 from ..capture.options import CaptureOptions
 from ..capture.results import Capture
 from ..capture.variant import CaptureFailed, recapture
@@ -275,8 +275,10 @@ def _module_for(model: nn.Module | Mapping[str, nn.Module],
 def _backend_for(capture: Capture, options: CaptureOptions, reuse: bool) -> Backend | None:
     if not reuse:
         return options.backend
-    if capture.backend in BUILTIN_BACKENDS:
+    try:  # a registered name is rebuilt, built-in or not
         return get_backend(capture.backend)
+    except UnknownBackendError:
+        pass
     if capture.backend == options.backend.name:
         return options.backend
     return None
