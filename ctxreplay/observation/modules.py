@@ -89,6 +89,10 @@ class Detached:
 
     ctxreplay_holder = True
     __slots__ = ("off", "orig", "prev")
+    #: ``copy.deepcopy`` of a bound ``forward`` (another tool's wrapper
+    #: holding ours) keeps the wrapper's function, bound to this instead:
+    #: the member wrapper's reads ``memo`` and calls ``_call`` before ``off``
+    memo = None
 
     def __init__(self, module: nn.Module, prev: Any) -> None:
         self.off = True
@@ -97,6 +101,9 @@ class Detached:
                                                                    module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.orig(*args, **kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return self.orig(*args, **kwargs)
 
     def user_forward(self) -> Any:
