@@ -34,8 +34,8 @@ from ..capture.results import Capture
 from ..core.observer import Observer
 from ..core.snapshots import UnknownProbe, UnknownState
 from ..loading.load import LoadedCapture, LoadedManifest
-from ..observation.copies import Entries, path_modules, signed
-from ..observation.modules import ABSENT, Holder
+from ..observation.copies import Entries, path_modules
+from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.signature import NotRealError, call_key, call_spec
 from .programs import Compiler, Entry, Programs, Target, entry, sources
@@ -96,18 +96,16 @@ class DispatchStats:
         return sum(self.misses.values())
 
 
-class _Slot(Holder):
+class _Slot(Wrapper):
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
-    __slots__ = ("__weakref__", "entries", "groups", "handle", "last", "memo", "misses",
-                 "module", "name", "off", "orig", "prev", "reasons", "targets", "training")
+    __slots__ = ("entries", "groups", "handle", "last", "memo", "misses", "name", "reasons",
+                 "targets", "training")
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module) -> None:
-        self.handle, self.name, self.module = handle, name, module
-        self.prev = module.__dict__.get("forward", ABSENT)
-        self.orig = module.forward
+        super().__init__(module)
+        self.handle, self.name = handle, name
         self.training = module.training
-        self.off = False
         self.entries: list[Entry] = []
         self.groups: list[tuple[Observer, list[Entry]]] = []
         self.memo: dict[Any, Any] = {}
@@ -196,6 +194,12 @@ class _Slot(Holder):
         self.memo[key] = result
         return result
 
+    def stop(self) -> None:
+        self.off = True
+        self.memo.clear()
+        self.last = None
+        self.targets.clear()
+
     def invalidate(self) -> None:
         """The member's tensors or submodules were replaced: bind again."""
         self.last = None
@@ -213,34 +217,6 @@ class _Slot(Holder):
         return t
 
 
-class _Root(Holder):
-    """Wraps the model given to ``install``: per call of it, the probes'
-    numerics-only flags (``watch_forward``) are checked once, not per block."""
-
-    __slots__ = ("__weakref__", "handle", "module", "off", "orig", "prev")
-
-    def __init__(self, handle: InstallHandle, module: nn.Module) -> None:
-        self.handle, self.module = handle, module
-        self.prev = module.__dict__.get("forward", ABSENT)
-        self.orig = module.forward
-        self.off = False
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.off or _dynamo_compiling() or _is_tracing():
-            return self.orig(*args, **kwargs)
-        handle = self.handle
-        try:
-            for obs in handle._observers:
-                obs.forward_changed()
-        except Exception:  # a getter that raises: the members observe it again
-            pass
-        handle.active += 1
-        try:
-            return self.orig(*args, **kwargs)
-        finally:
-            handle.active -= 1
-
-
 class InstallHandle:
     """What :func:`ctxreplay.install` returns: ``stats()`` counts hits and
     misses, ``remove()`` restores the model exactly (also on ``with``
@@ -256,7 +232,7 @@ class InstallHandle:
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
         self._observers: tuple[Observer, ...] = ()
-        self._root: _Root | None = None
+        self._root: Root | None = None
         self._copies: list[Entries] = []
         self.active = 0  # calls of the model in progress
         """Calls of the model in progress."""
@@ -316,19 +292,7 @@ class InstallHandle:
         if self.removed:
             return
         self.removed = True
-        holders: list[_Slot | _Root] = [*self._slots, *([self._root] if self._root else [])]
-        for h in reversed(holders):
-            h.off = True
-            current = h.module.__dict__.get("forward")
-            if getattr(current, "__self__", None) is h:
-                if h.prev is ABSENT:
-                    del h.module.forward
-                else:
-                    h.module.forward = h.prev
-        for s in self._slots:
-            s.memo.clear()
-            s.last = None
-            s.targets.clear()
+        unwrap([*self._slots, *([self._root] if self._root else [])])
         self._programs.clear()
         for c in reversed(self._copies):
             c.remove()
@@ -424,12 +388,11 @@ def install(model: nn.Module,
     handle._observers = tuple(observers.values())
     handle._watch()
     for slot in handle._slots:
-        # the wrapper keeps the signature of what it wraps (jit.trace names
-        # inputs by it; frameworks read it for keyword arguments)
-        slot.module.forward = signed(slot, _Slot.forward, slot.orig)
+        wrap(slot)
     if all(s.module is not model for s in handle._slots):
-        handle._root = _Root(handle, model)
-        model.forward = signed(handle._root, _Root.forward, handle._root.orig)
+        # the members read the numerics-only flags only while no model call is in progress
+        handle._root = Root(model, handle._observers, handle)
+        wrap(handle._root)
     # copies, pickles and torch.jit.script of the model are plain (``observation.copies``)
     handle._copies = [Entries(m) for m in path_modules(model, list(modules))]
     for c in handle._copies:

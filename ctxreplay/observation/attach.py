@@ -1,20 +1,19 @@
 """Attaching to a model and detaching exactly: one wrapper per targeted
-module, one ``_Root`` on the module given to ``capture_with``, a counter on
+module, one ``Root`` on the module given to ``capture_with``, a counter on
 each compiled entry point; and reading the variant table out as capture
 requests."""
 
 from __future__ import annotations
 
 import sys
-import types
 from typing import Any
 
 from torch import nn
 
 from ..capture.options import MemberCall, VariantRequest
 from ..core.observer import Observer
-from .copies import Entries, path_modules, signed
-from .modules import ABSENT, CompiledCounter
+from .copies import Entries, path_modules
+from .modules import CompiledCounter
 from .targets import (
     describe_identity_change,
     identity_digest,
@@ -23,7 +22,8 @@ from .targets import (
     training_of,
 )
 from .variants import MemberVariant, Scope
-from .wrapper import _Member, _Root, _Shared
+from .wrapper import _Member, _Shared
+from .wrapping import Root, Wrapper, let_go, unwrap, wrap
 
 __all__ = ["Observation"]
 
@@ -53,7 +53,8 @@ class Observation:
         self.scopes: list[Scope] = []
         self.dropped_scopes: list[str] = []
         self.members: list[_Member] = []
-        self.root: _Root | None = None
+        self.root: Root | None = None
+        self.left: list[Wrapper] = []  # wrappers detach left in another tool's chain
         by_key: dict[tuple[Any, ...], Scope] = {}
         dropped: set[tuple[Any, ...]] = set()
         # compiled entry points that exist now are counted exactly; blocks
@@ -78,12 +79,10 @@ class Observation:
             scope.members.append(name)
             member = _Member(mod, name, scope, self.shared, ignore)
             scope.member_states.append(member)
-            # the wrapper keeps the signature of what it wraps (jit.trace
-            # names inputs by it; frameworks read it for keyword arguments)
-            mod.forward = signed(member, _Member.forward, member.orig)
+            wrap(member)
             self.members.append(member)
-        self.root = _Root(root, self.shared)
-        root.forward = signed(self.root, _Root.forward, self.root.orig)
+        self.root = Root(root, (observer,), self.shared, self.shared.error)
+        wrap(self.root)
         self.dropped_structures = len(dropped)
         # copies and torch.jit.script see a plain model (``observation.copies``)
         self.entries = [Entries(m) for m in path_modules(root, [m.name for m in self.members])]
@@ -165,28 +164,22 @@ class Observation:
         return [m for m in self.members if m.scope is scope]
 
     # -- detaching ----------------------------------------------------------
+    def _wrappers(self) -> list[Wrapper]:
+        """Every wrapper, in the order ``__init__`` set them."""
+        return [*self.members, *([self.root] if self.root else [])]
+
     def detach(self) -> None:
-        """Stop observing and put back what each wrapped attribute held.  A
-        wrapper another tool wrapped on top of stays in its chain as a
-        pass-through holding no session state."""
+        """Stop observing and put back what each wrapped attribute held
+        (``wrapping.unwrap``).  A wrapper another tool wrapped on top of
+        stays in its chain as a pass-through holding no session state."""
         for e in reversed(self.entries):
             e.remove()
-        holders: list[_Member | _Root] = [*self.members, *([self.root] if self.root else [])]
+        self.left = unwrap(self._wrappers())
+        # the counters went on before the wrappers (one may be what the
+        # root wrapped: an ``OptimizedModule``'s forward), so they come off after
         for c in reversed(self.compiled):  # (their counts stay, for the report)
             if c.owner.__dict__.get(c.attr) is c:
                 c.owner.__dict__[c.attr] = c.orig
-        for h in reversed(holders):
-            h.off = True
-            if isinstance(h, _Member):
-                h.memo = None  # the memo's hit path does not read ``off``
-            mod = h.module
-            current = mod.__dict__.get("forward")
-            if isinstance(current, types.MethodType) and current.__self__ is h:
-                prev = _skip_detached(h.prev)
-                if prev is ABSENT:
-                    del mod.forward
-                else:
-                    mod.forward = prev
 
     def release(self) -> None:
         """Drop every module reference (after detach and capture)."""
@@ -194,31 +187,17 @@ class Observation:
         for c in self.compiled:
             c.owner = None  # type: ignore[assignment]
             c.orig = None
+        let_go(self._wrappers(), self.left)
+        self.left = []
         for m in self.members:
-            m.module = None  # type: ignore[assignment]
-            m.orig = None  # type: ignore[assignment]
             m.memo = None
             for table in m.tables.values():
                 for mv in table.values():
                     mv.retained = None
                     mv.retained_inputs = None
-        if self.root is not None:
-            self.root.module = None  # type: ignore[assignment]
-            self.root.orig = None  # type: ignore[assignment]
 
 
 def _inside(member: str, qualified: str) -> bool:
     """Whether ``member`` is at or below the module ``qualified`` names."""
     return qualified == "" or member == qualified or member.startswith(qualified + ".")
 
-
-def _skip_detached(fn: Any) -> Any:
-    """What ``fn`` stands for once detached sessions' wrappers are dropped: a
-    session closed while another wrapped on top of it left its wrapper as a
-    pass-through, which the top one's detach unwinds too."""
-    while fn is not ABSENT:
-        holder = getattr(fn, "__self__", None)
-        if not isinstance(holder, (_Member, _Root)) or not holder.off:
-            break
-        fn = holder.prev
-    return fn

@@ -12,8 +12,9 @@ so members share a capture only when nothing but their weights differ.
 The hot path reuses a cached snapshot (``observer.Observer``) and a memo of
 the member's last variant checked in C by ``TensorGuards``.
 
-The module passed to ``capture_with`` gets a ``_Root`` wrapper too: per
-call of the whole model it checks the numerics-only flags that probes list
+The module passed to ``capture_with`` gets a root wrapper too
+(``wrapping.Root``, the one ``install`` uses as well): per call of the
+whole model it checks the numerics-only flags that probes list
 in ``watch_forward`` (too many to read on every block call); a change of
 one inside a forward counts from the next model call (``watch="call"``
 reads them on every block call instead).
@@ -40,17 +41,11 @@ from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, call_key, call_spec, spec_of
-from .modules import (
-    ABSENT,
-    Holder,
-    held_changes,
-    held_state,
-    in_jit_check,
-    uninitialized,
-)
+from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
 from .retained import Retention
 from .targets import identity_of
 from .variants import MemberVariant, Scope
+from .wrapping import Wrapper
 
 __all__ = ["ABSENT"]
 
@@ -89,7 +84,7 @@ class _Shared:
     """What every member of one session shares."""
 
     __slots__ = ("active", "errors", "failing_probes", "lock", "max_variants", "observer",
-                 "profile", "retention", "root")
+                 "profile", "retention")
 
     def __init__(self, observer: Observer, *, max_variants: int, profile: bool,
                  retain_bytes: int | None) -> None:
@@ -101,7 +96,6 @@ class _Shared:
         self.errors: Counter[tuple[str, str]] = Counter()
         self.failing_probes: Counter[str] = Counter()
         self.active = 0  # calls of the root module in progress (approximate across threads)
-        self.root: _Root | None = None
 
     def error(self, where: str, exc: BaseException) -> None:
         """Count one observation error by where it happened and the type of
@@ -116,26 +110,22 @@ class _Shared:
                 self.failing_probes[probe] += 1
 
 
-class _Member(Holder):
+class _Member(Wrapper):
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
-    __slots__ = ("__weakref__", "compiled", "identity", "identity_value", "ignore", "lazy",
-                 "memo", "module", "name", "off", "orig", "prev", "scope", "shared", "stateful",
-                 "table", "tables", "training")
+    __slots__ = ("compiled", "identity", "identity_value", "ignore", "lazy", "memo", "name",
+                 "scope", "shared", "stateful", "table", "tables", "training")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
-        self.module = module
+        super().__init__(module)
         self.name = name
         self.scope = scope
         self.shared = shared
         self.ignore = ignore
-        self.off = False
         self.compiled = _Tally()
         self.stateful: set[str] = set()  # held attributes its forward wrote
         self.memo: tuple[Any, ...] | None = None
-        self.prev = module.__dict__.get("forward", ABSENT)
-        self.orig = module.forward
         self.tables: dict[int, dict[Any, MemberVariant]] = {}
         self.lazy = uninitialized(module)
         self.identity_value: Any = None
@@ -382,38 +372,12 @@ class _Member(Holder):
                     scope.index.pop((old, snap, sig), None)
             self.identity, self.table, self.memo = new, dest, None
 
+    def stop(self) -> None:
+        self.off = True
+        self.memo = None  # the memo's hit path does not read ``off``
+
     def all_variants(self) -> Iterator[tuple[Any, MemberVariant]]:
         for identity, table in list(self.tables.items()):
             for (snap, sig), mv in list(table.items()):
                 yield (identity, snap, sig), mv
 
-
-class _Root(Holder):
-    """Wraps the module given to ``capture_with``: per call of the whole
-    model, checks the ``watch_forward`` flags once."""
-
-    __slots__ = ("__weakref__", "module", "off", "orig", "prev", "shared")
-
-    def __init__(self, module: nn.Module, shared: _Shared) -> None:
-        self.module = module
-        self.shared = shared
-        self.off = False
-        self.prev = module.__dict__.get("forward", ABSENT)
-        self.orig = module.forward
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.off or _dynamo_compiling() or _is_tracing():
-            return self.orig(*args, **kwargs)
-        shared = self.shared
-        try:
-            # Once per model call, not per block: the numerics-only flags
-            # (a change inside a forward is seen from the next model call
-            # on; watch="call" follows it exactly)
-            shared.observer.forward_changed()
-        except Exception as exc:  # a getter that raises: the members see it too
-            shared.error("observe", exc)
-        shared.active += 1
-        try:
-            return self.orig(*args, **kwargs)
-        finally:
-            shared.active -= 1

@@ -1,0 +1,171 @@
+"""Installing and removing ``forward`` wrappers: the one protocol every
+ctxreplay wrapper follows (observation's members and root, dispatch's slots
+and root), and the root wrapper both use.
+
+A wrapper's bound ``forward`` is set as the module's instance attribute
+(``Module.__call__`` finds it like the class's forward; hooks still run).
+``Wrapper.__init__`` remembers what that attribute held (``prev``, or
+``ABSENT`` when it held nothing) and what calling ``module.forward`` meant
+then (``orig``); ``wrap`` sets it; ``unwrap`` takes it out exactly:
+
+* a module whose ``forward`` is still ours gets back what it held before,
+  leaving out the wrappers of ctxreplay sessions already stopped under ours
+  (a session stopped while another wrapped on top of it stays in the chain
+  as a pass-through until the top one unwinds);
+* a wrapper another tool set on top of ours stays where it is: ours, still
+  in its chain, only passes calls through (``off``), and ``let_go`` turns it
+  into a pass-through that holds its module weakly and no session state.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
+from ..core.observer import Observer
+from .copies import signed
+from .modules import ABSENT, Holder
+
+__all__ = ["Root", "Wrapper", "let_go", "unwrap", "wrap"]
+
+_is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
+
+
+class Wrapper(Holder):
+    """One ctxreplay wrapper of one module's ``forward``: ``forward`` (each
+    kind's own) is the wrapper, ``orig`` what it calls, ``off`` set once it
+    only passes calls through."""
+
+    __slots__ = ("__weakref__", "module", "off", "orig", "prev")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.prev = module.__dict__.get("forward", ABSENT)
+        self.orig: Callable[..., Any] = module.forward
+        self.off = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Only pass calls through from now on (each kind drops its own
+        per-call state too)."""
+        self.off = True
+
+
+def wrap(wrapper: Wrapper) -> None:
+    """Set ``wrapper``'s ``forward`` on its module.  It keeps the signature
+    of what it wraps (``torch.jit.trace`` names inputs by it; frameworks
+    read it for keyword arguments)."""
+    wrapper.module.forward = signed(wrapper, type(wrapper).forward, wrapper.orig)
+
+
+def unwrap(wrappers: Sequence[Wrapper]) -> list[Wrapper]:
+    """Stop every wrapper, last wrapped first, and put back what each
+    module's ``forward`` held where it is still ours; returns the wrappers
+    left in another tool's chain (a wrapper set on top of ours, which keeps
+    calling ours: now a pass-through)."""
+    left = []
+    for w in reversed(wrappers):
+        w.stop()
+        module = w.module
+        current = module.__dict__.get("forward")
+        if isinstance(current, types.MethodType) and current.__self__ is w:
+            prev = _unwound(w.prev)
+            if prev is ABSENT:
+                del module.forward
+            else:
+                module.forward = prev
+        else:
+            left.append(w)
+    return left
+
+
+def _unwound(fn: Any) -> Any:
+    """What ``fn`` stands for once stopped ctxreplay wrappers are dropped: a
+    session stopped while another wrapped on top of it left its wrapper as a
+    pass-through, which the top one's ``unwrap`` unwinds too."""
+    while fn is not ABSENT:
+        holder = getattr(fn, "__self__", None)
+        if not isinstance(holder, Wrapper) or not holder.off:
+            break
+        fn = holder.prev
+    return fn
+
+
+def let_go(wrappers: Iterable[Wrapper], left: Iterable[Wrapper]) -> None:
+    """Drop every (stopped) wrapper's references to its module.  Those
+    ``unwrap`` left in another tool's chain (``left``) keep passing calls
+    through: to the module's forward, the module held weakly, or to what
+    the attribute held before ours."""
+    still = {id(w) for w in left}
+    for w in wrappers:
+        orig, module = w.orig, w.module
+        w.module = None  # type: ignore[assignment]
+        if id(w) not in still:
+            w.orig = None  # type: ignore[assignment]
+        elif isinstance(orig, types.MethodType) and orig.__self__ is module:
+            w.orig = _WeakForward(orig.__func__, module)
+
+
+class _WeakForward:
+    """A module's bound forward, holding the module weakly."""
+
+    __slots__ = ("function", "module")
+
+    def __init__(self, function: Callable[..., Any], module: nn.Module) -> None:
+        self.function = function
+        self.module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module()
+        if module is None:
+            raise ReferenceError("the module this forward belonged to no longer exists")
+        return self.function(module, *args, **kwargs)
+
+
+class Counts(Protocol):
+    """Where a root counts the model calls in progress (``active``): its
+    members read the numerics-only flags themselves when it is zero."""
+
+    active: int
+
+
+class Root(Wrapper):
+    """Wraps the model given to ``capture_with`` or ``install``: per call of
+    the whole model, the probes' numerics-only flags (``watch_forward``) are
+    checked once, by each of ``observers``, not on every block call (a
+    change of one inside a forward counts from the next model call); calls
+    in progress are counted in ``counts.active``; an observer that raises is
+    told to ``errors`` (``None``: ignored -- the members observe it again)."""
+
+    __slots__ = ("counts", "errors", "observers")
+
+    def __init__(self, module: nn.Module, observers: tuple[Observer, ...], counts: Counts,
+                 errors: Callable[[str, BaseException], None] | None = None) -> None:
+        super().__init__(module)
+        self.observers = observers
+        self.counts = counts
+        self.errors = errors
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _dynamo_compiling() or _is_tracing():
+            return self.orig(*args, **kwargs)
+        try:
+            for obs in self.observers:
+                obs.forward_changed()
+        except Exception as exc:  # a getter that raises: the members see it too
+            if self.errors is not None:
+                self.errors("observe", exc)
+        counts = self.counts
+        counts.active += 1
+        try:
+            return self.orig(*args, **kwargs)
+        finally:
+            counts.active -= 1
