@@ -63,6 +63,9 @@ def _restore(s: GlobalState) -> None:
         torch.set_autocast_dtype(device, dtype)
     torch.set_autocast_cache_enabled(s.autocast_cache_enabled)
     torch.set_grad_enabled(s.grad_enabled)
+    torch.set_flush_denormal(all(s.denormal_mode))
+    torch.backends.mkldnn.enabled = s.mkldnn_enabled
+    torch.backends.mkldnn.deterministic = s.mkldnn_deterministic
 
 
 # -- the metadata oracle ------------------------------------------------------------------

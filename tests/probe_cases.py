@@ -98,6 +98,12 @@ CASES = [
     Case("matmul-cublas-fp16-reduced-off", "matmul_precision",
          lambda: ts.cublas_fp16_reduced_precision(False),
          torch._C._get_cublas_allow_fp16_reduced_precision_reduction),
+    Case("numerics-flush-denormal", "numerics", lambda: ts.flush_denormal(True),
+         ts.denormals_flushed),
+    Case("numerics-mkldnn-off", "numerics", lambda: ts.mkldnn_enabled(False),
+         lambda: torch.backends.mkldnn.enabled),
+    Case("numerics-mkldnn-deterministic", "numerics", lambda: ts.mkldnn_deterministic(True),
+         lambda: torch.backends.mkldnn.deterministic),
     Case("rng-after-draws", "rng", lambda: ts.rng_after_draws(1234), _rand),
     Case("sdpa-math-only", "sdpa_backend", lambda: sdpa_kernel([SDPBackend.MATH]), sdpa_graph),
     Case("sdpa-flash-only", "sdpa_backend", lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION]),
@@ -111,7 +117,8 @@ CASES = [
          lambda: ts.sdpa_fp16_bf16_reduction(True), _sdpa_math_bf16_graph),
 ]
 BUILTIN_PROBES = {"autocast", "grad_mode", "determinism", "default_dtype", "default_device",
-                  "matmul_precision", "rng", "sdpa_backend", "mode_stack", "distributed"}
+                  "matmul_precision", "rng", "sdpa_backend", "mode_stack", "distributed",
+                  "numerics"}
 # Built-ins whose registered instance replays no non-neutral state it
 # observes, so no case here can pass the replay tests: each has its own file.
 CASELESS = {"mode_stack": "types only; tests/test_probes_mode_stack.py",

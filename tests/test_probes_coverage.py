@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
@@ -155,6 +156,21 @@ def _dual_level() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _onednn_tf32() -> Iterator[None]:
+    """oneDNN's TF32 flag on: a CPU build's getter returns ``None`` (the flag
+    is for Intel GPUs) and its setter only warns, so "before" is ``False``
+    there."""
+    before = torch._C._get_onednn_allow_tf32()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch._C._set_onednn_allow_tf32(True)
+        try:
+            yield
+        finally:
+            torch._C._set_onednn_allow_tf32(bool(before))
+
+
 _Flip = tuple[Callable[[], AbstractContextManager[Any]], Callable[[], AbstractContextManager[Any]]]
 
 
@@ -206,6 +222,11 @@ FLIPS: dict[str, _Flip | None] = {
     "fill_uninitialized_memory": _plain(lambda: ts.fill_uninitialized_memory(False)),
     "cudnn.enabled": _plain(_flag(torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled,
                                   False)),
+    "flush_denormal": _plain(lambda: ts.flush_denormal(True)),
+    "mkldnn.enabled": _plain(lambda: ts.mkldnn_enabled(False)),
+    "mkldnn.deterministic": _plain(lambda: ts.mkldnn_deterministic(True)),
+    "mkldnn.allow_tf32": (_plain(_onednn_tf32)
+                          if hasattr(torch._C, "_get_onednn_allow_tf32") else None),
     "cudnn.allow_tf32": _plain(lambda: ts.cudnn_allow_tf32(False)),
     "float32_matmul_precision": (lambda: ts.matmul_precision("high"),
                                  lambda: ts.matmul_precision("medium")),

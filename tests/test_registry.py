@@ -14,7 +14,8 @@ import ctxreplay
 from ctxreplay.probes import AutocastProbe
 
 BUILTIN_DEFAULTS = ("autocast", "default_device", "default_dtype", "determinism",
-                    "distributed", "grad_mode", "matmul_precision", "sdpa_backend")
+                    "distributed", "grad_mode", "matmul_precision", "mode_stack", "numerics",
+                    "sdpa_backend")
 
 
 class Counter(ctxreplay.probes.ContextProbe[int]):

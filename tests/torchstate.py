@@ -153,3 +153,23 @@ def rng_after_draws(seed: int, draws: int = 3) -> Iterator[None]:
 def sdpa_fp16_bf16_reduction(allowed: bool) -> AbstractContextManager[None]:
     return setting(torch._C._get_math_sdp_allow_fp16_bf16_reduction,
                    torch._C._set_math_sdp_allow_fp16_bf16_reduction, allowed)
+
+
+def denormals_flushed() -> bool:
+    """Whether a denormal float32 comes out of a CPU multiply as 0: what
+    ``torch.set_flush_denormal`` changes, read through torch (which has no
+    getter for it)."""
+    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+
+
+def flush_denormal(on: bool) -> AbstractContextManager[None]:
+    return setting(denormals_flushed, torch.set_flush_denormal, on)
+
+
+def mkldnn_enabled(value: bool) -> AbstractContextManager[None]:
+    return setting(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled, value)
+
+
+def mkldnn_deterministic(value: bool) -> AbstractContextManager[None]:
+    return setting(torch._C._get_mkldnn_deterministic, torch._C._set_mkldnn_deterministic,
+                   value)

@@ -86,8 +86,22 @@ class Cache(NamedTuple):
     beside_tensors: Callable[[], bool]
 
 
+def _once(checks: _Checks) -> _Checks:
+    """Each ``(getter, expected)`` pair once (both the same objects): probes
+    share getters (``default_device`` and ``mode_stack`` both watch the
+    length of the torch-function mode stack to be 0), and a check runs on
+    every call.  Identity only: ``==`` of an arbitrary expected value may
+    raise or return a tensor."""
+    out: list[tuple[Any, Any]] = []
+    for getter, expected in checks:
+        if not any(g is getter and e is expected for g, e in out):
+            out.append((getter, expected))
+    return tuple(out)
+
+
 def _cache(guard: Any, snap: ContextSnapshot, every: _Checks, forward: _Checks) -> Cache:
-    checks = ((guard.check, True), *every)
+    checks = _once(((guard.check, True), *every))
+    forward = _once(forward)
     beside = tuple(c for c in checks if not any(c[0] is g for g in _TENSOR_GUARDED))
     check = checker(checks)
     return Cache(check, snap, checker(forward),

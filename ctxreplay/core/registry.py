@@ -154,7 +154,12 @@ def resolve_probes(
     probes: object = None,
 ) -> tuple[ContextProbe[Any], ...]:
     """Turn ``None`` / names / instances / classes into probe instances, sorted
-    by name (the stable replay order).  Errors name the bad entry."""
+    by name (the stable replay order).  Errors name the bad entry.
+
+    A probe instance (or class) takes the place of the registered probe a
+    name gives, so ``[*default_probes(), ModeStackProbe(replay_instances=True)]``
+    is the default set with that probe configured; two different instances
+    of one name are refused."""
     if probes is None:
         names: list[Any] = list(default_probes())
     elif isinstance(probes, (str, ContextProbe)) or (
@@ -169,13 +174,21 @@ def resolve_probes(
                 f"probes must be None, a name, a probe or an iterable of them, got {probes!r}"
             ) from None
     out: dict[str, ContextProbe[Any]] = {}
+    named: set[str] = set()  # resolved from a name: an instance may take their place
     for item in names:
         if isinstance(item, str):
             p = get_probe(item)
+            if p.name in out:
+                continue
+            named.add(p.name)
         elif isinstance(item, ContextProbe) or (
             isinstance(item, type) and issubclass(item, ContextProbe)
         ):
             p = _as_instance(item)
+            if p.name in named:
+                named.discard(p.name)
+                out[p.name] = p
+                continue
         else:
             raise TypeError(f"probes: expected a name or a ContextProbe, got {item!r}")
         if p.name in out and out[p.name] is not p:

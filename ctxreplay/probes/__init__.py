@@ -25,6 +25,7 @@ from . import (  # noqa: F401  (imported for registration)
     grad_mode,
     matmul_precision,
     mode_stack,
+    numerics,
     rng,
     sdpa_backend,
 )
@@ -38,6 +39,7 @@ from .forward_context import ForwardContextProbe, LiveState, LiveValueProbe
 from .grad_mode import GradModeProbe, GradModeState
 from .matmul_precision import MatmulPrecisionProbe, MatmulPrecisionState
 from .mode_stack import ModeNotReplayableError, ModeStackProbe, ModeStackState
+from .numerics import NumericsProbe, NumericsState
 from .rng import RngProbe, RngState
 from .sdpa_backend import SdpaBackendProbe, SdpaBackendState
 
@@ -52,5 +54,6 @@ __all__ = [
     "DistributedState", "ForwardContextProbe",
     "GradModeProbe", "GradModeState", "LiveState", "LiveValueProbe", "MatmulPrecisionProbe",
     "MatmulPrecisionState", "ModeNotReplayableError", "ModeStackProbe", "ModeStackState",
-    "RngProbe", "RngState", "SdpaBackendProbe", "SdpaBackendState",
+    "NumericsProbe", "NumericsState", "RngProbe", "RngState", "SdpaBackendProbe",
+    "SdpaBackendState",
 ]

@@ -1,4 +1,5 @@
-"""The user's torch-function and torch-dispatch modes.  Opt-in.
+"""The user's torch-function and torch-dispatch modes.  In the default set,
+observing types only.
 
 Frameworks route ops through a ``TorchFunctionMode`` or ``TorchDispatchMode``
 entered around the forward (a mode that re-routes attention, a cast or
@@ -21,14 +22,17 @@ What tracers record (measured, torch 2.13, CPU):
   one inside its trace.  It is therefore never replayed: a state that holds
   one is reported, by type, as not replayable.
 
-By default the state is the modes' types and nothing is replayed: a variant
-observed under a user mode cannot be captured (its replay raises
-``ModeNotReplayableError``, which ``finalize()`` records as a
-``replay_failed`` capture failure naming the types) -- never silently
-captured without the mode.  ``ModeStackProbe(replay_instances=True)`` keeps
-the function-mode instances (live only, at most ``max_held``, dropped by
-``clear()``) and re-enters them inside the traced callable; such a state is
-not portable (a document marks it, ``describe()`` names the types).
+The registered probe (in the default set) observes the modes' types and
+replays nothing: a variant observed under a user mode cannot be captured (its
+replay raises ``ModeNotReplayableError``, which ``finalize()`` records as a
+``replay_failed`` capture failure naming the types and saying how to opt in)
+-- never silently captured without the mode.  With no mode active it costs
+two C calls per block call (the lengths of both stacks) while the snapshot
+is cached.  ``ModeStackProbe(replay_instances=True)``, passed in ``probes=``
+(it takes the place of the registered one), keeps the function-mode
+instances (live only, at most ``max_held``, dropped by ``clear()``) and
+re-enters them inside the traced callable; such a state is not portable (a
+document marks it, ``describe()`` names the types).
 """
 
 from __future__ import annotations
@@ -67,13 +71,21 @@ class ModeNotReplayableError(Error, LookupError):
     """A mode observed during the live forward cannot be re-established."""
 
 
+_OWN = __name__.partition(".")[0]
+
+
 def _is_infrastructure(mode: object) -> bool:
     """Torch's own modes: a class defined in a private torch module (any
     dotted part starting with "_": ``torch._export``, ``torch._subclasses``,
     ``torch.utils._device``), under ``torch.fx`` or ``torch.export``, or a
-    private class of torch (``torch.utils.checkpoint``'s caching modes)."""
+    private class of torch (``torch.utils.checkpoint``'s caching modes).
+    And ctxreplay's own: its execution checks run the artifact under a mode
+    that remembers the generators it reaches, which a replay of "no user
+    mode" must leave in place."""
     cls = type(mode)
     module = cls.__module__ or ""
+    if module == _OWN or module.startswith(_OWN + "."):
+        return True
     if module != "torch" and not module.startswith("torch."):
         return False
     parts = module.split(".")
@@ -125,9 +137,9 @@ def _stack_identity() -> tuple[int, ...]:
 @register_probe
 class ModeStackProbe(ContextProbe[ModeStackState]):
     name = "mode_stack"
-    description = ("types of the user's torch-function and dispatch modes (opt-in; "
-                   "replay_instances=True re-enters function modes)")
-    default = False
+    description = ("types of the user's torch-function and dispatch modes (replayed only "
+                   "by ModeStackProbe(replay_instances=True))")
+    default = True
 
     def __init__(self, *, replay_instances: bool = False, max_held: int = 64,
                  ignore: tuple[type, ...] = ()) -> None:
@@ -209,12 +221,14 @@ class ModeStackProbe(ContextProbe[ModeStackState]):
         modes: tuple[Any, ...] = ()
         if state.function_modes:
             if state.slot < 0:
-                why = ("pass ModeStackProbe(replay_instances=True) to re-enter them"
+                # the hint first: a failure keeps 200 characters of this message
+                why = ("replays a mode only when opted in: pass probes=[*default_probes(), "
+                       "ModeStackProbe(replay_instances=True)]"
                        if not self.replay_instances else
-                       f"the instances were not retained (max_held={self._max_held})")
+                       f"kept no instances (max_held={self._max_held})")
                 raise ModeNotReplayableError(
-                    f"probe 'mode_stack': function mode(s) {', '.join(state.function_modes)} "
-                    f"are not replayable: {why}")
+                    f"probe 'mode_stack' {why}; function mode(s) not replayable: "
+                    f"{', '.join(state.function_modes)}")
             try:
                 modes = self._held[state.slot]
             except KeyError:

@@ -20,6 +20,7 @@ from ..core import registry
 from ..core.observer import snapshot
 from ..core.probe import ContextProbe
 from ..core.snapshots import ContextSnapshot
+from ..probes.numerics import denormal_mode
 
 __all__ = ["GlobalState", "global_state", "leak_check", "state_changes"]
 
@@ -32,7 +33,8 @@ class GlobalState(NamedTuple):
     """Global torch state that ``GlobalStateGuard`` does not (fully) see.
 
     What the guard does not notice -- default device, autocast dtype
-    per device, ``no_grad`` vs ``inference_mode``, cuDNN flags -- plus a few
+    per device, ``no_grad`` vs ``inference_mode``, cuDNN and oneDNN flags,
+    the FPU's flush-denormal mode -- plus a few
     flags the guard does see, so that a failure message can name them.
     Compare two values with ``==``; ``state_changes`` lists the fields.
     """
@@ -57,6 +59,11 @@ class GlobalState(NamedTuple):
     # scaled-dot-product-attention: (flag, enabled)..., the priority order and
     # the math fp16/bf16 reduction flag (process-global, graph-affecting)
     sdpa: tuple[object, ...] = ()
+    # the calling thread's FPU: (denormals_are_zero, flush_to_zero), both set
+    # by torch.set_flush_denormal(True)
+    denormal_mode: tuple[bool, bool] = (False, False)
+    mkldnn_enabled: bool = True
+    mkldnn_deterministic: bool = False
 
 
 def global_state() -> GlobalState:
@@ -83,6 +90,9 @@ def global_state() -> GlobalState:
         torch_function_modes=int(torch._C._len_torch_function_stack()),
         fp32_precision=_fp32_precision(),
         sdpa=_sdpa(),
+        denormal_mode=denormal_mode(),
+        mkldnn_enabled=bool(torch.backends.mkldnn.enabled),
+        mkldnn_deterministic=bool(torch.backends.mkldnn.deterministic),
     )
 
 
