@@ -13,6 +13,7 @@ from typing import Any
 
 from ._base.jsonread import loads
 from ._base.version import __version__
+from .artifacts.formats import format_of_file
 from .artifacts.sidecar import read_sidecar
 from .backends.registry import available_backends
 from .core.observer import snapshot
@@ -77,10 +78,11 @@ def _demo(ns: argparse.Namespace) -> int:
 
 def _explain(ns: argparse.Namespace) -> int:
     data = Path(ns.report).read_bytes()
-    if data[:4] == b"PK\x03\x04":
-        raise ValueError(f"{ns.report}: a saved capture (.pt2 archive), not a report; explain "
-                         "reads a report written by report.save() (see ctxreplay inspect "
-                         "for saved captures)")
+    fmt = format_of_file(Path(ns.report))
+    if fmt is not None:
+        raise ValueError(f"{ns.report}: a saved capture ({fmt.description}), not a report; "
+                         "explain reads a report written by report.save() (see ctxreplay "
+                         "inspect for saved captures)")
     doc = loads(data, "$", source=ns.report)
     if not isinstance(doc, Mapping) or not str(doc.get("schema", "")).startswith(
             "ctxreplay.report/"):
@@ -290,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="print the captures, members, signatures, fidelity and "
                                        "failures of a saved artifact")
     p.add_argument("path", metavar="PATH", help="a manifest directory (report.save_all), a "
-                   "manifest.json, a .pt2 or its sidecar, or a report JSON")
+                   "manifest.json, a saved capture (Capture.save) or its sidecar, or a "
+                   "report JSON")
     p.set_defaults(func=_inspect)
     p = sub.add_parser("check", help="check a saved artifact against this process; exit 1 "
                                      "when something it needs differs")

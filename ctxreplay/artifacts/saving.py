@@ -1,6 +1,7 @@
-"""Self-contained artifacts on disk: a ``.pt2`` plus a metadata-only sidecar.
+"""Self-contained artifacts on disk: the artifact in its format (a ``.pt2`` for a
+torch.export program) plus a metadata-only sidecar.
 
-``Capture.save(path)`` writes ``path`` (``torch.export.save``) and
+``Capture.save(path)`` writes ``path`` (the format's ``save``) and
 ``path + ".json"`` (``sidecar``): the snapshot the capture was replayed
 under and the input / output signatures; with ``verify`` the written file
 is loaded back and checked against the live call.
@@ -17,7 +18,6 @@ import attrs
 import torch
 
 from .._base.environment import full_environment
-from ..backends.passes import has_wrapper_hops, lower_wrappers
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.compare import SpecMismatch, compare_specs
 from ..fidelity.verify import Fidelity, Mismatch, flat_tensor_spec, neutral_replay
@@ -27,6 +27,7 @@ from ..specs.specjson import (
     call_to_json,
     spec_to_json,
 )
+from .formats import ArtifactFormat, format_for
 from .sidecar import SIDECAR_SCHEMA, ArtifactError, sidecar_path
 
 __all__ = ["SavableCapture", "SavedArtifact", "artifact_inputs", "save_capture",
@@ -71,12 +72,13 @@ class SavedArtifact:
     """
 
     path: Path
-    """The ``.pt2`` written (``torch.export.load`` reads it)."""
+    """The artifact file written (its format's ``load`` reads it)."""
     sidecar: Path
     """The metadata-only sidecar written beside it, ``<path>.json``."""
     lowered: bool
-    """Whether the program was lowered (``run_decompositions``) before saving, because
-    ``torch.export.save`` refused its context wrappers."""
+    """Whether the program was lowered before saving (``ArtifactFormat.forms``: for a
+    ``.pt2``, ``run_decompositions``, because ``torch.export.save`` refused its context
+    wrappers)."""
     fidelity: Fidelity
     """The check of the file itself (level ``saved``)."""
 
@@ -87,65 +89,51 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
                  verify: bool = True) -> SavedArtifact:
     """Write ``capture``'s artifact to ``path`` and its sidecar beside it.
 
-    Only ``torch.export`` artifacts can be written; others raise
-    :class:`ArtifactError` naming the backend.
-
-    A program that recorded embedded contexts as wrapper higher-order ops
-    (``wrap_with_autocast``) is lowered first: ``run_decompositions({})``
-    turns them into explicit casts, which every consumer of a ``.pt2``
-    understands and older torch needs to serialise it at all (its verifier
-    rejected the wrappers).  Lowering can lose a cast, though: autocast registered on a
-    composite op (``nll_loss`` under ``nll_loss_nd``, ``mkldnn_rnn_layer``
-    under ``lstm``) acts inside a decomposition the retrace never records.
-    So with ``verify`` the written file is loaded back and run on fresh
-    inputs; if the lowered program disagrees with the live call, the program
-    is written with its wrappers kept (they re-enter autocast when it runs),
-    and the result that agrees is kept.  A program without wrappers is
-    written as captured, and lowered only if the serialiser refuses it (or,
-    with ``verify``, if the file disagrees with the live call).
+    The artifact format is the one whose suffix ends ``path``'s name, else
+    the first registered that can hold the artifact (``formats.format_for``);
+    an artifact it cannot hold raises :class:`ArtifactError`
+    (``backend_not_savable``) naming the backend.  The format's forms of the
+    artifact (``ArtifactFormat.forms``: for a ``.pt2``, the program as
+    captured and lowered) are written in order of preference; with
+    ``verify`` each written file is loaded back and run on fresh inputs, and
+    the first that agrees with the live call is kept -- or, where none
+    agrees, the first the format accepted.
     """
-    from torch.export import ExportedProgram
-
-    if not isinstance(capture.artifact, ExportedProgram):
+    target = Path(os.fspath(path))
+    fmt, why = format_for(capture.artifact, target)
+    if fmt is None:
         raise ArtifactError(
             f"Capture.save: {capture.scope}#{capture.variant} was captured by the "
-            f"{capture.backend!r} backend, whose artifact cannot be written as a .pt2; "
-            f"capture with backend='export' (or 'auto' where export succeeds) to save it",
-            "backend_not_savable")
-    target = Path(os.fspath(path))
+            f"{capture.backend!r} backend, whose artifact {why}", "backend_not_savable")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"Capture.save: no directory {str(target.parent)!r}")
-    ep = capture.artifact
-    # (lowered?, program) in order of preference
-    if has_wrapper_hops(ep.graph_module):
-        order = ((True, lambda: lower_wrappers(ep)), (False, lambda: ep))
-    else:
-        order = ((False, lambda: ep), (True, lambda: lower_wrappers(ep)))
     result: tuple[bool, Any, Fidelity] | None = None
     written: Any = None  # the program the file holds now
     errors: list[BaseException] = []
-    for lowered, build in order:
+    for lowered, build in fmt.forms(capture.artifact):
         try:
             program = build()
-            torch.export.save(program, target)
+            fmt.save(program, target)
         except Exception as exc:  # the serialiser refused this form; try the next
             errors.append(exc)
             continue
         written = program
-        fidelity = _check_saved(capture, target) if verify else Fidelity("off", True, (), ())
+        fidelity = _check_saved(capture, fmt, target) if verify else \
+            Fidelity("off", True, (), ())
         if result is None or fidelity.ok:
             result = (lowered, program, fidelity)
         if fidelity.ok:
             break
     if result is None:
         raise ArtifactError(
-            f"Capture.save: torch.export.save refused {capture.scope}#{capture.variant}, "
-            f"lowered or not ({', '.join(type(e).__name__ for e in errors)})",
-            "serialize_failed") from errors[-1]
+            f"Capture.save: the {fmt.name} format refused {capture.scope}#{capture.variant} "
+            f"in every form ({', '.join(type(e).__name__ for e in errors)})",
+            "serialize_failed") from (errors[-1] if errors else None)
     lowered, program, fidelity = result
     if program is not written:  # neither form agreed: keep the preferred one
-        torch.export.save(program, target)
-    doc = sidecar_json(capture, target, lowered=lowered, fidelity=fidelity)
+        fmt.save(program, target)
+    doc = sidecar_json(capture, target, lowered=lowered, fidelity=fidelity,
+                       artifact_format=fmt.name)
     side = sidecar_path(target)
     side.write_text(json.dumps(doc, indent=2, sort_keys=True))
     return SavedArtifact(target, side, lowered, fidelity)
@@ -156,20 +144,20 @@ def artifact_inputs(capture: SavableCapture) -> tuple[tuple[Any, ...], dict[str,
     return inputs_for(capture.signature, capture.binding)
 
 
-def _check_saved(capture: SavableCapture, target: Path) -> Fidelity:
+def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path) -> Fidelity:
     """Run the file as a consumer would: loaded fresh, on fresh inputs, from a
     neutral state plus only what no artifact can carry (``neutral_replay``)."""
     if capture.outputs is None:  # no live outputs to hold the file to
         return Fidelity("off", True, (), ())
     try:
-        program = torch.export.load(target)
+        program = fmt.load(target)
     except Exception as exc:
         return Fidelity("saved", False, (Mismatch("out", "execution", "loaded",
                                                   type(exc).__name__, "saved"),), ("saved",))
-    found = _run_saved(capture, program, ())
+    found = _run_saved(capture, fmt, program, ())
     with_needs = None
     if found and capture.ambient_only:
-        with_needs = not _run_saved(capture, program, capture.ambient_only)
+        with_needs = not _run_saved(capture, fmt, program, capture.ambient_only)
     hint = None
     if found and capture.ambient_only:
         hint = "not carried by the artifact: " + ", ".join(capture.ambient_only)
@@ -177,12 +165,12 @@ def _check_saved(capture: SavableCapture, target: Path) -> Fidelity:
                     ("saved",), ok_with_needs=with_needs)
 
 
-def _run_saved(capture: SavableCapture, program: Any,
+def _run_saved(capture: SavableCapture, fmt: ArtifactFormat, program: Any,
                needs: tuple[str, ...]) -> list[SpecMismatch]:
     try:
         args, kwargs = artifact_inputs(capture)
         with neutral_replay(capture.snapshot, needs=needs):
-            produced = spec_of(program.module()(*args, **kwargs))
+            produced = spec_of(fmt.module(program)(*args, **kwargs))
     except Exception as exc:
         return [SpecMismatch("out", "execution", "ran", type(exc).__name__)]
     assert capture.outputs is not None
@@ -190,7 +178,7 @@ def _run_saved(capture: SavableCapture, program: Any,
 
 
 def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
-                 fidelity: Fidelity) -> dict[str, Any]:
+                 fidelity: Fidelity, artifact_format: str) -> dict[str, Any]:
     """The sidecar document: metadata only (no tensor values, no source).
     ``members`` / ``weights_from`` (whose parameters the file holds) and the
     ``environment`` are written where the capture has them."""
@@ -199,6 +187,7 @@ def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
     return {
         "schema": SIDECAR_SCHEMA,
         "artifact": artifact.name,
+        "format": artifact_format,
         "torch": str(torch.__version__),
         "environment": full_environment(),
         "scope": capture.scope,

@@ -1,5 +1,5 @@
 """A capture's sidecar: the metadata-only document written beside its
-``.pt2`` (``artifact.save_capture``), read back with strict validation so
+artifact file (``saving.save_capture``), read back with strict validation so
 another process can replay the snapshot around the loaded program,
 materialise inputs for it, and check its outputs.
 """
@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 
 from .._base.jsonread import (
     loads,
@@ -32,15 +31,18 @@ from ..fidelity.verify import Mismatch, flat_tensor_spec
 from ..specs.materialize import materialize
 from ..specs.signature import CallSpec, SeqSpec, Spec, TensorSpec, spec_of
 from ..specs.specjson import resolve_opaque, spec_from_json, tensor_from_json
+from .formats import get_format
+from .pt2 import Pt2Format
 
 __all__ = ["ARTIFACT_ERRORS", "SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar",
            "load_sidecar", "read_sidecar", "sidecar_path", "warn_unknown"]
 
 SIDECAR_SCHEMA = "ctxreplay.artifact/1"
 
-#: every ``ArtifactError.reason``: saving needs a ``torch.export`` artifact;
-#: ``torch.export.save`` refused the program; a loaded capture's inputs or
-#: outputs cannot be rebuilt from its sidecar
+#: every ``ArtifactError.reason``: no registered artifact format can hold the
+#: artifact (the built-in ``.pt2`` holds ``torch.export`` programs); its format
+#: refused the program in every form; a loaded capture's inputs or outputs
+#: cannot be rebuilt from its sidecar
 ARTIFACT_ERRORS = ("backend_not_savable", "serialize_failed", "not_rebuildable")
 
 
@@ -81,7 +83,7 @@ class ArtifactSidecar:
     path: Path
     """The sidecar file."""
     artifact: Path
-    """The ``.pt2`` it describes."""
+    """The artifact file it describes."""
     scope: str
     """The capture's variant table."""
     variant: int
@@ -120,10 +122,15 @@ class ArtifactSidecar:
     sidecars)."""
     ignore_attributes: tuple[str, ...] = ()
     """Attributes left out of the members' identities."""
+    format: str = Pt2Format.name
+    """The name of the artifact's format (``ctxreplay.artifacts.get_format``); a sidecar
+    written before formats were recorded describes a ``.pt2``."""
 
     def load_program(self) -> Any:
-        """``torch.export.load`` of the artifact beside this sidecar."""
-        return torch.export.load(self.artifact)
+        """The artifact beside this sidecar, read by its format (for a ``.pt2``,
+        ``torch.export.load``).  Raises ``UnknownFormatError`` for a format
+        this process has not registered."""
+        return get_format(self.format).load(self.artifact)
 
     def example_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh ``(args, kwargs)`` for ``program.module()``: floats uniform in
@@ -167,10 +174,11 @@ def _buildable(node: _Node) -> Spec:
 _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "binding",
                  "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
-                 "environment", "members", "weights_from", "identities", "ignore_attributes"}
+                 "environment", "members", "weights_from", "identities", "ignore_attributes",
+                 "format"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
                              "environment", "members", "weights_from", "identities",
-                             "ignore_attributes"}
+                             "ignore_attributes", "format"}
 
 
 def load_sidecar(path: str | os.PathLike[str],
@@ -259,6 +267,7 @@ def read_sidecar(path: str | os.PathLike[str],
                                     lambda v, p: read_str(v, p, max_len=64))),
         ignore_attributes=_read_names(doc.get("ignore_attributes", []),
                                       "$.ignore_attributes"),
+        format=read_str(doc.get("format", Pt2Format.name), "$.format"),
         args=args,
         kwargs=tuple(kwargs),
     )

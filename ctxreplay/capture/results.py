@@ -141,19 +141,23 @@ class Capture:
     ignore_attributes=...)``)."""
 
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
-        """Write the artifact as a ``.pt2`` that ``torch.export.load`` reads back,
-        and a metadata-only sidecar ``<path>.json`` (snapshot and signatures;
+        """Write the artifact in its artifact format, and a metadata-only
+        sidecar ``<path>.json`` (snapshot, signatures and the format's name;
         read it with :func:`ctxreplay.load_sidecar`).
 
-        Only ``torch.export`` artifacts can be saved; any other raises
+        The format is the registered one whose suffix ends ``path``'s name,
+        else the first that can hold the artifact: the built-in ``.pt2``
+        (``torch.export.save``, read back by ``torch.export.load``) holds a
+        ``torch.export`` program, and ``ctxreplay.artifacts.register_format``
+        adds others.  An artifact no format holds raises
         :class:`ctxreplay.ArtifactError` naming its backend.  Context wrappers
-        the serialiser rejects are lowered to explicit casts first.
+        the ``.pt2`` serialiser rejects are lowered to explicit casts first.
         ``verify`` loads the file back, runs it on fresh inputs from a
         neutral state and compares with the live call: the result is the
         returned ``SavedArtifact.fidelity`` (also stored in the sidecar).
 
         Args:
-            path: where to write the ``.pt2``; the sidecar goes beside it.
+            path: where to write the artifact (``x.pt2``); the sidecar goes beside it.
             verify: load the file back and check it against the live call.
 
         Raises:

@@ -11,13 +11,13 @@ are merged into the capture's fidelity.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from ..artifacts.formats import artifact_bytes, artifact_from_bytes
 from ..capture.isolate import isolated
 from ..capture.results import Capture
 from ..core.probe import ContextProbe
@@ -54,9 +54,7 @@ def run_collective_checks(coll: Collective, captures: list[Capture],
         payload = None
         if coll.rank == c.rank and mine is not None:
             try:
-                buf = io.BytesIO()
-                torch.export.save(mine.artifact, buf)
-                payload = buf.getvalue()
+                payload = artifact_bytes(mine.artifact)
             except Exception:
                 payload = None
         payload = coll.broadcast(payload, c.rank)
@@ -77,7 +75,7 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
     if payload is None:
         return [Mismatch("out", "execution", "ran on every rank", "program not sent",
                          "execute")]
-    program = torch.export.load(io.BytesIO(payload))
+    program = artifact_from_bytes(payload)
     name = next((m for m in (c.weights_from, *c.members) if m in modules), None)
     leaves = materialize_leaves(c.signature)
     runs: list[Any] = []

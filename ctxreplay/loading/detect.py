@@ -8,44 +8,49 @@ from pathlib import Path
 from typing import Any
 
 from .._base.jsonread import loads
+from ..artifacts.formats import available_formats, format_of_file
 from ..artifacts.sidecar import SIDECAR_SCHEMA, sidecar_path
 from ..report.manifest import MANIFEST_NAME, MANIFEST_SCHEMA
 
-__all__ = ["EXPECTED_FILES", "detect"]
+__all__ = ["detect", "expected_files"]
 
-#: what ``load`` and the command line accept, in words
-EXPECTED_FILES = ("a manifest directory or its manifest.json (report.save_all), a .pt2 "
-                  "with its .pt2.json sidecar (Capture.save), a sidecar, or a report JSON "
-                  "(report.save)")
+
+def expected_files() -> str:
+    """What ``load`` and the command line accept, in words (each registered
+    artifact format's files named by their suffix)."""
+    artifacts = ", ".join(f"a {f.suffix} with its {sidecar_path(f.suffix).name} sidecar"
+                          for f in available_formats().values())
+    return (f"a manifest directory or its manifest.json (report.save_all), {artifacts} "
+            "(Capture.save), a sidecar, or a report JSON (report.save)")
 
 
 def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
     """``(kind, file, document)``: ``kind`` is ``"manifest"``, ``"artifact"``
-    (a ``.pt2``; ``file`` is it), ``"sidecar"`` or ``"report"``; ``document``
-    the parsed JSON (``None`` for a ``.pt2``).  Anything else raises
-    ``ValueError`` naming what was expected."""
+    (a file of a registered artifact format; ``file`` is it), ``"sidecar"`` or
+    ``"report"``; ``document`` the parsed JSON (``None`` for an artifact).
+    Anything else raises ``ValueError`` naming what was expected."""
     given = Path(os.fspath(path))
     if given.is_dir():
         manifest = given / MANIFEST_NAME
         if not manifest.is_file():
             raise ValueError(f"$: a directory without {MANIFEST_NAME}; expected "
-                             f"{EXPECTED_FILES} (in {given})")
+                             f"{expected_files()} (in {given})")
         given = manifest
     if not given.exists():
         raise FileNotFoundError(f"{given}: no such file or directory")
-    with given.open("rb") as f:
-        head = f.read(4)
-    if head == b"PK\x03\x04":  # a zip archive: what torch.export.save writes
+    fmt = format_of_file(given)
+    if fmt is not None:
         side = sidecar_path(given)
         if not side.is_file():
-            raise ValueError(f"$: a .pt2 archive without its sidecar {side.name} "
-                             f"(Capture.save writes it beside the .pt2) (in {given})")
+            raise ValueError(f"$: a {fmt.description} without its sidecar {side.name} "
+                             f"(Capture.save writes it beside the {fmt.suffix}) (in {given})")
         return "artifact", given, None
     try:
         data = loads(given.read_bytes(), "$", source=str(given))
     except ValueError:
-        raise ValueError(f"$: not a ctxreplay file (neither a .pt2 archive nor a JSON "
-                         f"document); expected {EXPECTED_FILES} (in {given})") from None
+        kinds = ", ".join(f"a {f.description}" for f in available_formats().values())
+        raise ValueError(f"$: not a ctxreplay file (neither {kinds} nor a JSON document); "
+                         f"expected {expected_files()} (in {given})") from None
     schema = data.get("schema") if isinstance(data, Mapping) else None
     # by family: a reader of the kind then names an unsupported version
     families = {MANIFEST_SCHEMA: "manifest", SIDECAR_SCHEMA: "sidecar",
@@ -55,4 +60,4 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
             return kind, given, data
     shown = repr(schema[:60]) if isinstance(schema, str) else "none"
     raise ValueError(f"$.schema: a JSON document that is not a ctxreplay manifest, sidecar "
-                     f"or report (schema {shown}); expected {EXPECTED_FILES} (in {given})")
+                     f"or report (schema {shown}); expected {expected_files()} (in {given})")

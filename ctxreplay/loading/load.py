@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 from torch import nn
 
 from ..artifacts.sidecar import ArtifactError, ArtifactSidecar, read_sidecar, warn_unknown
@@ -49,7 +48,7 @@ class LoadedCapture:
     """
 
     path: Path
-    """The ``.pt2`` file."""
+    """The artifact file (a ``.pt2`` for a torch.export program)."""
     sidecar: ArtifactSidecar = attrs.field(repr=False)
     """Its sidecar, read back."""
     members: tuple[str, ...]
@@ -133,10 +132,11 @@ class LoadedCapture:
 
     @property
     def program(self) -> Any:
-        """The ``torch.export.ExportedProgram`` (loaded once, on first use)."""
+        """The artifact, read by its format (loaded once, on first use): for a
+        ``.pt2``, the ``torch.export.ExportedProgram``."""
         program = self._cache.get("program")
         if program is None:
-            program = self._cache["program"] = torch.export.load(self.path)
+            program = self._cache["program"] = self.sidecar.load_program()
         return program
 
     def signature(self) -> CallSpec | None:
@@ -356,7 +356,7 @@ def load(path: str | os.PathLike[str], *,
          probes: Probes = None) -> LoadedManifest | LoadedCapture:
     """Open a directory written by ``report.save_all`` (or its
     ``manifest.json``) as a :class:`LoadedManifest`, or one capture written
-    by ``Capture.save`` (the ``.pt2`` or its ``.pt2.json`` sidecar) as a
+    by ``Capture.save`` (the artifact file or its ``.json`` sidecar) as a
     :class:`LoadedCapture`.
 
     Every document is validated strictly (a malformed field raises
@@ -368,8 +368,8 @@ def load(path: str | os.PathLike[str], *,
     first use.
 
     Args:
-        path: a manifest directory or its ``manifest.json``, a ``.pt2`` or
-            its ``.pt2.json`` sidecar.
+        path: a manifest directory or its ``manifest.json``, an artifact file
+            (a ``.pt2``, or of a registered format) or its ``.json`` sidecar.
         probes: probe instances for names the registry does not hold.
 
     Returns:

@@ -160,15 +160,17 @@ class CaptureReport:
 
     def save_all(self, directory: str | Path, *, verify: bool = True) -> _manifest.SavedManifest:
         """Write every capture into ``directory`` (created if missing): per
-        capture its ``.pt2`` and metadata-only sidecar (``Capture.save``,
+        capture its artifact file (named with its format's suffix: ``.pt2``
+        for a torch.export program) and metadata-only sidecar (``Capture.save``,
         ``verify`` as there), and one ``manifest.json`` indexing them --
         scopes, the members each capture stands for and whose weights it
         holds (``weights_from``), variants, signatures, snapshots (their
         portable part), fingerprints, fidelity, failures, problems and the
         versions (ctxreplay, torch, Python, device type and capability,
-        autocast op policy).  A capture no ``.pt2`` can hold (another
-        backend than ``torch.export``) is recorded as not saved, with its
-        reason code.  Open the directory with :func:`ctxreplay.load`."""
+        autocast op policy).  A capture no registered artifact format can
+        hold (for the ``.pt2``, another backend than ``torch.export``) is
+        recorded as not saved, with its reason code.  Open the directory
+        with :func:`ctxreplay.load`."""
         return _manifest.save_all(self, directory, verify=verify)
 
 

@@ -1,10 +1,11 @@
-"""Every capture of a report on disk at once: one ``.pt2`` and its sidecar per
-capture, and one ``manifest.json`` that indexes them.
+"""Every capture of a report on disk at once: one artifact file (a ``.pt2`` for a
+torch.export program) and its sidecar per capture, and one ``manifest.json``
+that indexes them.
 
 The manifest is metadata only, like the report: per capture its record
 (``Capture.to_json()``: scope, members, variant, signatures, snapshot,
 fingerprint, fidelity), the files that hold it -- or, for a capture that
-cannot be written as a ``.pt2``, the reason code -- and for the report its
+no artifact format can hold, the reason code -- and for the report its
 failures, problems and the versions it was made with (ctxreplay, torch,
 Python, device type and capability, autocast op policy).
 ``read_manifest`` reads one back strictly: every field it uses is checked,
@@ -25,6 +26,7 @@ import attrs
 from .._base.environment import full_environment
 from .._base.jsonread import loads, read_bool, read_int, read_list, read_mapping, read_str
 from .._base.version import __version__
+from ..artifacts.formats import format_for
 from ..artifacts.saving import SavedArtifact
 from ..artifacts.sidecar import ArtifactError, sidecar_path
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
@@ -70,8 +72,9 @@ class SavedManifest:
 
     ``saved``: one :class:`ctxreplay.SavedArtifact` per capture written by
     this process; ``not_saved``: ``(scope, variant, reason)`` of each
-    capture that could not be written as a ``.pt2`` (a backend other than
-    ``torch.export``: ``backend_not_savable``; in a distributed report, a
+    capture that could not be written (no registered artifact format holds
+    its artifact -- the built-in ``.pt2`` holds ``torch.export`` programs:
+    ``backend_not_savable``; in a distributed report, a
     capture whose rank is not in the group now: ``not_on_this_rank``),
     recorded in the manifest with that reason.  ``elsewhere``: in a
     distributed report, ``(scope, variant, rank, saved file ok)`` of the
@@ -118,43 +121,75 @@ def save_all(report: _Report, directory: str | os.PathLike[str], *,
         raise NotADirectoryError(f"save_all: {str(root)!r} exists and is not a directory")
     root.mkdir(parents=True, exist_ok=True)
     group = _Group.of(report)
+    entries, saved = _save_here(report, root, group, verify)
+    elsewhere = _gather(report, group, entries)
+    not_saved = [(c.scope, c.variant, entries[i]["not_saved"] or "not_on_this_rank")
+                 for i, c in enumerate(report.captures)
+                 if i not in entries or entries[i]["not_saved"] is not None]
+    target = root / MANIFEST_NAME
+    if group is None or group.first:
+        write_manifest(target, _manifest_doc(report, entries))
+    if group is not None:
+        group.gather(None)  # no rank returns before the manifest is there
+    return SavedManifest(root, target, tuple(saved), tuple(not_saved), tuple(elsewhere))
+
+
+#: a manifest entry before the capture is written (or for a capture not written)
+_NO_FILES: dict[str, Any] = {"artifact": None, "sidecar": None, "lowered": None,
+                             "saved_fidelity": None, "not_saved": None}
+
+
+def _save_here(report: _Report, root: Path, group: _Group | None, verify: bool
+               ) -> tuple[dict[int, dict[str, Any]], list[SavedArtifact]]:
+    """Write the captures this process holds: ``(report index -> manifest
+    entry, what was written)``."""
     entries: dict[int, dict[str, Any]] = {}
     saved: list[SavedArtifact] = []
     for i, c in enumerate(report.captures):
         if group is not None and c.rank is not None and c.rank != group.rank:
             continue  # the rank that holds it writes it
-        entry: dict[str, Any] = {"artifact": None, "sidecar": None, "lowered": None,
-                                 "saved_fidelity": None, "not_saved": None}
         if report.distributed and c.rank is not None and group is None and c.artifact is None:
-            entry["not_saved"] = "not_on_this_rank"
-        else:
-            try:
-                # Capture.save, so whatever wraps it (an audit) applies here too
-                result = c.save(root / f"{_file_stem(i, c.scope, c.variant)}.pt2",
-                                verify=verify)
-            except ArtifactError as exc:
-                entry["not_saved"] = exc.reason
-            else:
-                saved.append(result)
-                entry.update(artifact=result.path.name, sidecar=result.sidecar.name,
-                             lowered=result.lowered, saved_fidelity=result.fidelity.to_json())
-        entries[i] = entry
+            entries[i] = {**_NO_FILES, "not_saved": "not_on_this_rank"}
+            continue
+        # the file takes the suffix of the format that will hold it; where
+        # none can, Capture.save refuses it with the reason
+        fmt, _ = format_for(c.artifact)
+        path = root / f"{_file_stem(i, c.scope, c.variant)}{fmt.suffix if fmt else ''}"
+        try:
+            # Capture.save, so whatever wraps it (an audit) applies here too
+            result = c.save(path, verify=verify)
+        except ArtifactError as exc:
+            entries[i] = {**_NO_FILES, "not_saved": exc.reason}
+            continue
+        saved.append(result)
+        entries[i] = {**_NO_FILES, "artifact": result.path.name,
+                      "sidecar": result.sidecar.name, "lowered": result.lowered,
+                      "saved_fidelity": result.fidelity.to_json()}
+    return entries, saved
+
+
+def _gather(report: _Report, group: _Group | None, entries: dict[int, dict[str, Any]]
+            ) -> list[tuple[str, int, int, bool]]:
+    """In a distributed report, add the other ranks' entries to ``entries``;
+    ``(scope, variant, rank, saved file ok)`` of each."""
     elsewhere: list[tuple[str, int, int, bool]] = []
-    if group is not None:
-        mine = dict(entries)
-        for rank, theirs in group.gather(mine):
-            for i, entry in theirs.items():
-                if rank != group.rank:
-                    c = report.captures[i]
-                    entries[i] = entry
-                    ok = entry["not_saved"] is None and bool(entry["saved_fidelity"]["ok"])
-                    elsewhere.append((c.scope, c.variant, rank, ok))
-    not_saved = [(c.scope, c.variant, entries[i]["not_saved"] or "not_on_this_rank")
-                 for i, c in enumerate(report.captures)
-                 if i not in entries or entries[i]["not_saved"] is not None]
+    if group is None:
+        return elsewhere
+    for rank, theirs in group.gather(dict(entries)):
+        for i, entry in theirs.items():
+            if rank != group.rank:
+                c = report.captures[i]
+                entries[i] = entry
+                ok = entry["not_saved"] is None and bool(entry["saved_fidelity"]["ok"])
+                elsewhere.append((c.scope, c.variant, rank, ok))
+    return elsewhere
+
+
+def _manifest_doc(report: _Report, entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The manifest: each capture's record with its entry, and the report's
+    metadata."""
     captures = [{"capture": c.to_json(),
-                 **entries.get(i, {"artifact": None, "sidecar": None, "lowered": None,
-                                   "saved_fidelity": None, "not_saved": "not_on_this_rank"})}
+                 **entries.get(i, {**_NO_FILES, "not_saved": "not_on_this_rank"})}
                 for i, c in enumerate(report.captures)]
     doc = {
         "schema": MANIFEST_SCHEMA,
@@ -170,12 +205,7 @@ def save_all(report: _Report, directory: str | os.PathLike[str], *,
     }
     if report.distributed:
         doc["distributed"] = dict(report.distributed)
-    target = root / MANIFEST_NAME
-    if group is None or group.first:
-        write_manifest(target, doc)
-    if group is not None:
-        group.gather(None)  # no rank returns before the manifest is there
-    return SavedManifest(root, target, tuple(saved), tuple(not_saved), tuple(elsewhere))
+    return doc
 
 
 class _Group:
