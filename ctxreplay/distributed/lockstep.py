@@ -21,6 +21,7 @@ from ..artifacts.formats import artifact_bytes, artifact_from_bytes
 from ..capture.isolate import isolated
 from ..capture.results import Capture
 from ..core.probe import ContextProbe
+from ..fidelity.levels import checked_by
 from ..fidelity.verify import Fidelity, Mismatch, compare_values, merge_mismatches, neutral_replay
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import tensor_values
@@ -61,8 +62,7 @@ def run_collective_checks(coll: Collective, captures: list[Capture],
         found = _run_here(c, payload, modules, baseline)
         every = coll.gather(found)
         merged = merge_mismatches(m for ms in every for m in ms)
-        checked = ("signature", "execute") if level == "execute" else \
-            ("signature", "execute", "values")
+        checked = checked_by(level)
         base = c.fidelity.mismatches
         out[(c.scope, c.variant)] = Fidelity(level, not (merged or base),
                                              merge_mismatches((*base, *merged)), checked,
