@@ -183,7 +183,11 @@ class Checker:
     def _eager(self, view: nn.Module, leaves: tuple[torch.Tensor, ...]) -> Any:
         args, kwargs = bind_call(self.request.inputs, _taker(_clone(leaves)))
         with rng_guard(), neutral_replay(self.request.snapshot, self.baseline, full=True):
-            out = view(*args, **kwargs)
+            # ``forward`` alone, as observation saw the live call: the hooks
+            # ``nn.Module.__call__`` runs at the member's own level ran
+            # around it (``isolate.forward_alone``), those of its
+            # submodules inside it
+            out = view.forward(*args, **kwargs)
         return tuple(tensor_values(out)) if self.flatten_out else out
 
 

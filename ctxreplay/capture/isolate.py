@@ -12,6 +12,10 @@ it keeps.  A module that refuses to be copied is used in place, with its
 buffers and the ``__dict__`` of it, its submodules and the plain objects
 they hold snapshotted and put back afterwards.
 
+``forward_alone(module)`` makes calling the (isolated) member run its
+``forward`` alone, the way observation saw the live call: without the
+hooks ``nn.Module.__call__`` runs around it at the member's own level.
+
 ``rng_guard()`` puts back the global CPU (and, once initialised, CUDA)
 generator state and the state of every ``torch.Generator`` any torch call
 inside it received as ``generator=``.
@@ -20,7 +24,7 @@ inside it received as ``generator=``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["isolated", "rng_guard"]
+__all__ = ["forward_alone", "isolated", "rng_guard"]
 
 _MAX_OBJECTS = 4096
 
@@ -104,6 +108,76 @@ def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 
 # a module's parameter / buffer / submodule tables: walked through modules()
 _MODULE_DICTS = frozenset({"_parameters", "_modules"})
+
+
+# What ``nn.Module.__call__`` (``_call_impl``, torch 2.7 to 2.14) consults
+# before taking its no-hook shortcut to ``forward``: the module's own forward
+# pre-hooks, forward hooks and backward hooks (their ``with_kwargs`` and
+# ``always_call`` tables only qualify entries of these), and torch's global
+# module hooks, which it runs at every module's level.
+_OWN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    table = torch.nn.modules.module
+    # a table this torch does not have counts as holding hooks: forward alone
+    # is right whether or not it has any
+    return any(getattr(module, n, True) for n in _OWN_HOOKS) or \
+        any(getattr(table, n, True) for n in _GLOBAL_HOOKS)
+
+
+@contextmanager
+def forward_alone(module: nn.Module) -> Iterator[nn.Module]:
+    """Inside, calling ``module`` runs ``module.forward`` alone.
+
+    Observation wraps the instance's ``forward``, so the live call it saw
+    is ``forward`` alone: ``nn.Module.__call__`` ran the module's own
+    forward pre-hooks and hooks (``with_kwargs`` or not, ``always_call``),
+    its backward hooks and torch's global module hooks around that
+    wrapper, outside it.  A tracer calls the module (``torch.export``'s
+    wrapper calls ``module(...)``), which would run them again and record
+    them: the artifact would hold what ``install`` runs a second time around
+    it, and a recording hook would see fake tensors.  So, while hooks
+    exist, the module's class is a one-off subclass whose ``__call__`` is
+    its ``forward``; every submodule is called as usual, its own hooks and
+    the global ones included (they ran inside the live forward).  On exit
+    the class is put back, and the one-off ``__call__`` turns into the
+    class's own should the class not be put back (a second capture holds a
+    module used in place while a timed-out trace still runs on it)."""
+    cls = type(module)
+    if not _has_hooks(module):
+        yield module
+        return
+    active = [True]
+    # type() builds the class with its base's metaclass, should it have one
+    bare = type(cls.__name__, (cls,), {"__call__": _own_call(cls, active),
+                                       "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+    module.__class__ = bare
+    try:
+        yield module
+    finally:
+        active[0] = False
+        if type(module) is bare:
+            module.__class__ = cls
+
+
+def _own_call(cls: type[nn.Module], active: list[bool]) -> Callable[..., Any]:
+    """The one-off class's ``__call__``: ``forward`` alone while ``active``,
+    ``cls.__call__`` after.  A code object of its own: Dynamo keeps its
+    compiled frames per code object, guarded on the type of ``self``, so one
+    shared by every one-off class would reach its recompile limit after a
+    few captures."""
+
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if active[0]:
+            return self.forward(*args, **kwargs)
+        return cls.__call__(self, *args, **kwargs)
+
+    call.__code__ = call.__code__.replace()
+    return call
 
 
 class _Saved:

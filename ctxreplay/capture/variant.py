@@ -47,7 +47,7 @@ from ..specs.signature import (
 )
 from ..specs.specjson import call_to_json
 from .checker import Checker
-from .isolate import isolated, rng_guard
+from .isolate import forward_alone, isolated, rng_guard
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .results import Capture, CaptureFailure
 
@@ -272,8 +272,8 @@ def _trace(request: VariantRequest, plan: _Plan, view: nn.Module, options: Captu
         target, args, kwargs = _bind(request, plan, view)
     except Exception as exc:
         raise fail("materialize_failed", exc) from None
-    job = functools.partial(_trace_once, request, plan, options, baseline, target, args,
-                            kwargs)
+    job = functools.partial(_trace_once, request, plan, options, baseline, view, target,
+                            args, kwargs)
     return _run_reported(job, plan, options, fail)
 
 
@@ -290,12 +290,14 @@ def _bind(request: VariantRequest, plan: _Plan, view: nn.Module
 
 
 def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
-                baseline: tuple[ContextProbe[Any], ...], target: nn.Module,
+                baseline: tuple[ContextProbe[Any], ...], view: nn.Module, target: nn.Module,
                 args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> tuple[Any, Spec | None, Backend]:
-    """One trace of ``target`` inside the replay (in the thread ``_run``
-    picks); a replay that fails entering or restoring raises
-    ``_ReplayFault``, an unusable result ``_ArtifactFault``."""
+    """One trace of ``target`` (``view`` or ``_Flattened`` around it) inside
+    the replay (in the thread ``_run`` picks), ``view`` called as its
+    ``forward`` alone, as observation saw the live call; a replay that fails
+    entering or restoring raises ``_ReplayFault``, an unusable result
+    ``_ArtifactFault``."""
     with ExitStack() as stack:
         try:
             # from a fresh process's state, whatever the caller of
@@ -306,7 +308,7 @@ def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
             stack.enter_context(plan.around)
         except Exception as exc:
             raise _ReplayFault() from exc
-        with rng_guard(watch_generators=False), \
+        with rng_guard(watch_generators=False), forward_alone(view), \
                 _swapped_forward(target, plan.inside if plan.binding == "native" else None):
             raw = options.backend.capture(target, args, kwargs)
             traced = _resolve(raw, plan, options, args, kwargs)
