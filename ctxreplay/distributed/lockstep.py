@@ -118,7 +118,9 @@ def _eager(view: nn.Module, c: Capture, leaves: tuple[torch.Tensor, ...],
         replay = neutral_replay(c.snapshot, baseline)
         replay.__enter__()
     try:
-        out = view(*args, **kwargs)
+        # forward alone, as the live call was observed: the member's own
+        # hooks ran around the observation wrapper, not inside the graph
+        out = view.forward(*args, **kwargs)
     finally:
         replay.__exit__(None, None, None)
     return tuple(tensor_values(out)) if c.binding == "flattened" else out
