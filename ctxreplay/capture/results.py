@@ -31,7 +31,8 @@ __all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure"
 #: ``BackendError.reason``)
 FAILURE_REASONS = (*BACKEND_REASONS, "replay_failed", "timeout", "no_artifact", "bad_artifact",
                    "materialize_failed", "verify_failed", "module_released",
-                   "isolation_failed", "internal_error", "interrupted", "state_leak")
+                   "isolation_failed", "internal_error", "interrupted", "state_leak",
+                   "unsupported_layout")
 
 #: report-level reasons ``ok`` is False although no capture failed
 PROBLEMS = {
@@ -220,7 +221,8 @@ class CaptureFailure:
     ``materialize_failed``, ``verify_failed``, ``module_released``,
     ``isolation_failed``, ``internal_error``; ``interrupted`` (a Ctrl-C
     stopped ``finalize()`` before this variant; those captured before it are
-    kept).  And ``state_leak``: the
+    kept); ``unsupported_layout`` (an input is a sparse or nested tensor:
+    ``context`` names each such input's path and layout).  And ``state_leak``: the
     variant captured, but afterwards the ambient state differed from the
     state ``finalize()`` began with -- the engine put it back; ``context``
     names each probe as ``"was -> left"`` (and ``torch_global_state`` what

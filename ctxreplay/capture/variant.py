@@ -148,6 +148,9 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     module = modules.get(traced.name)
     if module is None:
         raise fail("module_released", None)
+    layouts = _layouts(request.inputs)
+    if layouts:
+        raise _with_context(fail("unsupported_layout", None), layouts)
     try:
         plan = _Plan.make(request, options, backend)
     except Exception as exc:
@@ -241,6 +244,18 @@ def recapture(capture: Capture, module: nn.Module, options: CaptureOptions, *,
                              capture.signature,
                              (MemberCall(member, capture.calls, capture.outputs, True),))
     return capture_variant(request, {member: module}, attrs.evolve(options, verify="off"))
+
+
+def _layouts(inputs: CallSpec) -> dict[str, str]:
+    """Input tensors that are not plain strided ones, by path: a graph traced
+    from dense stand-ins would run the dense branch of the forward (sparse
+    and nested tensors are neither materialised nor keyed as dense ones)."""
+    return {path: spec.layout for path, spec in inputs.leaves() if spec.layout != "strided"}
+
+
+def _with_context(failed: CaptureFailed, context: dict[str, str]) -> CaptureFailed:
+    return CaptureFailed(attrs.evolve(failed.failure,
+                                      context={**failed.failure.context, **context}))
 
 
 def _failure(request: VariantRequest, backend: Backend, reason: str,
