@@ -86,13 +86,14 @@ class RetainedCall:
 
 @attrs.frozen(eq=False)
 class MemberCall:
-    """One member's share of a variant: its calls and its first live output."""
+    """One member's share of a variant: its calls, its first live output and
+    (``verify="values"``) the calls retained, checked by value one by one."""
 
     name: str
     calls: int
     outputs: Spec | None
     completed: bool
-    retained: RetainedCall | None = attrs.field(default=None, repr=False)
+    retained: tuple[RetainedCall, ...] = attrs.field(default=(), repr=False)
 
 
 @attrs.frozen(eq=False)

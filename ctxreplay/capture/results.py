@@ -141,6 +141,20 @@ class Capture:
     """Attributes left out of the members' identities (``capture_with(...,
     ignore_attributes=...)``)."""
 
+    @property
+    def checked(self) -> int:
+        """Live calls checked by value, of ``calls`` (``verify="values"``: the
+        retained calls of every member -- first, last and a sample between --
+        each run through the artifact with that member's weights; 0 at the
+        other levels)."""
+        return self.fidelity.by_value
+
+    @property
+    def verdict(self) -> str:
+        """The fidelity in words, with what was checked: e.g. ``"ok
+        (signature+execute+values; 5 of 8 calls checked by value)"``."""
+        return self.fidelity.verdict(self.calls)
+
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact in its artifact format, and a metadata-only
         sidecar ``<path>.json`` (snapshot, signatures and the format's name;
@@ -177,6 +191,7 @@ class Capture:
             "variant": self.variant,
             "merged": list(self.merged),
             "calls": self.calls,
+            "checked": self.checked,
             "rank": self.rank,
             "observed_on": list(self.observed_on),
             "rank_calls": [list(r) for r in self.rank_calls],

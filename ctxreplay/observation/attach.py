@@ -115,7 +115,8 @@ class Observation:
                 identity = scope.identities[first.identity] if first.identity >= 0 else ()
                 out.append(VariantRequest(
                     scope.name, index, first.snapshot, recorded.inputs,
-                    tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed, mv.retained)
+                    tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed,
+                                     mv.retained.calls() if mv.retained else ())
                           for m, mv in pairs),
                     training_of(identity), identity_digest(identity) if identity else ""))
         return out

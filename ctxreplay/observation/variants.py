@@ -10,9 +10,9 @@ import attrs
 import torch
 from torch import nn
 
-from ..capture.options import RetainedCall
 from ..core.snapshots import ContextSnapshot
 from ..specs.signature import CallSpec, Spec
+from .retained import Kept
 
 
 class _MemberLike(Protocol):
@@ -42,7 +42,9 @@ class MemberVariant:
     outputs: Spec | None = None
     completed: bool = False
     counter: Any = attrs.field(factory=itertools.count)
-    retained: RetainedCall | None = None
+    #: ``verify="values"``: the calls retained (first, last, a sample between)
+    retained: Kept | None = None
+    #: copies of the inputs of the call in progress that is to be retained
     retained_inputs: tuple[torch.Tensor, ...] | None = None
 
     @property

@@ -42,7 +42,7 @@ from ..core.snapshots import ContextSnapshot
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
-from .retained import Retention
+from .retained import Kept, Retention
 from .targets import identity_of
 from .variants import MemberVariant, Scope
 from .wrapping import Wrapper
@@ -203,6 +203,8 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         if mv is not None:
             next(mv.counter)
+            if shared.retention.limit is not None:
+                return self._retaining(mv, args, kwargs)
             if shared.profile:
                 with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
                     return self.orig(*args, **kwargs)
@@ -218,7 +220,10 @@ class _Member(Wrapper):
         shared = self.shared
         obs = shared.observer
         cache = obs.cache
-        if cache is None or cache.snapshot is not snap or shared.profile or self.off:
+        # (while values are retained every call takes the slow path, which
+        # copies it: the memo stays empty)
+        if cache is None or cache.snapshot is not snap or shared.profile or self.off \
+                or shared.retention.limit is not None:
             return
         check = _memo_check(args, sig)
         # a TensorGuards check of at least one tensor sees the dispatch keys
@@ -275,7 +280,9 @@ class _Member(Wrapper):
             changed = []
         if changed:
             self.stateful.update(changed)
-        if not mv.completed:
+        if mv.completed and mv.retained_inputs is not None:  # another thread completed it
+            self._keep(mv, out)
+        elif not mv.completed:
             try:
                 self._complete(mv, snap, args, kwargs, out)
             except Exception as exc:
@@ -323,14 +330,52 @@ class _Member(Wrapper):
     def _complete(self, mv: MemberVariant, snap: ContextSnapshot, args: tuple[Any, ...],
                   kwargs: dict[str, Any], out: Any) -> None:
         mv.outputs = spec_of(out)
-        if mv.retained_inputs is not None:
-            mv.retained = self.shared.retention.call(mv.retained_inputs, out)
-            mv.retained_inputs = None
+        self._keep(mv, out)
         mv.completed = True
         if not kwargs:
             sig = call_key(args, kwargs)
             if self.table.get((snap, sig)) is mv:  # the forward left its inputs as they were
                 self._memoize(snap, args, sig, mv)
+
+    def _retaining(self, mv: MemberVariant, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        """A call of a completed variant while ``verify="values"`` retains
+        calls: copied before and after the forward (``retained.Kept``)."""
+        failed: BaseException | None = None
+        inputs = None  # local: other threads may be in a call of ``mv`` too
+        try:
+            inputs = self.shared.retention.inputs(args, kwargs)
+        except Exception as exc:
+            failed = exc
+        if failed is not None:
+            self.shared.error("retain", failed)
+            del failed
+        if self.shared.profile:
+            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                out = self.orig(*args, **kwargs)
+        else:
+            out = self.orig(*args, **kwargs)
+        try:
+            if inputs is not None:
+                self._keep(mv, out, inputs)
+        except Exception as exc:
+            failed = exc
+        if failed is not None:
+            self.shared.error("retain", failed)
+        return out
+
+    def _keep(self, mv: MemberVariant, out: Any,
+              inputs: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Retain the call that took ``inputs`` (default: the first call's,
+        ``mv.retained_inputs``) and returned ``out``."""
+        if inputs is None:
+            inputs, mv.retained_inputs = mv.retained_inputs, None
+        if inputs is None:
+            return
+        with self.shared.lock:
+            if mv.retained is None:
+                mv.retained = Kept()
+        self.shared.retention.keep(mv.retained, inputs, out)
 
     def refresh_identity(self) -> None:
         """Recompute the member's identity (after ``train()``/``eval()``, or on
