@@ -177,7 +177,7 @@ def _capture_rows(caps: list[tuple[Mapping[str, Any], str, str]]) -> list[tuple[
             for c, saved, where in caps]
 
 
-_HEAD = ("capture", "members", "weights", "inputs", "fidelity", "by value", "saved", "file")
+_HEAD = ("capture", "members", "weights", "inputs", "fidelity", "checked", "saved", "file")
 
 
 def _failure_lines(failures: Any, problems: Any) -> list[str]:

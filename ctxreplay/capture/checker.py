@@ -12,7 +12,8 @@ calls across the session (its first, its last and a sample between), one by one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
 from .isolate import isolated, rng_guard
 from .options import CaptureOptions, MemberCall, VariantRequest
+from .restore import restore_state
 
 __all__ = ["Checker", "Step", "register_step", "unregister_step"]
 
@@ -125,7 +127,7 @@ class Checker:
                  name: str | None) -> list[Mismatch]:
         assert module is not None  # _check stops at a released member
         leaves = materialize_leaves(self.request.inputs)
-        with isolated(module, self.request.training) as view:
+        with self._isolated(module) as view:
             program = self._program(view, m)
             if program is None:
                 return [_mismatch("execution", "member weights",
@@ -145,7 +147,7 @@ class Checker:
                                   member=name)
             if found:
                 return found
-        with isolated(module, self.request.training) as ref:
+        with self._isolated(module) as ref:
             try:  # the member itself, on the same inputs, under the live context
                 reference = self._eager(ref, leaves)
             except Exception as exc:
@@ -166,7 +168,7 @@ class Checker:
         found: list[Mismatch] = []
         for call in m.retained:
             leaves = tuple(_placed(t, s) for t, s in zip(call.inputs, specs))
-            with isolated(module, self.request.training) as view:
+            with self._isolated(module) as view:
                 program = self._program(view, m)
                 if program is None:
                     return []  # reported by the execute check
@@ -180,6 +182,14 @@ class Checker:
             found += compare_values(call.outputs, produced, "values", hint=self.hint,
                                     member=name)
         return found
+
+    @contextmanager
+    def _isolated(self, module: nn.Module) -> Iterator[nn.Module]:
+        """An isolated view of ``module`` in the state the variant ran in:
+        its ``training`` flags and the attributes it held then."""
+        with isolated(module, self.request.training) as view:
+            restore_state(view, self.request.state)
+            yield view
 
     def _flat_live(self, live: Spec) -> Spec:
         if self.binding == "flattened" and self.flatten_out:

@@ -32,7 +32,7 @@ __all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure"
 FAILURE_REASONS = (*BACKEND_REASONS, "replay_failed", "timeout", "no_artifact", "bad_artifact",
                    "materialize_failed", "verify_failed", "module_released",
                    "isolation_failed", "internal_error", "interrupted", "state_leak",
-                   "unsupported_layout")
+                   "unsupported_layout", "state_not_restorable")
 
 #: report-level reasons ``ok`` is False although no capture failed
 PROBLEMS = {
@@ -237,7 +237,11 @@ class CaptureFailure:
     ``isolation_failed``, ``internal_error``; ``interrupted`` (a Ctrl-C
     stopped ``finalize()`` before this variant; those captured before it are
     kept); ``unsupported_layout`` (an input is a sparse or nested tensor:
-    ``context`` names each such input's path and layout).  And ``state_leak``: the
+    ``context`` names each such input's path and layout);
+    ``state_not_restorable`` (an attribute of the member changed after the
+    variant ran and its value then could not be recorded, so the capture
+    cannot run in the state the calls ran in; ``context["attribute"]``
+    names it).  And ``state_leak``: the
     variant captured, but afterwards the ambient state differed from the
     state ``finalize()`` began with -- the engine put it back; ``context``
     names each probe as ``"was -> left"`` (and ``torch_global_state`` what

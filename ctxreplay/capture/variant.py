@@ -49,6 +49,7 @@ from ..specs.specjson import call_to_json
 from .checker import Checker
 from .isolate import forward_alone, isolated, rng_guard
 from .options import CaptureOptions, MemberCall, VariantRequest
+from .restore import restore_state
 from .results import Capture, CaptureFailure
 
 __all__ = ["CaptureFailed", "capture_variant", "recapture"]
@@ -160,6 +161,12 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         view = view_cm.__enter__()
     except Exception as exc:
         raise fail("isolation_failed", exc) from None
+    try:
+        restore_state(view, request.state)
+    except Exception as exc:
+        view_cm.__exit__(None, None, None)
+        raise _with_context(fail("state_not_restorable", exc), {"attribute": str(exc)}) \
+            from None
     try:
         artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
         embedded, carried, ambient_only = _context_split(request, plan, options, real)

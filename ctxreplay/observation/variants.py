@@ -4,6 +4,7 @@ group members of one structure."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -78,6 +79,8 @@ class Scope:
     key: tuple[Any, ...]
     members: list[str]
     identities: list[Any] = attrs.field(factory=list)
+    #: per identity, ``targets.state_of`` when it was first seen
+    states: list[Any] = attrs.field(factory=list, repr=False)
     index: dict[Any, int] = attrs.field(factory=dict)  # (identity, snap, sig) -> variant
     #: hashes of the keys of variants past max_variants (exact up to MAX_DROPPED)
     dropped: set[int] = attrs.field(factory=set)
@@ -119,7 +122,10 @@ class Scope:
                                      tuple(n for n, _ in pairs), holder.module)
         return views
 
-    def identity_id(self, identity: Any) -> int:
+    def identity_id(self, identity: Any, state: Callable[[], Any] = tuple) -> int:
+        """The number of ``identity`` in this scope; a new one is recorded
+        with ``state()`` (``targets.state_of``: its attribute values, which
+        capture puts back on a view of a member that changed since)."""
         for i, known in enumerate(self.identities):
             try:
                 if known == identity:
@@ -127,4 +133,8 @@ class Scope:
             except Exception:  # a config object whose __eq__ fails: not equal
                 continue
         self.identities.append(identity)
+        try:
+            self.states.append(state())
+        except Exception:  # not restorable: capture then finds no values to put back
+            self.states.append(())
         return len(self.identities) - 1

@@ -43,7 +43,7 @@ from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
 from .retained import Kept, Retention
-from .targets import identity_of
+from .targets import identity_of, state_of
 from .variants import MemberVariant, Scope
 from .wrapping import Wrapper
 
@@ -113,8 +113,8 @@ class _Shared:
 class _Member(Wrapper):
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
-    __slots__ = ("compiled", "identity", "identity_value", "ignore", "lazy", "memo", "name",
-                 "scope", "shared", "stateful", "table", "tables", "training")
+    __slots__ = ("compiled", "dirty", "identity", "identity_value", "ignore", "lazy", "memo",
+                 "name", "scope", "shared", "stateful", "table", "tables", "training")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
@@ -132,6 +132,7 @@ class _Member(Wrapper):
         self.identity = -1
         self.training = module.training
         self.table: dict[Any, MemberVariant] = {}
+        self.dirty = False  # an attribute of the member's tree was assigned (``watch``)
         if not self.lazy:
             self.refresh_identity()
 
@@ -240,8 +241,8 @@ class _Member(Wrapper):
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> MemberVariant | None:
         sig = call_key(args, kwargs)
-        if self.lazy or self.module.training is not self.training:
-            self.refresh_identity()
+        if self.dirty or self.lazy or self.module.training is not self.training:
+            self._recheck()
         mv = self.table.get((snap, sig))
         if mv is None or not mv.completed:
             return None
@@ -377,14 +378,35 @@ class _Member(Wrapper):
                 mv.retained = Kept()
         self.shared.retention.keep(mv.retained, inputs, out)
 
-    def refresh_identity(self) -> None:
-        """Recompute the member's identity (after ``train()``/``eval()``, or on
-        a lazy module's first call) and switch to that identity's table."""
+    def changed(self) -> None:
+        """An attribute of the member or a submodule was assigned
+        (``watch.Watch`` calls this): the next call rechecks the identity."""
+        self.memo = None
+        self.dirty = True
+
+    def _recheck(self) -> None:
+        """The identity may have changed: calls go to the table of the
+        identity the member has now (a toggled attribute, a swapped
+        processor, ``train()`` -- and back -- each its own variants)."""
+        self.dirty = False
+        if self.lazy or self.module.training is not self.training:
+            self.refresh_identity()
+            return
+        value = identity_of(self.module, self.ignore)
+        if value != self.identity_value:
+            self.refresh_identity(value)
+
+    def refresh_identity(self, value: Any = None) -> None:
+        """Recompute the member's identity (after ``train()``/``eval()``, an
+        attribute assigned, or on a lazy module's first call) and switch to
+        that identity's table."""
         self.training = self.module.training
-        self.identity_value = identity_of(self.module, self.ignore)
+        self.identity_value = identity_of(self.module, self.ignore) if value is None else value
         self.lazy = uninitialized(self.module)
+        module, ignore = self.module, self.ignore
         with self.shared.lock:
-            self.identity = self.scope.identity_id(self.identity_value)
+            self.identity = self.scope.identity_id(self.identity_value,
+                                                   lambda: state_of(module, ignore))
         self.table = self.tables.setdefault(self.identity, {})
         self.memo = None
 
@@ -397,7 +419,8 @@ class _Member(Wrapper):
         value = identity_of(self.module, self.ignore)
         scope = self.scope
         with self.shared.lock:
-            old, new = self.identity, scope.identity_id(value)
+            module, ignore = self.module, self.ignore
+            old, new = self.identity, scope.identity_id(value, lambda: state_of(module, ignore))
             self.identity_value, self.training = value, self.module.training
             if new == old:
                 return
