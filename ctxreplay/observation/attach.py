@@ -160,11 +160,15 @@ class Observation:
 
     def changed_members(self) -> list[tuple[Scope, _Member, str]]:
         """Members whose identity now differs from the one their calls were
-        recorded under (an attribute changed while observed)."""
+        recorded under, changed in a way no assignment showed (an item of a
+        dict it holds, changed in place): calls may have been keyed under a
+        state they did not run in.  A change by assignment (``watch``) made
+        the next call recheck its identity, and one after the last call ran
+        with no call, so neither is a problem: every call was keyed as it ran."""
         out = []
         for scope in self.scopes:
             for m in self._of(scope):
-                if m.identity_value is None or not m.tables:
+                if m.identity_value is None or not m.tables or m.dirty:
                     continue
                 try:
                     now = identity_of(m.module, m.ignore)
