@@ -7,7 +7,8 @@ member's own weights (an isolated view of it: parameters shared, buffers
 and Python state its own) from a neutral state, against the live output
 metadata and against the member itself on the same inputs under the live
 context; and, for ``values``, against retained copies of the member's live
-calls across the session (its first, its last and a sample between), one by one.  What it compares is in ``verify``; what it runs is here.
+calls across the session (its first, its last and a sample between), one
+by one.  What it compares is in ``verify``; what it runs is here.
 """
 
 from __future__ import annotations

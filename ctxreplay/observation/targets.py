@@ -97,7 +97,8 @@ def _callable(value: Any, budget: list[int]) -> Any:
                 _plain(value.keywords, budget))
     func = getattr(value, "__func__", None)
     if func is not None:  # a bound method: its function and its owner's class
-        return ("method", _callable(func, budget), type(getattr(value, "__self__", None)).__qualname__)
+        owner = type(getattr(value, "__self__", None))
+        return ("method", _callable(func, budget), owner.__qualname__)
     code = getattr(value, "__code__", None)
     if code is not None:
         return ("function", getattr(value, "__module__", None),

@@ -20,6 +20,7 @@ top later is left alone (ours then stays in its chain and tells no one).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -42,7 +43,7 @@ def _patch(cls: type) -> None:
         _patched[cls] = (entry[0], entry[1], entry[2] + 1)
         return
     own = cls.__dict__.get("__setattr__")
-    orig = cls.__setattr__
+    orig: Callable[[Any, str, Any], None] = cls.__setattr__  # type: ignore[assignment]
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
         orig(self, name, value)
@@ -97,10 +98,8 @@ class Watch:
                 tell = _watchers.get(key)
                 if tell is None:
                     continue
-                try:
+                with contextlib.suppress(ValueError):
                     tell.remove(callback)
-                except ValueError:
-                    pass
                 if not tell:
                     del _watchers[key]
             self.entries = []
