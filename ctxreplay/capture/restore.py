@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import Error
 from .options import ABSENT, Unrestorable
 
 __all__ = ["NotRestorable", "restore_state"]
@@ -29,7 +30,7 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, to
               torch.layout, torch.memory_format, enum.Enum, type)
 
 
-class NotRestorable(Exception):
+class NotRestorable(Error):
     """A recorded attribute cannot be put back: ``str()`` names it."""
 
 
