@@ -116,6 +116,53 @@ def test_the_oracle_catches_the_toggle_when_the_attribute_is_ignored() -> None:
     assert any(m.level == "values" for m in c.fidelity.mismatches)
 
 
+class Config:
+    """A value-comparable config object the block holds (a framework's config)."""
+
+    def __init__(self) -> None:
+        self.act = "relu"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Configured(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return torch.relu(y) if self.config.act == "relu" else torch.tanh(y)
+
+
+def test_a_field_of_a_held_config_changed_for_one_call_splits_the_variant() -> None:
+    torch.manual_seed(0)
+    config = Config()
+    model = Configured(config).eval()
+    x = torch.randn(2, DIM)
+    digests, handle = _digests(model)
+    with record(model, [""]) as calls:
+        with ctxreplay.capture_with(model, backend="export") as session, torch.no_grad():
+            model(x)
+            model(x)
+            config.act = "tanh"  # on the config object, not on the module
+            model(x)
+            config.act = "relu"
+            model(x)
+        report = session.finalize()
+    handle.remove()
+    assert "__setattr__" not in Config.__dict__  # the watch is gone with the session
+    assert report.ok
+    assert sorted(c.calls for c in report.captures) == [1, 3]
+    assert unreproduced(report, calls, _by_identity(digests, calls)) == []
+    (other,) = [c for c in report.captures if c.calls == 3]
+    assert replay_failure(other, calls[2]) is not None
+
+
 # -- a module-level global: out of the fingerprint's reach, caught by values ----------
 
 FLAG = {"relu": True}

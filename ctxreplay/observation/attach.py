@@ -17,6 +17,7 @@ from .modules import CompiledCounter
 from .targets import (
     changed_attributes,
     describe_identity_change,
+    held_objects,
     identity_digest,
     identity_of,
     structure_key,
@@ -86,7 +87,8 @@ class Observation:
         # assignments to attributes of the members' trees drop their memos
         self.watch = Watch()
         for member in self.members:
-            self.watch.add(member.module.modules(), member.changed)
+            self.watch.add([*member.module.modules(),
+                            *held_objects(member.module, member.ignore)], member.changed)
         self.root = Root(root, (observer,), self.shared, self.shared.error)
         wrap(self.root)
         self.dropped_structures = len(dropped)

@@ -21,8 +21,8 @@ from ..capture.options import Unrestorable
 # torch's lazy modules hold these until their first forward
 _Uninitialized: type = getattr(nn.parameter, "UninitializedTensorMixin", type(None))
 
-__all__ = ["changed_attributes", "describe_identity_change", "identity_digest", "identity_of",
-           "resolve_targets", "state_of", "structure_key", "training_of"]
+__all__ = ["changed_attributes", "describe_identity_change", "held_objects", "identity_digest",
+           "identity_of", "resolve_targets", "state_of", "structure_key", "training_of"]
 
 #: an object's address in a repr: never part of what is compared across processes
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -81,7 +81,17 @@ def _plain(value: Any, budget: list[int]) -> Any:
     if isinstance(value, type) or callable(value):
         return _callable(value, budget)
     if getattr(type(value), "__eq__", object.__eq__) is not object.__eq__:
-        return value  # a value-comparable config object: compared with ==
+        # a value-comparable config object: by its attributes as they are now
+        # (the object itself would compare equal to itself after a change in
+        # place), or with == where it keeps no ``__dict__``
+        state = getattr(value, "__dict__", None)
+        if type(state) is not dict:
+            return value
+        if len(state) > _MAX_ITEMS:
+            return ("<too large>",)
+        return ("object", type(value).__module__, type(value).__qualname__,
+                tuple((k, p) for k, v in state.items() if isinstance(k, str)
+                      for p in (_plain(v, budget),) if p is not _SKIP))
     return _SKIP
 
 
@@ -282,6 +292,25 @@ def _resolve(root: nn.Module, targets: object) -> list[tuple[str, nn.Module]]:
         out.append((n, named[n]))
     return out
 
+
+
+def held_objects(module: nn.Module, ignore: Iterable[str] = ()) -> list[object]:
+    """The objects the module tree holds as attributes whose own attributes
+    ``identity_of`` compares (config objects, processors and other callable
+    objects), for ``watch`` to see assignments to them."""
+    skip = _INTERNALS | set(ignore)
+    out: list[object] = []
+    for m in module.modules():
+        for k, v in m.__dict__.items():
+            if k in skip or isinstance(v, (*_PLAIN, enum.Enum, type, nn.Module, torch.Tensor,
+                                           tuple, list, dict, set, frozenset)):
+                continue
+            compared = callable(v) or \
+                getattr(type(v), "__eq__", object.__eq__) is not object.__eq__
+            if compared and type(getattr(v, "__dict__", None)) is dict \
+                    and len(out) < _MAX_ITEMS:
+                out.append(v)
+    return out
 
 
 def state_of(module: nn.Module, ignore: Iterable[str] = ()

@@ -4,14 +4,15 @@ A member's identity (``targets.identity_of``: ``training`` and the plain
 attributes of it and its submodules, callables included) decides which
 graph its calls run, but recomputing it on every call would cost more than
 the whole observation.  So while a session is open, the classes of the
-observed modules get a ``__setattr__`` that, after doing what the class's
+observed modules (and of the config objects and processors they hold as
+attributes) get a ``__setattr__`` that, after doing what the class's
 own did, tells the members holding that module: their memo is dropped and
 their next call rechecks the identity (``_Member.changed``).  ``train()``,
 ``eval()``, ``set_processor()`` and peft's ``enable_adapters`` all assign
 attributes, so they are seen; a call where nothing was assigned pays
-nothing.  Changes made without an assignment on a module (an item of a
-dict the module holds, a module-level global the forward reads) are not
-seen here: ``verify="values"`` checks retained calls by value instead.
+nothing.  Changes made without an assignment on such an object (an item
+of a dict the module holds, a field of a built-in ``SimpleNamespace``
+attribute, a module-level global the forward reads) are not seen here: ``verify="values"`` checks retained calls by value instead.
 
 The patch is counted per class and taken off when the last session
 watching that class detaches; a ``__setattr__`` another tool installed on
@@ -24,8 +25,6 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
-
-from torch import nn
 
 __all__ = ["Watch"]
 
@@ -54,11 +53,16 @@ def _patch(cls: type) -> None:
 
     __setattr__.__qualname__ = f"{cls.__qualname__}.__setattr__"
     __setattr__.__wrapped__ = orig  # type: ignore[attr-defined]
-    cls.__setattr__ = __setattr__  # type: ignore[method-assign,assignment]
+    try:
+        cls.__setattr__ = __setattr__  # type: ignore[method-assign,assignment]
+    except TypeError:  # a built-in type (SimpleNamespace): its changes stay unseen
+        return
     _patched[cls] = (own, __setattr__, 1)
 
 
 def _unpatch(cls: type) -> None:
+    if cls not in _patched:
+        return  # never patched (a built-in type)
     own, ours, count = _patched[cls]
     if count > 1:
         _patched[cls] = (own, ours, count - 1)
@@ -79,9 +83,10 @@ class Watch:
         self.entries: list[tuple[int, Callable[[], None]]] = []
         self.classes: list[type] = []
 
-    def add(self, modules: Iterable[nn.Module], callback: Callable[[], None]) -> None:
-        """Call ``callback`` whenever an attribute of one of ``modules`` is
-        assigned (until ``remove``)."""
+    def add(self, modules: Iterable[object], callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever an attribute of one of ``modules`` (or
+        of a config object or processor they hold) is assigned (until
+        ``remove``)."""
         with _lock:
             for m in modules:
                 _watchers.setdefault(id(m), []).append(callback)
