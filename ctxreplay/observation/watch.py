@@ -12,7 +12,8 @@ their next call rechecks the identity (``_Member.changed``).  ``train()``,
 attributes, so they are seen; a call where nothing was assigned pays
 nothing.  Changes made without an assignment on such an object (an item
 of a dict the module holds, a field of a built-in ``SimpleNamespace``
-attribute, a module-level global the forward reads) are not seen here: ``verify="values"`` checks retained calls by value instead.
+attribute, a module-level global the forward reads) are not seen here:
+``verify="values"`` checks retained calls by value instead.
 
 The patch is counted per class and taken off when the last session
 watching that class detaches; a ``__setattr__`` another tool installed on
