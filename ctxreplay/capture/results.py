@@ -43,8 +43,8 @@ PROBLEMS = {
     "observation_error": "observing some calls failed, so they are not covered",
     "not_observed": "calls ran inside a compiled region, where blocks are not observed",
     "never_completed": "no call of a variant returned, so there is nothing to capture",
-    "member_changed": "a block's attributes changed while observed, so its calls may "
-                      "have run another graph",
+    "member_changed": "a block's attributes changed in place (no assignment) while "
+                      "observed, so its calls may have run another graph",
     "stateful_member": "a block's forward writes Python state it keeps, so a later capture "
                        "may take another path than its calls did",
 }
@@ -353,10 +353,12 @@ _PROBLEM_TEXT: dict[str, Any] = {
                                  "attributes in ignore_attributes if the graph does not "
                                  "depend on them",
     "member_changed": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} changed "
-                                f"({p.names[1] if len(p.names) > 1 else '?'}) while observed; "
+                                f"({p.names[1] if len(p.names) > 1 else '?'}) in place while "
+                                "observed (an assignment would have split the variant); "
                                 "later calls may have run another graph than the one "
-                                "recorded. Set it before capture_with, or list the attribute "
-                                "in ignore_attributes if the graph does not depend on it",
+                                "recorded. Replace the value instead of changing it in place, "
+                                "set it before capture_with, or list the attribute in "
+                                "ignore_attributes if the graph does not depend on it",
 }
 
 #: notice reasons, in words

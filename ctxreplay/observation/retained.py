@@ -9,8 +9,9 @@ until the next call): the cost of ``verify="values"``, which a session pays
 only when it asks for it.  The calls in between are sampled with a
 generator of the session's own (seeded, so runs are reproducible; the
 global random state is never touched).  A call that does not fit the
-budget is not retained, after the sampled calls in between were given up
-to make room for it; ``summary()`` counts them.
+budget is not retained, after the variant's sampled calls in between and
+its previous last call were given up to make room for it; ``summary()``
+counts them.
 """
 
 from __future__ import annotations
@@ -82,13 +83,15 @@ class Retention:
                 "peak_bytes": self.peak, "retained_calls": self.kept,
                 "not_retained": self.skipped}
 
-    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], kept: Kept | None = None
                ) -> tuple[torch.Tensor, ...] | None:
-        """CPU copies of a call's input tensors, or ``None`` past the budget."""
+        """CPU copies of a call's input tensors, or ``None`` past the budget
+        (``kept``'s sampled calls and last call given up first to make room:
+        this call is its newest)."""
         tensors = [t for a in (*args, *kwargs.values()) for t in tensor_values(a)]
         need = _nbytes(tensors)
         with self.lock:
-            if not self._reserve(need, None):
+            if not self._reserve(need, kept):
                 self.skipped += 1
                 return None
         return _copies(tensors)
@@ -116,10 +119,14 @@ class Retention:
 
     def _reserve(self, need: int, kept: Kept | None) -> bool:
         """Reserve ``need`` bytes (under the lock), giving up ``kept``'s
-        sampled calls in between first when they are in the way."""
+        sampled calls in between, then its last call (the call being retained
+        replaces it), when they are in the way."""
         limit = self.limit or 0
         while self.held + need > limit and kept is not None and kept.between:
             self.held -= kept.between.pop().nbytes
+        if self.held + need > limit and kept is not None and kept.last is not None:
+            self.held -= kept.last.nbytes
+            kept.last = None
         if self.held + need > limit:
             return False
         self.held += need

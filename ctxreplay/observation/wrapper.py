@@ -345,7 +345,7 @@ class _Member(Wrapper):
         failed: BaseException | None = None
         inputs = None  # local: other threads may be in a call of ``mv`` too
         try:
-            inputs = self.shared.retention.inputs(args, kwargs)
+            inputs = self.shared.retention.inputs(args, kwargs, mv.retained)
         except Exception as exc:
             failed = exc
         if failed is not None:
