@@ -15,6 +15,7 @@ capture (``ignore_attributes``) or run through another variant's capture.
 from __future__ import annotations
 
 import json
+import threading
 import types
 import weakref
 from typing import Any
@@ -86,6 +87,7 @@ def _gate_session(verify: str, **options: Any) -> tuple[ctxreplay.CaptureReport,
         report = session.finalize()
     handle.remove()
     assert model.use_gate is True
+    assert "__setattr__" not in Gate.__dict__  # the watch went with the session
     return report, calls, digests
 
 
@@ -161,6 +163,37 @@ def test_a_field_of_a_held_config_changed_for_one_call_splits_the_variant() -> N
     assert unreproduced(report, calls, _by_identity(digests, calls)) == []
     (other,) = [c for c in report.captures if c.calls == 3]
     assert replay_failure(other, calls[2]) is not None
+
+
+class LockedConfig(Config):
+    """A config holding a lock: it cannot be copied when the variant runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LockedConfig) and self.act == other.act
+
+
+def test_a_state_that_cannot_be_recorded_fails_the_capture_with_its_name() -> None:
+    torch.manual_seed(0)
+    config = LockedConfig()
+    model = Configured(config).eval()
+    with record(model, [""]) as calls:
+        with ctxreplay.capture_with(model, backend="export") as session, torch.no_grad():
+            config.act = "tanh"
+            model(torch.randn(2, DIM))
+            config.act = "relu"  # finalize() finds relu, the call ran tanh
+            model(torch.randn(2, DIM))
+        report = session.finalize()
+    assert not report.ok
+    (failure,) = report.failures
+    assert failure.reason == "state_not_restorable"
+    assert "config" in failure.context["attribute"]
+    (ok,) = report.captures  # the relu call, made in the state finalize() finds
+    assert replay_failure(ok, calls[1]) is None
+    assert replay_failure(ok, calls[0]) is not None  # what a capture of the tanh call would be
 
 
 # -- a module-level global: out of the fingerprint's reach, caught by values ----------
