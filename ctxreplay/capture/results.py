@@ -31,7 +31,8 @@ __all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure"
 #: ``BackendError.reason``)
 FAILURE_REASONS = (*BACKEND_REASONS, "replay_failed", "timeout", "no_artifact", "bad_artifact",
                    "materialize_failed", "verify_failed", "module_released",
-                   "isolation_failed", "internal_error", "interrupted", "state_leak")
+                   "isolation_failed", "internal_error", "interrupted", "state_leak",
+                   "unsupported_layout", "state_not_restorable")
 
 #: report-level reasons ``ok`` is False although no capture failed
 PROBLEMS = {
@@ -42,8 +43,8 @@ PROBLEMS = {
     "observation_error": "observing some calls failed, so they are not covered",
     "not_observed": "calls ran inside a compiled region, where blocks are not observed",
     "never_completed": "no call of a variant returned, so there is nothing to capture",
-    "member_changed": "a block's attributes changed while observed, so its calls may "
-                      "have run another graph",
+    "member_changed": "a block's attributes changed in place (no assignment) while "
+                      "observed, so its calls may have run another graph",
     "stateful_member": "a block's forward writes Python state it keeps, so a later capture "
                        "may take another path than its calls did",
 }
@@ -140,6 +141,20 @@ class Capture:
     """Attributes left out of the members' identities (``capture_with(...,
     ignore_attributes=...)``)."""
 
+    @property
+    def checked(self) -> int:
+        """Live calls checked by value, of ``calls`` (``verify="values"``: the
+        retained calls of every member -- first, last and a sample between --
+        each run through the artifact with that member's weights; 0 at the
+        other levels)."""
+        return self.fidelity.by_value
+
+    @property
+    def verdict(self) -> str:
+        """The fidelity in words, with what was checked: e.g. ``"ok
+        (signature+execute+values; 5 of 8 calls checked by value)"``."""
+        return self.fidelity.verdict(self.calls)
+
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact in its artifact format, and a metadata-only
         sidecar ``<path>.json`` (snapshot, signatures and the format's name;
@@ -176,6 +191,7 @@ class Capture:
             "variant": self.variant,
             "merged": list(self.merged),
             "calls": self.calls,
+            "checked": self.checked,
             "rank": self.rank,
             "observed_on": list(self.observed_on),
             "rank_calls": [list(r) for r in self.rank_calls],
@@ -220,7 +236,12 @@ class CaptureFailure:
     ``materialize_failed``, ``verify_failed``, ``module_released``,
     ``isolation_failed``, ``internal_error``; ``interrupted`` (a Ctrl-C
     stopped ``finalize()`` before this variant; those captured before it are
-    kept).  And ``state_leak``: the
+    kept); ``unsupported_layout`` (an input is a sparse or nested tensor:
+    ``context`` names each such input's path and layout);
+    ``state_not_restorable`` (an attribute of the member changed after the
+    variant ran and its value then could not be recorded, so the capture
+    cannot run in the state the calls ran in; ``context["attribute"]``
+    names it).  And ``state_leak``: the
     variant captured, but afterwards the ambient state differed from the
     state ``finalize()`` began with -- the engine put it back; ``context``
     names each probe as ``"was -> left"`` (and ``torch_global_state`` what
@@ -332,10 +353,12 @@ _PROBLEM_TEXT: dict[str, Any] = {
                                  "attributes in ignore_attributes if the graph does not "
                                  "depend on them",
     "member_changed": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} changed "
-                                f"({p.names[1] if len(p.names) > 1 else '?'}) while observed; "
+                                f"({p.names[1] if len(p.names) > 1 else '?'}) in place while "
+                                "observed (an assignment would have split the variant); "
                                 "later calls may have run another graph than the one "
-                                "recorded. Set it before capture_with, or list the attribute "
-                                "in ignore_attributes if the graph does not depend on it",
+                                "recorded. Replace the value instead of changing it in place, "
+                                "set it before capture_with, or list the attribute in "
+                                "ignore_attributes if the graph does not depend on it",
 }
 
 #: notice reasons, in words

@@ -10,18 +10,21 @@ from typing import Any
 
 from torch import nn
 
-from ..capture.options import MemberCall, VariantRequest
+from ..capture.options import ABSENT, MemberCall, Unrestorable, VariantRequest
 from ..core.observer import Observer
 from .copies import Entries, path_modules
 from .modules import CompiledCounter
 from .targets import (
+    changed_attributes,
     describe_identity_change,
+    held_objects,
     identity_digest,
     identity_of,
     structure_key,
     training_of,
 )
 from .variants import MemberVariant, Scope
+from .watch import Watch
 from .wrapper import _Member, _Shared
 from .wrapping import Root, Wrapper, let_go, unwrap, wrap
 
@@ -81,6 +84,11 @@ class Observation:
             scope.member_states.append(member)
             wrap(member)
             self.members.append(member)
+        # assignments to attributes of the members' trees drop their memos
+        self.watch = Watch()
+        for member in self.members:
+            self.watch.add([*member.module.modules(),
+                            *held_objects(member.module, member.ignore)], member.changed)
         self.root = Root(root, (observer,), self.shared, self.shared.error)
         wrap(self.root)
         self.dropped_structures = len(dropped)
@@ -115,18 +123,54 @@ class Observation:
                 identity = scope.identities[first.identity] if first.identity >= 0 else ()
                 out.append(VariantRequest(
                     scope.name, index, first.snapshot, recorded.inputs,
-                    tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed, mv.retained)
+                    tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed,
+                                     mv.retained.calls() if mv.retained else ())
                           for m, mv in pairs),
-                    training_of(identity), identity_digest(identity) if identity else ""))
+                    training_of(identity), identity_digest(identity) if identity else "",
+                    self._state_back(scope, identity, [m for m, _ in pairs],
+                                     first.identity)))
         return out
+
+    def _state_back(self, scope: Scope, identity: Any, members: list[_Member],
+                    number: int) -> tuple[tuple[str, str, Any], ...]:
+        """The recorded attribute values a capture of ``identity``'s variant
+        must put back on the views of ``members``: those that differ now (an
+        attribute toggled after the variant ran).  A member whose structure
+        changed gets an ``Unrestorable`` marker (capture then fails)."""
+        if number < 0 or not identity:
+            return ()
+        wanted: set[tuple[str, str]] = set()
+        for m in members:
+            try:
+                now = identity_of(m.module, m.ignore)
+            except Exception:
+                now = None
+            diff = None if now is None else changed_attributes(identity, now)
+            if diff is None:
+                return (("", "<structure>", Unrestorable("submodules or shapes")),)
+            wanted |= diff
+        if not wanted:
+            return ()
+        recorded = scope.states[number]
+        out = tuple(e for e in recorded if (e[0], e[1]) in wanted)
+        missing = wanted - {(e[0], e[1]) for e in out}
+        held = {(entry[0], k) for entry in identity for k, _ in entry[5]}
+        # an attribute the identity did not hold was added since: taken off
+        # the view; one it held but could not record cannot be put back
+        return out + tuple((path, name, Unrestorable("not recorded") if (path, name) in held
+                            else ABSENT) for path, name in sorted(missing))
 
     def changed_members(self) -> list[tuple[Scope, _Member, str]]:
         """Members whose identity now differs from the one their calls were
-        recorded under (an attribute changed while observed)."""
+        recorded under, changed in a way no assignment showed (an item of a
+        dict it holds, changed in place): calls may have been keyed under a
+        state they did not run in.  A change by assignment (``watch``) made
+        the next call recheck its identity, and one after the last call ran
+        with no call, so neither is a problem: every call was keyed as it ran."""
         out = []
         for scope in self.scopes:
             for m in self._of(scope):
-                if m.identity_value is None or not m.tables:
+                if m.identity_value is None or not m.tables or m.dirty:
                     continue
                 try:
                     now = identity_of(m.module, m.ignore)
@@ -174,6 +218,7 @@ class Observation:
         stays in its chain as a pass-through holding no session state."""
         for e in reversed(self.entries):
             e.remove()
+        self.watch.remove()
         self.left = unwrap(self._wrappers())
         # the counters went on before the wrappers (one may be what the
         # root wrapped: an ``OptimizedModule``'s forward), so they come off after

@@ -4,15 +4,16 @@ group members of one structure."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
 import torch
 from torch import nn
 
-from ..capture.options import RetainedCall
 from ..core.snapshots import ContextSnapshot
 from ..specs.signature import CallSpec, Spec
+from .retained import Kept
 
 
 class _MemberLike(Protocol):
@@ -42,7 +43,9 @@ class MemberVariant:
     outputs: Spec | None = None
     completed: bool = False
     counter: Any = attrs.field(factory=itertools.count)
-    retained: RetainedCall | None = None
+    #: ``verify="values"``: the calls retained (first, last, a sample between)
+    retained: Kept | None = None
+    #: copies of the inputs of the call in progress that is to be retained
     retained_inputs: tuple[torch.Tensor, ...] | None = None
 
     @property
@@ -76,6 +79,8 @@ class Scope:
     key: tuple[Any, ...]
     members: list[str]
     identities: list[Any] = attrs.field(factory=list)
+    #: per identity, ``targets.state_of`` when it was first seen
+    states: list[Any] = attrs.field(factory=list, repr=False)
     index: dict[Any, int] = attrs.field(factory=dict)  # (identity, snap, sig) -> variant
     #: hashes of the keys of variants past max_variants (exact up to MAX_DROPPED)
     dropped: set[int] = attrs.field(factory=set)
@@ -117,7 +122,10 @@ class Scope:
                                      tuple(n for n, _ in pairs), holder.module)
         return views
 
-    def identity_id(self, identity: Any) -> int:
+    def identity_id(self, identity: Any, state: Callable[[], Any] = tuple) -> int:
+        """The number of ``identity`` in this scope; a new one is recorded
+        with ``state()`` (``targets.state_of``: its attribute values, which
+        capture puts back on a view of a member that changed since)."""
         for i, known in enumerate(self.identities):
             try:
                 if known == identity:
@@ -125,4 +133,8 @@ class Scope:
             except Exception:  # a config object whose __eq__ fails: not equal
                 continue
         self.identities.append(identity)
+        try:
+            self.states.append(state())
+        except Exception:  # not restorable: capture then finds no values to put back
+            self.states.append(())
         return len(self.identities) - 1

@@ -42,8 +42,8 @@ from ..core.snapshots import ContextSnapshot
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
-from .retained import Retention
-from .targets import identity_of
+from .retained import Kept, Retention
+from .targets import identity_of, state_of
 from .variants import MemberVariant, Scope
 from .wrapping import Wrapper
 
@@ -113,8 +113,8 @@ class _Shared:
 class _Member(Wrapper):
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
-    __slots__ = ("compiled", "identity", "identity_value", "ignore", "lazy", "memo", "name",
-                 "scope", "shared", "stateful", "table", "tables", "training")
+    __slots__ = ("compiled", "dirty", "identity", "identity_value", "ignore", "lazy", "memo",
+                 "name", "scope", "shared", "stateful", "table", "tables", "training")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
@@ -132,6 +132,7 @@ class _Member(Wrapper):
         self.identity = -1
         self.training = module.training
         self.table: dict[Any, MemberVariant] = {}
+        self.dirty = False  # an attribute of the member's tree was assigned (``watch``)
         if not self.lazy:
             self.refresh_identity()
 
@@ -203,6 +204,8 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         if mv is not None:
             next(mv.counter)
+            if shared.retention.limit is not None:
+                return self._retaining(mv, args, kwargs)
             if shared.profile:
                 with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
                     return self.orig(*args, **kwargs)
@@ -218,7 +221,10 @@ class _Member(Wrapper):
         shared = self.shared
         obs = shared.observer
         cache = obs.cache
-        if cache is None or cache.snapshot is not snap or shared.profile or self.off:
+        # (while values are retained every call takes the slow path, which
+        # copies it: the memo stays empty)
+        if cache is None or cache.snapshot is not snap or shared.profile or self.off \
+                or shared.retention.limit is not None:
             return
         check = _memo_check(args, sig)
         # a TensorGuards check of at least one tensor sees the dispatch keys
@@ -235,8 +241,8 @@ class _Member(Wrapper):
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> MemberVariant | None:
         sig = call_key(args, kwargs)
-        if self.lazy or self.module.training is not self.training:
-            self.refresh_identity()
+        if self.dirty or self.lazy or self.module.training is not self.training:
+            self._recheck()
         mv = self.table.get((snap, sig))
         if mv is None or not mv.completed:
             return None
@@ -275,7 +281,9 @@ class _Member(Wrapper):
             changed = []
         if changed:
             self.stateful.update(changed)
-        if not mv.completed:
+        if mv.completed and mv.retained_inputs is not None:  # another thread completed it
+            self._keep(mv, out)
+        elif not mv.completed:
             try:
                 self._complete(mv, snap, args, kwargs, out)
             except Exception as exc:
@@ -323,23 +331,82 @@ class _Member(Wrapper):
     def _complete(self, mv: MemberVariant, snap: ContextSnapshot, args: tuple[Any, ...],
                   kwargs: dict[str, Any], out: Any) -> None:
         mv.outputs = spec_of(out)
-        if mv.retained_inputs is not None:
-            mv.retained = self.shared.retention.call(mv.retained_inputs, out)
-            mv.retained_inputs = None
+        self._keep(mv, out)
         mv.completed = True
         if not kwargs:
             sig = call_key(args, kwargs)
             if self.table.get((snap, sig)) is mv:  # the forward left its inputs as they were
                 self._memoize(snap, args, sig, mv)
 
-    def refresh_identity(self) -> None:
-        """Recompute the member's identity (after ``train()``/``eval()``, or on
-        a lazy module's first call) and switch to that identity's table."""
-        self.training = self.module.training
-        self.identity_value = identity_of(self.module, self.ignore)
-        self.lazy = uninitialized(self.module)
+    def _retaining(self, mv: MemberVariant, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        """A call of a completed variant while ``verify="values"`` retains
+        calls: copied before and after the forward (``retained.Kept``)."""
+        failed: BaseException | None = None
+        inputs = None  # local: other threads may be in a call of ``mv`` too
+        try:
+            inputs = self.shared.retention.inputs(args, kwargs, mv.retained)
+        except Exception as exc:
+            failed = exc
+        if failed is not None:
+            self.shared.error("retain", failed)
+            del failed
+        if self.shared.profile:
+            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                out = self.orig(*args, **kwargs)
+        else:
+            out = self.orig(*args, **kwargs)
+        try:
+            if inputs is not None:
+                self._keep(mv, out, inputs)
+        except Exception as exc:
+            failed = exc
+        if failed is not None:
+            self.shared.error("retain", failed)
+        return out
+
+    def _keep(self, mv: MemberVariant, out: Any,
+              inputs: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Retain the call that took ``inputs`` (default: the first call's,
+        ``mv.retained_inputs``) and returned ``out``."""
+        if inputs is None:
+            inputs, mv.retained_inputs = mv.retained_inputs, None
+        if inputs is None:
+            return
         with self.shared.lock:
-            self.identity = self.scope.identity_id(self.identity_value)
+            if mv.retained is None:
+                mv.retained = Kept()
+        self.shared.retention.keep(mv.retained, inputs, out)
+
+    def changed(self) -> None:
+        """An attribute of the member or a submodule was assigned
+        (``watch.Watch`` calls this): the next call rechecks the identity."""
+        self.memo = None
+        self.dirty = True
+
+    def _recheck(self) -> None:
+        """The identity may have changed: calls go to the table of the
+        identity the member has now (a toggled attribute, a swapped
+        processor, ``train()`` -- and back -- each its own variants)."""
+        self.dirty = False
+        if self.lazy or self.module.training is not self.training:
+            self.refresh_identity()
+            return
+        value = identity_of(self.module, self.ignore)
+        if value != self.identity_value:
+            self.refresh_identity(value)
+
+    def refresh_identity(self, value: Any = None) -> None:
+        """Recompute the member's identity (after ``train()``/``eval()``, an
+        attribute assigned, or on a lazy module's first call) and switch to
+        that identity's table."""
+        self.training = self.module.training
+        self.identity_value = identity_of(self.module, self.ignore) if value is None else value
+        self.lazy = uninitialized(self.module)
+        module, ignore = self.module, self.ignore
+        with self.shared.lock:
+            self.identity = self.scope.identity_id(self.identity_value,
+                                                   lambda: state_of(module, ignore))
         self.table = self.tables.setdefault(self.identity, {})
         self.memo = None
 
@@ -352,7 +419,8 @@ class _Member(Wrapper):
         value = identity_of(self.module, self.ignore)
         scope = self.scope
         with self.shared.lock:
-            old, new = self.identity, scope.identity_id(value)
+            module, ignore = self.module, self.ignore
+            old, new = self.identity, scope.identity_id(value, lambda: state_of(module, ignore))
             self.identity_value, self.training = value, self.module.training
             if new == old:
                 return
