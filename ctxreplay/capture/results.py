@@ -323,8 +323,9 @@ _PROBLEM_TEXT: dict[str, Any] = {
                               + ": the blocks inside were not observed; pass the uncompiled "
                                 "module to capture_with and compile afterwards",
     "never_completed": lambda p: f"{p.scope}: no call of {_n(p.variants, 'variant')} "
-                                 f"returned ({_n(p.calls, 'call')} raised), so there is "
-                                 "nothing to capture",
+                                 f"had returned by finalize() ({_n(p.calls, 'call')} still "
+                                 "running, e.g. in another thread), so there is nothing "
+                                 "to capture",
     "stateful_member": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} writes "
                                  f"state it holds ({', '.join(p.names[1:]) or '?'}) in its "
                                  "forward; a capture made afterwards sees that state as "
@@ -343,6 +344,9 @@ NOTICES = {
     "probe_too_fine": "captures with identical graphs differ only in this probe's state: "
                       "its key separates calls that run the same graph (give the probe a "
                       "coarser key, e.g. ForwardContextProbe(..., key=...))",
+    "call_raised": "calls of this member raised in its forward (the caller handled the "
+                   "exception): they were never calls to reproduce, so they are left out "
+                   "of every variant and of the calls counted",
     "probe_varies_every_call": "this probe had a different state in every variant (a step "
                                "counter or a timestep in its key?)",
 }

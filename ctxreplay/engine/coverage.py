@@ -59,6 +59,8 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     elif requests and not captures:
         problems.append(Problem("no_captures", None, len(requests),
                                 sum(r.calls for r in requests)))
+    for scope, member_name, raised in obs.raised_members():
+        notices.append(Notice("call_raised", scope.name, None, raised, (member_name,)))
     notices += _too_fine(captures, requests, obs)
     return tuple(problems), tuple(notices)
 

@@ -107,7 +107,8 @@ class Observation:
             per_index: dict[int, list[tuple[_Member, MemberVariant]]] = {}
             for m in self._of(scope):
                 for _, mv in m.all_variants():
-                    per_index.setdefault(mv.index, []).append((m, mv))
+                    if not mv.empty:  # every call raised: nothing to reproduce
+                        per_index.setdefault(mv.index, []).append((m, mv))
             for index in sorted(per_index):
                 pairs = per_index[index]
                 first = pairs[0][1]
@@ -140,6 +141,16 @@ class Observation:
         """Members whose forward wrote Python state they hold."""
         return [(m.scope, m.name or m.scope.name, tuple(sorted(m.stateful)))
                 for m in self.members if m.stateful]
+
+    def raised_members(self) -> list[tuple[Scope, str, int]]:
+        """Members whose forward raised in some calls (the caller handled it),
+        with how many: those calls are left out of every variant."""
+        out = []
+        for m in self.members:
+            n = m.raised()
+            if n:
+                out.append((m.scope, m.name or m.scope.name, n))
+        return out
 
     def compiled_calls(self) -> tuple[dict[str, int], list[str]]:
         """Calls of each compiled entry point counted, and the members that

@@ -157,7 +157,11 @@ class _Member(Wrapper):
                         hit = False
                     if hit:
                         next(counter)
-                        return orig(*args)
+                        try:  # (free in CPython >= 3.11 until something raises)
+                            return orig(*args)
+                        except BaseException:
+                            self._raised(counter)
+                            raise
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -203,11 +207,30 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         if mv is not None:
             next(mv.counter)
-            if shared.profile:
-                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
-                    return self.orig(*args, **kwargs)
-            return self.orig(*args, **kwargs)
+            try:
+                if shared.profile:
+                    with torch.profiler.record_function(
+                            f"ctxreplay:{self.scope.name}#{mv.index}"):
+                        return self.orig(*args, **kwargs)
+                return self.orig(*args, **kwargs)
+            except BaseException:
+                self._raised(mv.counter)
+                raise
         return self._first(snap, args, kwargs)
+
+    def _raised(self, counter: Any) -> None:
+        """The call just counted on ``counter`` raised in the user's forward:
+        not a call to reproduce (the caller may well handle it), so it leaves
+        its variant's calls; the member counts it for a notice."""
+        try:
+            with self.shared.lock:
+                for table in self.tables.values():
+                    for mv in table.values():
+                        if mv.counter is counter:
+                            mv.raised += 1
+                            return
+        except Exception:  # never in the way of the user's exception
+            return
 
     def _memoize(self, snap: ContextSnapshot, args: tuple[Any, ...], sig: Any,
                  mv: MemberVariant) -> None:
@@ -262,11 +285,15 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         next(mv.counter)
         held = held_state(self.module, self.ignore)
-        if self.shared.profile:
-            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+        try:
+            if self.shared.profile:
+                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                    out = self.orig(*args, **kwargs)
+            else:
                 out = self.orig(*args, **kwargs)
-        else:
-            out = self.orig(*args, **kwargs)
+        except BaseException:
+            self._raised(mv.counter)
+            raise
         try:
             changed = held_changes(held)
             if self.lazy:  # a lazy module materialises in its first call
@@ -375,6 +402,11 @@ class _Member(Wrapper):
     def stop(self) -> None:
         self.off = True
         self.memo = None  # the memo's hit path does not read ``off``
+
+    def raised(self) -> int:
+        """Calls of this member that raised in its forward."""
+        return sum(mv.raised for table in list(self.tables.values())
+                   for mv in list(table.values()))
 
     def all_variants(self) -> Iterator[tuple[Any, MemberVariant]]:
         for identity, table in list(self.tables.items()):
