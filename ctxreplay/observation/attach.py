@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from ..capture.isolate import unwatch, watch
 from ..capture.options import MemberCall, VariantRequest
 from ..core.observer import Observer
 from .copies import Entries, path_modules
@@ -83,11 +84,18 @@ class Observation:
             self.members.append(member)
         self.root = Root(root, (observer,), self.shared, self.shared.error)
         wrap(self.root)
+        watch(self)  # calls made by a capture or check elsewhere are not counted
         self.dropped_structures = len(dropped)
         # copies and torch.jit.script see a plain model (``observation.copies``)
         self.entries = [Entries(m) for m in path_modules(root, [m.name for m in self.members])]
         for e in self.entries:
             e.install()
+
+    def quiet(self) -> None:
+        """A capture or check starts (``isolate.isolating()``): drop the
+        members' memos, whose hits count without asking."""
+        for m in self.members:
+            m.memo = None
 
     # -- reading ------------------------------------------------------------
     def dropped(self) -> dict[str, int]:
@@ -183,6 +191,7 @@ class Observation:
         """Stop observing and put back what each wrapped attribute held
         (``wrapping.unwrap``).  A wrapper another tool wrapped on top of
         stays in its chain as a pass-through holding no session state."""
+        unwatch(self)
         for e in reversed(self.entries):
             e.remove()
         self.left = unwrap(self._wrappers())

@@ -37,6 +37,7 @@ from torch import nn
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import dynamo_exporting as _dynamo_exporting
 from .._base.torchcaps import tensor_guard
+from ..capture.isolate import isolating
 from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
 from ..specs.frozen import freeze_constants
@@ -166,7 +167,10 @@ class _Member(Wrapper):
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Every call the memo does not answer."""
-        if self.off or _dynamo_compiling() or _is_tracing():
+        if self.off or _dynamo_compiling() or _is_tracing() or isolating():
+            # (``isolating()``: ctxreplay's own capture or check of a module
+            # in this thread, e.g. another session's finalize(): not a live
+            # call; ``isolate.watch`` drops the memo while it runs.)
             # Under torch.compile the check is a constant and orig is
             # inlined: compiled regions are not observed and get no graph
             # break.  The store below is a side effect Dynamo replays on every
