@@ -124,6 +124,9 @@ def _copy(module: nn.Module) -> nn.Module:
     # open file): the view shares each such leaf object with the module and
     # copies everything else, its containers and plain objects included, so
     # what the forward writes (a list it appends to) lands in the copy.
+    # Synchronisation objects are shared whole: a copied Event (its lock
+    # shared, its flag and waiters copied) would never be set by the
+    # thread that sets the user's.
     shared = _uncopyable(module, memo)
     memo.update((id(x), x) for x in shared)
     try:
@@ -145,7 +148,10 @@ def _uncopyable(module: nn.Module, memo: dict[int, Any]) -> list[Any]:
     container nor a plain object with a ``__dict__``) that ``deepcopy``
     refuses, bounded like ``_held_tensors``."""
     out: list[Any] = []
-    for obj in _held_objects(module):
+    for obj in _held_objects(module, _synchronising):
+        if _synchronising(obj):
+            out.append(obj)
+            continue
         if isinstance(obj, (torch.Tensor, nn.Module, list, tuple, dict, set, frozenset, type)) \
                 or id(obj) in memo or type(getattr(obj, "__dict__", None)) is dict:
             continue
@@ -156,6 +162,15 @@ def _uncopyable(module: nn.Module, memo: dict[int, Any]) -> list[Any]:
     return out
 
 
+#: modules whose objects synchronise threads or processes
+_SYNC_MODULES = frozenset({"threading", "_thread", "queue", "multiprocessing.synchronize",
+                           "asyncio.locks", "concurrent.futures._base"})
+
+
+def _synchronising(obj: Any) -> bool:
+    return type(obj).__module__ in _SYNC_MODULES
+
+
 def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     """Tensors in the ``__dict__`` of the module tree and of the plain
     objects (and lists, tuples, dicts) it holds, bounded."""
@@ -164,9 +179,11 @@ def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
             yield obj
 
 
-def _held_objects(module: nn.Module) -> Iterator[Any]:
+def _held_objects(module: nn.Module, leaf: Callable[[Any], bool] = lambda obj: False
+                  ) -> Iterator[Any]:
     """Every object reached from the ``__dict__`` of the module tree through
-    lists, tuples, sets, dicts and plain objects, once each, bounded."""
+    lists, tuples, sets, dicts and plain objects (but none that ``leaf``
+    holds), once each, bounded."""
     seen: set[int] = set()
     stack: list[Any] = list(module.modules())
     budget = _MAX_OBJECTS
@@ -177,7 +194,7 @@ def _held_objects(module: nn.Module) -> Iterator[Any]:
             continue
         seen.add(id(obj))
         yield obj
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) or leaf(obj):
             continue
         if isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)

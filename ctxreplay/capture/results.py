@@ -41,7 +41,10 @@ PROBLEMS = {
     "scope_limit": "structures past max_scopes were never observed",
     "observation_error": "observing some calls failed, so they are not covered",
     "not_observed": "calls ran inside a compiled region, where blocks are not observed",
-    "never_completed": "no call of a variant returned, so there is nothing to capture",
+    "never_completed": "no call of a variant had returned by finalize(), so there is "
+                       "nothing to capture",
+    "observation_lost": "another tool set a block's forward anew while observed, so calls "
+                        "observed before ran a forward capture no longer sees",
     "member_changed": "a block's attributes changed while observed, so its calls may "
                       "have run another graph",
     "stateful_member": "a block's forward writes Python state it keeps, so a later capture "
@@ -332,6 +335,14 @@ _PROBLEM_TEXT: dict[str, Any] = {
                                  "finalize() finds it, not as each call did. List the "
                                  "attributes in ignore_attributes if the graph does not "
                                  "depend on them",
+    "observation_lost": lambda p: f"the forward of {_names(p)} was set anew by another tool "
+                                  "while observed (e.g. accelerate's "
+                                  "remove_hook_from_module): the "
+                                  f"{_n(p.calls, 'call')} observed before it ran a forward "
+                                  "that capture no longer sees, and calls until the next call "
+                                  "of the model given to capture_with (where ctxreplay wraps "
+                                  "the new forward) were not observed. Add or remove such "
+                                  "hooks before capture_with or after finalize()",
     "member_changed": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} changed "
                                 f"({p.names[1] if len(p.names) > 1 else '?'}) while observed; "
                                 "later calls may have run another graph than the one "

@@ -49,6 +49,10 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     for scope, member_name, attributes in obs.stateful_members():
         problems.append(Problem("stateful_member", scope.name, 0, 0,
                                 (member_name, *attributes[:8])))
+    if obs.lost:
+        problems.append(Problem("observation_lost", None, 0, sum(n for _, n in obs.lost),
+                                tuple(dict.fromkeys(name for name, _ in obs.lost)),
+                                exact=False))
     for scope, member, change in obs.changed_members():
         problems.append(Problem("member_changed", scope.name, 0, 0,
                                 (member.name or scope.name, change)))

@@ -6,6 +6,8 @@ requests."""
 from __future__ import annotations
 
 import sys
+import threading
+import types
 from typing import Any
 
 from torch import nn
@@ -14,7 +16,7 @@ from ..capture.isolate import unwatch, watch
 from ..capture.options import MemberCall, VariantRequest
 from ..core.observer import Observer
 from .copies import Entries, path_modules
-from .modules import CompiledCounter
+from .modules import ABSENT, CompiledCounter, before_ctxreplay
 from .targets import (
     describe_identity_change,
     identity_digest,
@@ -24,7 +26,7 @@ from .targets import (
 )
 from .variants import MemberVariant, Scope
 from .wrapper import _Member, _Shared
-from .wrapping import Root, Wrapper, let_go, unwrap, wrap
+from .wrapping import Root, Watch, Wrapper, let_go, reaches, unwrap, wrap
 
 __all__ = ["Observation"]
 
@@ -84,12 +86,46 @@ class Observation:
             self.members.append(member)
         self.root = Root(root, (observer,), self.shared, self.shared.error)
         wrap(self.root)
+        self.rewatching = threading.Lock()
+        self.replaced: list[_Member] = []  # members another tool's forward went round
+        #: (member, calls) recorded under a forward another tool then replaced
+        self.lost: list[tuple[str, int]] = []
+        self.root.watch = Watch([m.module for m in self.members], self.rewatch)
         watch(self)  # calls made by a capture or check elsewhere are not counted
         self.dropped_structures = len(dropped)
         # copies and torch.jit.script see a plain model (``observation.copies``)
         self.entries = [Entries(m) for m in path_modules(root, [m.name for m in self.members])]
         for e in self.entries:
             e.install()
+
+    # -- another tool setting a member's forward anew -------------------------
+    def rewatch(self, *, final: bool = False) -> None:
+        """Members whose ``forward`` another tool set anew, so that calls no
+        longer go through their wrapper, are wrapped again around what is
+        there now (``final``: at detach, only counted).  The calls recorded
+        before ran another forward than the one capture will trace, unless
+        the tool put back the same one: those are ``lost``."""
+        with self.rewatching:  # two threads' model calls may both find it
+            self._rewatch(final)
+
+    def _rewatch(self, final: bool) -> None:
+        for i, m in enumerate(list(self.members)):
+            current = m.module.__dict__.get("forward", ABSENT)
+            if reaches(current, m):
+                continue
+            calls = sum(mv.calls for _, mv in m.all_variants())
+            if calls and not _same_forward(m.module, m.user_forward(), current):
+                self.lost.append((m.name or m.scope.name, calls))
+            if final:
+                continue
+            new = _successor(m)
+            self.members[i] = new
+            states = m.scope.member_states
+            states[states.index(m)] = new
+            self.replaced.append(m)
+            wrap(new)
+        if self.root is not None and self.root.watch is not None:
+            self.root.watch.update(m.module for m in self.members)
 
     def quiet(self) -> None:
         """A capture or check starts (``isolate.isolating()``): drop the
@@ -192,6 +228,7 @@ class Observation:
         (``wrapping.unwrap``).  A wrapper another tool wrapped on top of
         stays in its chain as a pass-through holding no session state."""
         unwatch(self)
+        self.rewatch(final=True)
         for e in reversed(self.entries):
             e.remove()
         self.left = unwrap(self._wrappers())
@@ -208,13 +245,50 @@ class Observation:
             c.owner = None  # type: ignore[assignment]
             c.orig = None
         let_go(self._wrappers(), self.left)
-        self.left = []
+        let_go(self.replaced, self.replaced)  # they may still be in another tool's chain
+        self.left, self.replaced = [], []
         for m in self.members:
             m.memo = None
             for table in m.tables.values():
                 for mv in table.values():
                     mv.retained = None
                     mv.retained_inputs = None
+
+
+def _successor(old: _Member) -> _Member:
+    """A wrapper around what ``old``'s module holds in ``forward`` now,
+    carrying on ``old``'s variants and state; ``old`` only passes calls
+    through from now on (it may still be in another tool's chain)."""
+    new = _Member(old.module, old.name, old.scope, old.shared, old.ignore)
+    keep = {"module", "orig", "prev", "off", "memo", "__weakref__"}
+    for cls in type(old).__mro__:
+        for slot in getattr(cls, "__slots__", ()):
+            if slot not in keep and hasattr(old, slot):
+                setattr(new, slot, getattr(old, slot))
+    old.stop()
+    return new
+
+
+def _same_forward(module: nn.Module, before: Any, now: Any) -> bool:
+    """Whether ``now`` (what ``forward`` holds, ctxreplay's wrappers skipped)
+    is the forward ``before`` was (``None``: the class's)."""
+    now = before_ctxreplay(now)
+
+    def plain(fn: Any) -> Any:
+        if isinstance(fn, types.MethodType) and fn.__self__ is module and \
+                fn.__func__ is getattr(type(module).forward, "__func__", type(module).forward):
+            return None
+        return fn
+
+    a, b = plain(before), plain(now)
+    return a is b or (a is not None and b is not None and _equal(a, b))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _inside(member: str, qualified: str) -> bool:
