@@ -154,7 +154,10 @@ class Observation:
                     if not mv.empty:  # every call raised: nothing to reproduce
                         per_index.setdefault(mv.index, []).append((m, mv))
             for index in sorted(per_index):
-                pairs = per_index[index]
+                # members that still have the identity the variant ran under
+                # first: the first completed one is traced (one whose forward
+                # another tool set anew since traces another function)
+                pairs = sorted(per_index[index], key=lambda p: p[0].identity != p[1].identity)
                 first = pairs[0][1]
                 recorded = next((mv for _, mv in pairs if mv.completed), first)
                 identity = scope.identities[first.identity] if first.identity >= 0 else ()
@@ -169,9 +172,11 @@ class Observation:
         """Members whose identity now differs from the one their calls were
         recorded under (an attribute changed while observed)."""
         out = []
+        lost = {name for name, _ in self.lost}  # their forward changed: said there
         for scope in self.scopes:
             for m in self._of(scope):
-                if m.identity_value is None or not m.tables:
+                if m.identity_value is None or not m.tables or \
+                        (m.name or scope.name) in lost:
                     continue
                 try:
                     now = identity_of(m.module, m.ignore)
@@ -260,11 +265,15 @@ def _successor(old: _Member) -> _Member:
     carrying on ``old``'s variants and state; ``old`` only passes calls
     through from now on (it may still be in another tool's chain)."""
     new = _Member(old.module, old.name, old.scope, old.shared, old.ignore)
-    keep = {"module", "orig", "prev", "off", "memo", "__weakref__"}
+    # its own: the wrapper's, and the identity (the forward is part of it),
+    # so the calls from now on are variants of their own
+    keep = {"module", "orig", "prev", "off", "memo", "__weakref__", "identity",
+            "identity_value", "table", "training", "lazy"}
     for cls in type(old).__mro__:
         for slot in getattr(cls, "__slots__", ()):
             if slot not in keep and hasattr(old, slot):
                 setattr(new, slot, getattr(old, slot))
+    new.table = new.tables.setdefault(new.identity, {})
     old.stop()
     return new
 

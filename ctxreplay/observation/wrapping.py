@@ -136,8 +136,8 @@ def reaches(fn: Any, wrapper: Wrapper, budget: int = 64) -> bool:
     goes through ``wrapper``: another tool wrapped on top of it, and its
     wrapper says what it calls the usual ways -- ``__wrapped__``
     (``functools.wraps``, accelerate's hooks), a ``functools.partial``'s
-    function and arguments, a closure's cells, ctxreplay's own wrappers'
-    ``orig``.  Bounded; a chain hidden elsewhere reads as not reaching it."""
+    function and arguments, a function's closure cells and default
+    arguments, ctxreplay's own wrappers' ``orig``.  Bounded; a chain hidden elsewhere reads as not reaching it."""
     stack, seen = [fn], set()
     while stack and budget > 0:
         f = stack.pop()
@@ -162,6 +162,8 @@ def reaches(fn: Any, wrapper: Wrapper, budget: int = 64) -> bool:
                 stack.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 continue
+        stack += [*(getattr(f, "__defaults__", None) or ()),
+                  *(getattr(f, "__kwdefaults__", None) or {}).values()]
     return False
 
 
