@@ -228,18 +228,18 @@ def test_a_call_that_raised_is_a_notice_not_a_variant_nor_a_call(flaky: None) ->
     model = Flaky()
     returned: list[int] = []
     model.register_forward_hook(lambda m, a, out: returned.append(a[0].shape[0]))
-    with record(model, [""]) as calls, ctxreplay.capture_with(model) as session:
-        with torch.no_grad():
-            for _ in range(3):
-                model(torch.rand(2, DIM))  # completes: its memo answers the next calls
-            _RAISE["on"] = True
+    with record(model, [""]) as calls, ctxreplay.capture_with(model) as session, \
+            torch.no_grad():
+        for _ in range(3):
+            model(torch.rand(2, DIM))  # completes: its memo answers the next calls
+        _RAISE["on"] = True
+        with pytest.raises(ValueError):
+            model(torch.rand(2, DIM))  # raised in a memo hit
+        _RAISE["on"] = False
+        for _ in range(2):
             with pytest.raises(ValueError):
-                model(torch.rand(2, DIM))  # raised in a memo hit
-            _RAISE["on"] = False
-            for _ in range(2):
-                with pytest.raises(ValueError):
-                    model(torch.rand(7, DIM))  # a shape whose every call raises
-            model(torch.rand(2, DIM))
+                model(torch.rand(7, DIM))  # a shape whose every call raises
+        model(torch.rand(2, DIM))
     report = finalize_checked(session, strict=True)
     assert returned == [2, 2, 2, 2]
     assert report.ok and report.problems == () and report.failures == ()

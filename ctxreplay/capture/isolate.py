@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..errors import Error
+
 __all__ = ["NotIsolable", "forward_alone", "isolated", "isolating", "rng_guard", "unwatch",
            "watch"]
 
@@ -102,7 +104,7 @@ def _set_training(module: nn.Module, training: Iterable[tuple[str, bool]]) -> No
         sub.training = mode  # the flag alone: train() would recurse
 
 
-class NotIsolable(Exception):
+class NotIsolable(Error, TypeError):
     """No isolated view of a module could be made: capture refuses to run
     it rather than run the user's own module."""
 

@@ -87,7 +87,7 @@ def _own_forward(module: nn.Module) -> tuple[str, ...] | None:
     skipped), by name; ``None`` for the class's own ``forward``.  Members
     whose forwards differ (one a user or a tool set anew) trace to
     different graphs."""
-    fn = module.__dict__.get("forward")
+    fn: Any = module.__dict__.get("forward")
     if is_ours(fn):
         fn = fn.__self__.user_forward()
     if fn is None:

@@ -137,7 +137,8 @@ def reaches(fn: Any, wrapper: Wrapper, budget: int = 64) -> bool:
     wrapper says what it calls the usual ways -- ``__wrapped__``
     (``functools.wraps``, accelerate's hooks), a ``functools.partial``'s
     function and arguments, a function's closure cells and default
-    arguments, ctxreplay's own wrappers' ``orig``.  Bounded; a chain hidden elsewhere reads as not reaching it."""
+    arguments, ctxreplay's own wrappers' ``orig``.  Bounded; a chain
+    hidden elsewhere reads as not reaching it."""
     stack, seen = [fn], set()
     while stack and budget > 0:
         f = stack.pop()
