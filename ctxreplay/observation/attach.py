@@ -234,6 +234,8 @@ class Observation:
         stays in its chain as a pass-through holding no session state."""
         unwatch(self)
         self.rewatch(final=True)
+        if self.root is not None:
+            self.root.watch = None  # it holds the members' __dict__
         for e in reversed(self.entries):
             e.remove()
         self.left = unwrap(self._wrappers())
