@@ -128,6 +128,29 @@ def test_a_forward_set_anew_before_any_call_is_observed_and_ok() -> None:
     assert unreproduced(report, calls) == []
 
 
+def test_a_forward_set_anew_inside_a_model_call_is_never_a_silent_ok() -> None:
+    model = Net()
+    add_hook_to_module(model.blocks[1], ModelHook())
+
+    def remove_later_hook(*_: Any) -> None:  # a user hook on blocks.0 removes it
+        if hasattr(model.blocks[1], "_hf_hook"):
+            remove_hook_from_module(model.blocks[1])
+
+    handle = model.blocks[0].register_forward_hook(remove_later_hook)
+    with record(model, MEMBERS) as calls:
+        with ctxreplay.capture_with(model, targets="repeated") as session:
+            _run(model, 2, 3)
+        report = finalize_checked(session)
+    handle.remove()
+    # blocks.1's first call ran unobserved: its forward was set anew inside
+    # that model call, before it ran
+    assert len(calls) == 4 and _calls(report) == 3
+    assert not report.ok
+    p = _lost(report)
+    assert p.names == ("blocks.1",) and not p.exact
+    assert unreproduced(report, [c for c in calls if c.args[0].shape[0] == 3]) == []
+
+
 def _calling(inner: Any) -> Any:
     def forward(x: torch.Tensor) -> Any:
         return inner(x)

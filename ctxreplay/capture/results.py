@@ -337,12 +337,13 @@ _PROBLEM_TEXT: dict[str, Any] = {
                                  "depend on them",
     "observation_lost": lambda p: f"the forward of {_names(p)} was set anew by another tool "
                                   "while observed (e.g. accelerate's "
-                                  "remove_hook_from_module): the "
+                                  "remove_hook_from_module): "
                                   f"{_n(p.calls, 'call')} observed before it ran a forward "
-                                  "that capture no longer sees, and calls until the next call "
-                                  "of the model given to capture_with (where ctxreplay wraps "
-                                  "the new forward) were not observed. Add or remove such "
-                                  "hooks before capture_with or after finalize()",
+                                  "that capture no longer sees, and calls between the change "
+                                  "and the next call of the model given to capture_with "
+                                  "(where ctxreplay wraps the new forward) were not observed. "
+                                  "Add or remove such hooks before capture_with or after "
+                                  "finalize()",
     "member_changed": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} changed "
                                 f"({p.names[1] if len(p.names) > 1 else '?'}) while observed; "
                                 "later calls may have run another graph than the one "

@@ -99,22 +99,26 @@ class Observation:
             e.install()
 
     # -- another tool setting a member's forward anew -------------------------
-    def rewatch(self, *, final: bool = False) -> None:
+    def rewatch(self, during: bool = False, *, final: bool = False) -> None:
         """Members whose ``forward`` another tool set anew, so that calls no
         longer go through their wrapper, are wrapped again around what is
         there now (``final``: at detach, only counted).  The calls recorded
         before ran another forward than the one capture will trace, unless
-        the tool put back the same one: those are ``lost``."""
+        the tool put back the same one: those are ``lost``; so is a member
+        whose forward was set anew ``during`` a model call (the rest of its
+        calls in that model call went unobserved)."""
         with self.rewatching:  # two threads' model calls may both find it
-            self._rewatch(final)
+            self._rewatch(final, during)
 
-    def _rewatch(self, final: bool) -> None:
+    def _rewatch(self, final: bool, during: bool) -> None:
         for i, m in enumerate(list(self.members)):
             current = m.module.__dict__.get("forward", ABSENT)
             if reaches(current, m):
                 continue
             calls = sum(mv.calls for _, mv in m.all_variants())
-            if calls and not _same_forward(m.module, m.user_forward(), current):
+            if _same_forward(m.module, m.user_forward(), current):
+                calls = 0  # what they ran is what capture traces
+            if calls or during:
                 self.lost.append((m.name or m.scope.name, calls))
             if final:
                 continue

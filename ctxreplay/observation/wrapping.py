@@ -174,13 +174,15 @@ class Watch:
     there: another tool may set it anew while a session is open
     (accelerate's ``remove_hook_from_module`` puts back the forward it
     saved), and then calls go round ctxreplay's wrapper.  ``intact()`` is
-    one dict lookup a module, once per model call (measured about 0.05 us a
-    module, a thirtieth of a block call's observation); ``repair`` is called
-    when it fails and must ``update`` what is seen."""
+    one dict lookup a module (measured about 0.05 us a module, a thirtieth
+    of a block call's observation); ``repair(during)`` is called when it
+    fails and must ``update`` what is seen: ``during`` when it failed at the
+    end of a model call (the forward was set anew inside it, so calls of
+    that call may have gone unobserved)."""
 
     __slots__ = ("pairs", "repair")
 
-    def __init__(self, modules: Iterable[nn.Module], repair: Callable[[], None]) -> None:
+    def __init__(self, modules: Iterable[nn.Module], repair: Callable[[bool], None]) -> None:
         self.repair = repair
         self.pairs: tuple[tuple[dict[str, Any], Any], ...] = ()
         self.update(modules)
@@ -209,8 +211,8 @@ class Root(Wrapper):
     change of one inside a forward counts from the next model call); calls
     in progress are counted in ``counts.active``; an observer that raises is
     told to ``errors`` (``None``: ignored -- the members observe it again).
-    ``watch``: members whose ``forward`` is checked once per model call,
-    repaired before the model runs when another tool set it anew."""
+    ``watch``: members whose ``forward`` is checked before and after each
+    model call, wrapped again when another tool set it anew."""
 
     __slots__ = ("counts", "errors", "observers", "watch")
 
@@ -227,11 +229,7 @@ class Root(Wrapper):
             return self.orig(*args, **kwargs)
         watch = self.watch
         if watch is not None and not watch.intact():
-            try:
-                watch.repair()
-            except Exception as exc:  # the calls it would observe are not covered
-                if self.errors is not None:
-                    self.errors("rewrap", exc)
+            self._repair(watch, False)
         try:
             for obs in self.observers:
                 obs.forward_changed()
@@ -244,3 +242,12 @@ class Root(Wrapper):
             return self.orig(*args, **kwargs)
         finally:
             counts.active -= 1
+            if watch is not None and not watch.intact():
+                self._repair(watch, True)
+
+    def _repair(self, watch: Watch, during: bool) -> None:
+        try:
+            watch.repair(during)
+        except Exception as exc:  # the calls it would observe are not covered
+            if self.errors is not None:
+                self.errors("rewrap", exc)
