@@ -352,23 +352,30 @@ def test_a_block_no_view_can_be_made_of_is_refused_not_run() -> None:
     assert f.reason == "isolation_failed" and "Unisolable" in f.message
 
 
-def _nested(model: Net, verify: str) -> tuple[ctxreplay.CaptureReport, ctxreplay.CaptureReport]:
+def _nested(model: Net, verify: str, inner_first: bool
+            ) -> tuple[ctxreplay.CaptureReport, ctxreplay.CaptureReport, list[tuple[Any, ...]]]:
     with ctxreplay.capture_with(model, targets="repeated", verify=verify,
                                 ignore_attributes=["log"]) as outer:
         with ctxreplay.capture_with(model, targets="repeated", verify=verify,
                                     ignore_attributes=["log"]) as inner:
             _run(model, 2, 2)
+            before = _user_state(model)
+            if not inner_first:  # the outer finalize() runs while inner observes
+                outer_report = finalize_checked(outer)
         inner_report = finalize_checked(inner)
-    return finalize_checked(outer), inner_report
+    if inner_first:
+        outer_report = finalize_checked(outer)
+    return outer_report, inner_report, before
 
 
-def test_nested_sessions_on_lock_holding_blocks_count_only_the_user_calls() -> None:
+@pytest.mark.parametrize("inner_first", [True, False])
+def test_nested_sessions_on_lock_holding_blocks_count_only_the_user_calls(
+        inner_first: bool) -> None:
     model = Net(Locked)
     with record(model, MEMBERS) as calls:
-        before = None
-        outer, inner = _nested(model, "execute")
-        before = _user_state(model)
+        outer, inner, before = _nested(model, "execute", inner_first)
     _unchanged(model, before)
+    assert [b.log for b in model.blocks] == [["Tensor", "Tensor"]] * 2
     for r in (outer, inner):
         assert r.ok and _calls(r) == len(calls) == 4, [(c.members, c.calls) for c in r.captures]
         assert unreproduced(r, calls) == []
