@@ -229,6 +229,20 @@ def test_a_forward_assigned_after_the_last_call_is_counted_at_finalize() -> None
     assert (p.names, p.calls) == (("blocks.0",), 2)
 
 
+def test_the_model_own_forward_set_anew_mid_session_is_never_a_silent_ok() -> None:
+    # the model given to capture_with is the member: with its forward set
+    # anew (to the same function), no wrapper of ctxreplay sees its calls
+    model = Block()
+    with record(model, [""]) as calls:
+        with ctxreplay.capture_with(model) as session:
+            _run(model, 2)
+            model.forward = types.MethodType(Block.forward, model)
+            _run(model, 2, 3)
+        report = finalize_checked(session)
+    assert len(calls) == 3 and _calls(report) == 1
+    assert not report.ok and _lost(report).names == ("Block",)
+
+
 # -- case 10: a call that raised ---------------------------------------------------------
 
 _RAISE = {"on": False}

@@ -111,6 +111,12 @@ class Observation:
             self._rewatch(final, during)
 
     def _rewatch(self, final: bool, during: bool) -> None:
+        root = self.root
+        if final and root is not None and \
+                not reaches(root.module.__dict__.get("forward", ABSENT), root):
+            # the root's own forward was set anew too: model calls since went
+            # unchecked, so a member's calls may have gone unobserved
+            during = True
         for i, m in enumerate(list(self.members)):
             current = m.module.__dict__.get("forward", ABSENT)
             if reaches(current, m):
