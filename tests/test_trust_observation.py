@@ -243,6 +243,23 @@ def test_the_model_own_forward_set_anew_mid_session_is_never_a_silent_ok() -> No
     assert not report.ok and _lost(report).names == ("Block",)
 
 
+def test_a_session_finalized_inside_a_model_call_never_wraps_again() -> None:
+    model = Net()
+    session = ctxreplay.capture_with(model, targets="repeated")
+    reports: list[ctxreplay.CaptureReport] = []
+
+    def finalize_now(*_: Any) -> None:
+        if not reports:
+            reports.append(session.finalize())
+
+    handle = model.blocks[0].register_forward_hook(finalize_now)
+    _run(model, 2)
+    handle.remove()
+    assert reports and reports[0].captures
+    # detach put back every forward; the end of the model call wrapped nothing
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
 # -- case 10: a call that raised ---------------------------------------------------------
 
 _RAISE = {"on": False}

@@ -87,6 +87,7 @@ class Observation:
         self.root = Root(root, (observer,), self.shared, self.shared.error)
         wrap(self.root)
         self.rewatching = threading.Lock()
+        self.closed = False  # detach began
         self.replaced: list[_Member] = []  # members another tool's forward went round
         #: (member, calls) recorded under a forward another tool then replaced
         self.lost: list[tuple[str, int]] = []
@@ -111,6 +112,8 @@ class Observation:
             self._rewatch(final, during)
 
     def _rewatch(self, final: bool, during: bool) -> None:
+        if self.closed and not final:
+            return  # a model call that began before detach: never wrap again
         root = self.root
         if final and root is not None and \
                 not reaches(root.module.__dict__.get("forward", ABSENT), root):
@@ -243,6 +246,7 @@ class Observation:
         (``wrapping.unwrap``).  A wrapper another tool wrapped on top of
         stays in its chain as a pass-through holding no session state."""
         unwatch(self)
+        self.closed = True
         self.rewatch(final=True)
         if self.root is not None:
             self.root.watch = None  # it holds the members' __dict__

@@ -242,7 +242,7 @@ class Root(Wrapper):
             return self.orig(*args, **kwargs)
         finally:
             counts.active -= 1
-            if watch is not None and not watch.intact():
+            if watch is not None and not self.off and not watch.intact():
                 self._repair(watch, True)
 
     def _repair(self, watch: Watch, during: bool) -> None:
