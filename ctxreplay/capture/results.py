@@ -42,7 +42,10 @@ PROBLEMS = {
     "scope_limit": "structures past max_scopes were never observed",
     "observation_error": "observing some calls failed, so they are not covered",
     "not_observed": "calls ran inside a compiled region, where blocks are not observed",
-    "never_completed": "no call of a variant returned, so there is nothing to capture",
+    "never_completed": "no call of a variant had returned by finalize(), so there is "
+                       "nothing to capture",
+    "observation_lost": "another tool set a block's forward anew while observed, so calls "
+                        "observed before ran a forward capture no longer sees",
     "member_changed": "a block's attributes changed in place (no assignment) while "
                       "observed, so its calls may have run another graph",
     "stateful_member": "a block's forward writes Python state it keeps, so a later capture "
@@ -344,14 +347,24 @@ _PROBLEM_TEXT: dict[str, Any] = {
                               + ": the blocks inside were not observed; pass the uncompiled "
                                 "module to capture_with and compile afterwards",
     "never_completed": lambda p: f"{p.scope}: no call of {_n(p.variants, 'variant')} "
-                                 f"returned ({_n(p.calls, 'call')} raised), so there is "
-                                 "nothing to capture",
+                                 f"had returned by finalize() ({_n(p.calls, 'call')} still "
+                                 "running, e.g. in another thread), so there is nothing "
+                                 "to capture",
     "stateful_member": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} writes "
                                  f"state it holds ({', '.join(p.names[1:]) or '?'}) in its "
                                  "forward; a capture made afterwards sees that state as "
                                  "finalize() finds it, not as each call did. List the "
                                  "attributes in ignore_attributes if the graph does not "
                                  "depend on them",
+    "observation_lost": lambda p: f"the forward of {_names(p)} was set anew by another tool "
+                                  "while observed (e.g. accelerate's "
+                                  "remove_hook_from_module): "
+                                  f"{_n(p.calls, 'call')} observed before it ran a forward "
+                                  "that capture no longer sees, and calls between the change "
+                                  "and the next call of the model given to capture_with "
+                                  "(where ctxreplay wraps the new forward) were not observed. "
+                                  "Add or remove such hooks before capture_with or after "
+                                  "finalize()",
     "member_changed": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} changed "
                                 f"({p.names[1] if len(p.names) > 1 else '?'}) in place while "
                                 "observed (an assignment would have split the variant); "
@@ -366,6 +379,9 @@ NOTICES = {
     "probe_too_fine": "captures with identical graphs differ only in this probe's state: "
                       "its key separates calls that run the same graph (give the probe a "
                       "coarser key, e.g. ForwardContextProbe(..., key=...))",
+    "call_raised": "calls of this member raised in its forward (the caller handled the "
+                   "exception): they were never calls to reproduce, so they are left out "
+                   "of every variant and of the calls counted",
     "probe_varies_every_call": "this probe had a different state in every variant (a step "
                                "counter or a timestep in its key?)",
 }

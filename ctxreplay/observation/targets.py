@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..capture.options import Unrestorable
+from .copies import is_ours
 
 # torch's lazy modules hold these until their first forward
 _Uninitialized: type = getattr(nn.parameter, "UninitializedTensorMixin", type(None))
@@ -123,6 +124,26 @@ def _callable(value: Any, budget: list[int]) -> Any:
     return ("callable", type(value).__module__, type(value).__qualname__, own)
 
 
+def _own_forward(module: nn.Module) -> tuple[str, ...] | None:
+    """The function an instance ``forward`` runs (ctxreplay's wrappers
+    skipped), by name; ``None`` for the class's own ``forward``.  Members
+    whose forwards differ (one a user or a tool set anew) trace to
+    different graphs."""
+    fn: Any = module.__dict__.get("forward")
+    if is_ours(fn):
+        fn = fn.__self__.user_forward()
+    if fn is None:
+        return None
+    if isinstance(fn, types.MethodType) and fn.__self__ is module:
+        if fn.__func__ is getattr(type(module), "forward", None):
+            return None
+        fn = fn.__func__
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return (str(getattr(fn, "__module__", None) or type(fn).__module__), str(name))
+
+
 def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...]:
     """What decides whether two members trace to the same graph, up to
     parameter values: per submodule, its class, parameter and buffer shapes,
@@ -140,6 +161,9 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
             p = _plain(v, budget)
             if p is not _SKIP:
                 attrs_.append((k, p))
+        own = _own_forward(m)
+        if own is not None:  # another forward than the class's runs this module
+            attrs_.append(("forward", own))
         out.append((path, type(m).__qualname__, bool(m.training),
                     tuple((n, *_tensor_key(t)) for n, t in m._parameters.items()
                           if t is not None),

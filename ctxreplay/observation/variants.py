@@ -47,13 +47,21 @@ class MemberVariant:
     retained: Kept | None = None
     #: copies of the inputs of the call in progress that is to be retained
     retained_inputs: tuple[torch.Tensor, ...] | None = None
+    #: calls counted that raised in the user's forward (the caller handled
+    #: it): never calls to reproduce, so ``calls`` leaves them out
+    raised: int = 0
 
     @property
     def calls(self) -> int:
         # itertools.count increments atomically under the GIL (a plain
         # ``+= 1`` loses updates between threads); its repr, "count(N)",
         # gives the next value without consuming it.
-        return int(repr(self.counter)[6:-1])
+        return int(repr(self.counter)[6:-1]) - self.raised
+
+    @property
+    def empty(self) -> bool:
+        """No call of it returned: every one raised (or is still running)."""
+        return not self.completed and self.calls == 0
 
 
 @attrs.frozen(eq=False)
@@ -111,7 +119,8 @@ class Scope:
         out: dict[Any, list[tuple[str, MemberVariant]]] = {}
         for m in self.member_states:
             for key, mv in m.all_variants():
-                out.setdefault(key, []).append((m.name, mv))
+                if not mv.empty:
+                    out.setdefault(key, []).append((m.name, mv))
         views = {}
         for key, pairs in sorted(out.items(), key=lambda kv: kv[1][0][1].index):
             first = pairs[0][1]

@@ -37,6 +37,7 @@ from torch import nn
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import dynamo_exporting as _dynamo_exporting
 from .._base.torchcaps import tensor_guard
+from ..capture.isolate import isolating
 from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
 from ..specs.frozen import freeze_constants
@@ -158,12 +159,19 @@ class _Member(Wrapper):
                         hit = False
                     if hit:
                         next(counter)
-                        return orig(*args)
+                        try:  # (free in CPython >= 3.11 until something raises)
+                            return orig(*args)
+                        except BaseException:
+                            self._raised(counter)
+                            raise
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Every call the memo does not answer."""
-        if self.off or _dynamo_compiling() or _is_tracing():
+        if self.off or _dynamo_compiling() or _is_tracing() or isolating():
+            # (``isolating()``: ctxreplay's own capture or check of a module
+            # in this thread, e.g. another session's finalize(): not a live
+            # call; ``isolate.watch`` drops the memo while it runs.)
             # Under torch.compile the check is a constant and orig is
             # inlined: compiled regions are not observed and get no graph
             # break.  The store below is a side effect Dynamo replays on every
@@ -204,13 +212,32 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         if mv is not None:
             next(mv.counter)
-            if shared.retention.limit is not None:
-                return self._retaining(mv, args, kwargs)
-            if shared.profile:
-                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
-                    return self.orig(*args, **kwargs)
-            return self.orig(*args, **kwargs)
+            try:
+                if shared.retention.limit is not None:
+                    return self._retaining(mv, args, kwargs)
+                if shared.profile:
+                    with torch.profiler.record_function(
+                            f"ctxreplay:{self.scope.name}#{mv.index}"):
+                        return self.orig(*args, **kwargs)
+                return self.orig(*args, **kwargs)
+            except BaseException:
+                self._raised(mv.counter)
+                raise
         return self._first(snap, args, kwargs)
+
+    def _raised(self, counter: Any) -> None:
+        """The call just counted on ``counter`` raised in the user's forward:
+        not a call to reproduce (the caller may well handle it), so it leaves
+        its variant's calls; the member counts it for a notice."""
+        try:
+            with self.shared.lock:
+                for table in self.tables.values():
+                    for mv in table.values():
+                        if mv.counter is counter:
+                            mv.raised += 1
+                            return
+        except Exception:  # never in the way of the user's exception
+            return
 
     def _memoize(self, snap: ContextSnapshot, args: tuple[Any, ...], sig: Any,
                  mv: MemberVariant) -> None:
@@ -268,11 +295,15 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         next(mv.counter)
         held = held_state(self.module, self.ignore)
-        if self.shared.profile:
-            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+        try:
+            if self.shared.profile:
+                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                    out = self.orig(*args, **kwargs)
+            else:
                 out = self.orig(*args, **kwargs)
-        else:
-            out = self.orig(*args, **kwargs)
+        except BaseException:
+            self._raised(mv.counter)
+            raise
         try:
             changed = held_changes(held)
             if self.lazy:  # a lazy module materialises in its first call
@@ -351,11 +382,17 @@ class _Member(Wrapper):
         if failed is not None:
             self.shared.error("retain", failed)
             del failed
-        if self.shared.profile:
-            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+        try:
+            if self.shared.profile:
+                with torch.profiler.record_function(
+                        f"ctxreplay:{self.scope.name}#{mv.index}"):
+                    out = self.orig(*args, **kwargs)
+            else:
                 out = self.orig(*args, **kwargs)
-        else:
-            out = self.orig(*args, **kwargs)
+        except BaseException:
+            if inputs is not None:  # a call that raised is not kept: its budget back
+                self.shared.retention.release(inputs)
+            raise
         try:
             if inputs is not None:
                 self._keep(mv, out, inputs)
@@ -443,6 +480,11 @@ class _Member(Wrapper):
     def stop(self) -> None:
         self.off = True
         self.memo = None  # the memo's hit path does not read ``off``
+
+    def raised(self) -> int:
+        """Calls of this member that raised in its forward."""
+        return sum(mv.raised for table in list(self.tables.values())
+                   for mv in list(table.values()))
 
     def all_variants(self) -> Iterator[tuple[Any, MemberVariant]]:
         for identity, table in list(self.tables.items()):
