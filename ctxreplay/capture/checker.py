@@ -35,6 +35,7 @@ from ..fidelity.verify import (
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
 from .isolate import isolated, rng_guard
+from .mutation import Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 
 __all__ = ["Checker", "Step", "register_step", "unregister_step"]
@@ -61,6 +62,8 @@ class Checker:
         self.hint = hint_for(request.snapshot, carried)
         self.ambient_only = ambient_only
         self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
+        #: what the reference runs changed in their arguments
+        self.watch = Watch()
 
     def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
         name = self.options.verify
@@ -187,7 +190,7 @@ class Checker:
             # ``nn.Module.__call__`` runs at the member's own level ran
             # around it (``isolate.forward_alone``), those of its
             # submodules inside it
-            out = view.forward(*args, **kwargs)
+            out = self.watch.call(view.forward, args, kwargs)
         return tuple(tensor_values(out)) if self.flatten_out else out
 
 
