@@ -46,6 +46,9 @@ ARGUMENT_FIELD = "argument"
 _MAX_NODES = 4096
 _MAX_DEPTH = 16
 _MAX_REPORTED = 4
+#: ``Mismatch.captured`` of a change to an argument: the graph holds no op
+#: that makes it
+_NOT_IN_GRAPH = "no graph op"
 
 #: a path: the argument (``args[0]``, ``kwargs['cache']``), then the
 #: attribute and item steps below it (``.layers``, ``[0]``)
@@ -64,11 +67,12 @@ class Mutation:
     where: str
     """The same, from the argument's type: ``DynamicCache.layers[0].keys``."""
     change: str
-    """What the forward did, in words: ``assigns it a new Tensor``."""
+    """What the forward did: ``assigned (new Tensor)``, ``appended (0 -> 1
+    items)``, ``attribute set``."""
 
     def describe(self) -> str:
-        """``DynamicCache.layers[0].keys: the forward assigns it a new Tensor``."""
-        return f"{self.where}: the forward {self.change}"
+        """``DynamicCache.layers[0].keys: assigned (new Tensor)``."""
+        return f"{self.where}: {self.change}"
 
 
 def _token(value: Any) -> tuple[Token, Iterator[tuple[str, Any]] | None]:
@@ -117,18 +121,18 @@ def state_of(args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _words(before: Token | None, after: Token | None, step: str) -> str:
+    """The change, tersely (reports hold metadata, not sentences)."""
     if before is None:
         assert after is not None
-        return f"sets attribute {step[1:]}" if step.startswith(".") else \
-            f"adds {step} ({after[1]})"
+        return "attribute set" if step.startswith(".") else f"item {step} added"
     if after is None:
-        return f"deletes attribute {step[1:]}" if step.startswith(".") else f"removes {step}"
+        return "attribute deleted" if step.startswith(".") else f"item {step} removed"
     if before[0] == after[0] and before[2] == after[2] and before[0] in ("seq", "dict", "set"):
-        verb = "appends to it" if after[3] > before[3] else "removes from it"
-        if before[0] != "seq":
-            verb = "adds to it" if after[3] > before[3] else "removes from it"
+        verb = "appended" if before[0] == "seq" else "added"
+        if after[3] < before[3]:
+            verb = "removed"
         return f"{verb} ({before[3]} -> {after[3]} items)"
-    return f"assigns it a new {after[1]}"
+    return f"assigned (new {after[1]})"
 
 
 def changes(before: dict[Path, Token], after: dict[Path, Token]) -> list[Mutation]:
@@ -202,8 +206,8 @@ def with_mutations(fidelity: Fidelity, found: list[Mutation]) -> Fidelity:
     trace, so ``checked`` names it when no other check ran."""
     if not found:
         return fidelity
-    extra = tuple(Mismatch(m.path, ARGUMENT_FIELD, m.describe(),
-                           "the graph cannot reproduce it", ARGUMENT_FIELD)
+    extra = tuple(Mismatch(m.path, ARGUMENT_FIELD, m.describe(), _NOT_IN_GRAPH,
+                           ARGUMENT_FIELD)
                   for m in found[:_MAX_REPORTED])
     return attrs.evolve(fidelity, ok=False, mismatches=(*fidelity.mismatches, *extra),
                         checked=fidelity.checked or (ARGUMENT_FIELD,), ok_with_needs=None)
