@@ -208,6 +208,6 @@ def with_mutations(fidelity: Fidelity, found: list[Mutation]) -> Fidelity:
         return fidelity
     extra = tuple(Mismatch(m.path, ARGUMENT_FIELD, m.describe(), _NOT_IN_GRAPH,
                            ARGUMENT_FIELD)
-                  for m in found[:_MAX_REPORTED])
+                  for m in list(dict.fromkeys(found))[:_MAX_REPORTED])
     return attrs.evolve(fidelity, ok=False, mismatches=(*fidelity.mismatches, *extra),
                         checked=fidelity.checked or (ARGUMENT_FIELD,), ok_with_needs=None)
