@@ -85,6 +85,15 @@ class IndexCopies(nn.Module):
         return out
 
 
+class UpdatesOtherwiseWhenExported(nn.Module):
+    """Updates its input in place one way eagerly, another way in the graph
+    (its outputs agree): only a check of the updated inputs tells."""
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.add_(1.0 if torch.compiler.is_exporting() else 2.0)
+        return x * 2
+
+
 def _capture(model: nn.Module, *calls: tuple[Any, ...]) -> ctxreplay.CaptureReport:
     with ctxreplay.capture_with(model, verify="execute") as session, torch.no_grad():
         for args in calls:
@@ -145,6 +154,20 @@ def test_an_in_place_tensor_update_is_ok_and_install_writes_the_live_tensor() ->
         assert handle.stats().total_hits == 1
     # the program wrote the live tensor as the eager forward does
     assert torch.equal(cache, eager_cache) and torch.equal(out, expected)
+
+
+def test_an_in_place_update_the_graph_gets_wrong_is_not_ok() -> None:
+    model = UpdatesOtherwiseWhenExported()
+    x = torch.rand(2, 4)
+    report = _capture(model, (x, torch.zeros(3)))
+    assert not report.ok
+    [m] = report.captures[0].fidelity.mismatches
+    assert (m.path, m.field, m.level) == ("args[1]", "values", "execute")
+    # the oracle: eager and the program agree on the output, not on the cache
+    eager_cache, program_cache = torch.zeros(3), torch.zeros(3)
+    assert torch.equal(model(x, eager_cache), report.captures[0].artifact.module()(
+        x, program_cache))
+    assert not torch.equal(eager_cache, program_cache)
 
 
 # -- tiny Qwen2, generate() ------------------------------------------------------------
