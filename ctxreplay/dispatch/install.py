@@ -49,8 +49,8 @@ OBJECT_POLICIES = ("eager", "dispatch")
 
 #: every key of ``DispatchStats.reasons``: why a call ran eagerly
 MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
-                "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state", "structure",
-                "not_rebuildable", "backend_not_dispatchable", "compile_failed",
+                "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
+                "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
                 "observe_error")
 
 _is_tracing = torch._C._is_tracing
@@ -68,8 +68,9 @@ class DispatchStats:
     ``training``: the member's ``training`` flag changed since install;
     ``mutates_argument``: the matching capture's forward changes an
     argument object in Python (a ``DynamicCache`` growing), which no run of
-    its graph repeats, so it is never dispatched; ``identity``: the member's class, shapes, training flags or plain
-    attributes differ from those it had when it ran the variant;
+    its graph repeats, so it is never dispatched; ``identity``: the
+    member's class, shapes, training flags or plain attributes differ from
+    those it had when it ran the variant;
     ``object_arguments``, ``environment``, ``fidelity``, ``unknown_probe``,
     ``live_state``, ``structure``, ``not_rebuildable``,
     ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``:

@@ -29,8 +29,8 @@ from ..loading.needs import Needs, needs_of, static_differences
 from ..loading.weights import WeightsError, bind_weights
 from ..observation.targets import identity_digest, identity_of
 from ..report.capture_report import CaptureReport
-from ..specs.materialize import build
 from ..specs.frozen import is_object
+from ..specs.materialize import build
 from ..specs.signature import (
     CallSpec,
     ConstSpec,

@@ -40,7 +40,7 @@ class Mismatch:
     """A captured output that disagrees with a live one.
 
     ``level`` is the check that found it (``signature``, ``execute``,
-    ``values`` or ``saved``); ``members`` the blocks whose calls show it
+    ``values``, ``saved`` or ``argument``); ``members`` the blocks whose calls show it
     (empty for a capture of a single module); ``hint`` names probes whose
     state the artifact does not carry."""
 
