@@ -43,8 +43,10 @@ __all__ = ["ARGUMENT_FIELD", "Mutation", "Watch", "changes", "state_of", "watche
 #: (reason ``mutates_argument``)
 ARGUMENT_FIELD = "argument"
 
-_MAX_NODES = 4096
-_MAX_DEPTH = 16
+# a 32-layer cache is a few hundred objects; beyond these bounds (and for
+# objects keeping their state in slots) a change is not seen
+_MAX_NODES = 16384
+_MAX_DEPTH = 32
 _MAX_REPORTED = 4
 #: ``Mismatch.captured`` of a change to an argument: the graph holds no op
 #: that makes it
