@@ -94,6 +94,23 @@ class UpdatesOtherwiseWhenExported(nn.Module):
         return x * 2
 
 
+class EmptyCache:
+    """A cache before its first update: no tensor inside, so a constant."""
+
+    def __init__(self) -> None:
+        self.layers: list[Any] = []
+
+
+class ReadsCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: EmptyCache) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x) * (len(cache.layers) + 1)
+        return out
+
+
 def _capture(model: nn.Module, *calls: tuple[Any, ...]) -> ctxreplay.CaptureReport:
     with ctxreplay.capture_with(model, verify="execute") as session, torch.no_grad():
         for args in calls:
@@ -168,6 +185,23 @@ def test_an_in_place_update_the_graph_gets_wrong_is_not_ok() -> None:
     assert torch.equal(model(x, eager_cache), report.captures[0].artifact.module()(
         x, program_cache))
     assert not torch.equal(eager_cache, program_cache)
+
+
+def test_an_object_argument_bound_as_a_constant_runs_eagerly_by_default() -> None:
+    # Holding no tensor, the cache is a constant of the graph (its length
+    # read as 0); the default policy runs calls with object arguments
+    # eagerly, the constant ones included.
+    torch.manual_seed(0)
+    model = ReadsCache()
+    x = torch.rand(2, 4)
+    report = _capture(model, (x, EmptyCache()))
+    assert report.ok and report.captures[0].constants == ("args[1]",)
+    with ctxreplay.install(model, report) as handle, torch.no_grad():
+        model(x, EmptyCache())
+        assert handle.stats().reasons == {"object_arguments": 1}
+    with ctxreplay.install(model, report, object_args="dispatch") as handle, torch.no_grad():
+        assert torch.equal(model(x, EmptyCache()), model.lin(x))
+        assert handle.stats().total_hits == 1
 
 
 # -- tiny Qwen2, generate() ------------------------------------------------------------

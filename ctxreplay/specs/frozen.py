@@ -90,7 +90,7 @@ def is_object(value: Any) -> bool:
     """Whether a constant is a Python object a forward can change in place
     (its attributes, a container's items): not a scalar, a callable, a
     module, a tensor, an enum or a generator."""
-    return not isinstance(value, torch.Generator) and _mutable(value)
+    return not isinstance(value, torch.Generator) and not callable(value) and _mutable(value)
 
 
 def _copy(spec: ConstSpec) -> Spec:
