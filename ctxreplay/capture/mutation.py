@@ -112,13 +112,17 @@ def state_of(args: tuple[Any, ...], kwargs: dict[str, Any]
     stack: list[tuple[Path, Any]] = [((p,), v) for p, v in reversed(roots)]
     while stack and len(tokens) < _MAX_NODES:
         path, value = stack.pop()
-        token, kids = _token(value)
+        try:
+            token, kids = _token(value)
+            below = None if kids is None else [((*path, step), v) for step, v in kids]
+        except Exception:  # an object whose attributes refuse to be read: by identity
+            token, below = ("ref", type(value).__qualname__, id(value), 0), None
         tokens[path] = token
         held.append(value)
-        if kids is None or id(value) in seen or len(path) > _MAX_DEPTH:
+        if below is None or id(value) in seen or len(path) > _MAX_DEPTH:
             continue
         seen.add(id(value))
-        stack.extend(reversed([((*path, step), v) for step, v in kids]))
+        stack.extend(reversed(below))
     return tokens, held
 
 
