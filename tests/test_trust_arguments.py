@@ -290,6 +290,7 @@ _FRESH = textwrap.dedent("""
         with ctxreplay.install(model, ctxreplay.load(sys.argv[1]), object_args=policy) as h:
             out[policy] = generate().tolist()
             out[policy + "_hits"] = h.stats().total_hits
+            out[policy + "_unusable"] = sorted(set(h.stats().unusable.values()))
     out["eager"] = eager.tolist()
     print(json.dumps(out))
 """)
@@ -307,6 +308,8 @@ def test_qwen2_dynamic_cache_generate_saved_loaded_installed_in_a_fresh_process(
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["eager"] == eager  # the fresh process built the same model
     assert out["eager_hits"] == out["dispatch_hits"] == 0
+    # refused for what the forward does to the cache, named as such
+    assert out["eager_unusable"] == out["dispatch_unusable"] == ["mutates_argument"]
     assert out["eager"] == out["dispatch"] == eager
 
 

@@ -95,14 +95,19 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
     unusable = _unusable(needs, snap, signature, outputs, flatten_out, backend_ok, ignore,
                          object_args)
-    if isinstance(source, Capture) and any(m.field == ARGUMENT_FIELD
-                                           for m in source.fidelity.mismatches):
-        # the forward changes an argument object where no run of the graph
-        # does, whatever the policy (a saved one: its failed fidelity)
+    if _mutates_argument(source):  # whatever the policy
         unusable = "mutates_argument"
     return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
                   flatten_out, snap, unusable, dict(source.identities),
                   tuple(source.ignore_attributes))
+
+
+def _mutates_argument(source: Capture | LoadedCapture) -> bool:
+    """Whether the capture's forward changes an argument object where no
+    run of its graph does (its check found a ``Mismatch`` of that field)."""
+    if isinstance(source, LoadedCapture):
+        return source.mutates_argument
+    return any(m.field == ARGUMENT_FIELD for m in source.fidelity.mismatches)
 
 
 def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
