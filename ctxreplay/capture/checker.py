@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -37,6 +38,7 @@ from ..fidelity.verify import (
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
 from .isolate import isolated, rng_guard
+from .mutation import Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 
@@ -65,6 +67,8 @@ class Checker:
         self.ambient_only = ambient_only
         self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
         self.by_value = 0  # live calls run and compared by value in this pass
+        #: what the reference runs changed in their arguments
+        self.watch = Watch()
 
     def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
         name = self.options.verify
@@ -134,8 +138,9 @@ class Checker:
                 return [_mismatch("execution", "member weights",
                                   f"not possible: backend {self.backend.name!r}", "execute",
                                   None, name)]
+            ran = _clone(leaves)  # the inputs the artifact updates in place, if it does
             try:
-                produced = self._call(program, leaves)
+                produced = self._call(program, ran)
             except Exception as exc:
                 # e.g. a bfloat16 input meeting float32 weights once autocast
                 # is gone: the probes the artifact did not carry are the
@@ -148,13 +153,28 @@ class Checker:
                                   member=name)
             if found:
                 return found
+        updated = _clone(leaves)
         with self._isolated(module) as ref:
             try:  # the member itself, on the same inputs, under the live context
-                reference = self._eager(ref, leaves)
+                reference = self._eager(ref, updated)
             except Exception as exc:
                 return [_mismatch("execution", "reference run", exception_message(exc)[0],
                                   "execute", None, name)]
-        return compare_values(reference, produced, "execute", hint=self.hint, member=name)
+        return compare_values(reference, produced, "execute", hint=self.hint, member=name) + \
+            self._updates(updated, ran, name)
+
+    def _updates(self, want: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...],
+                 name: str | None) -> list[Mismatch]:
+        """The input tensors after the reference run against those after the
+        artifact's run: an in-place update of an input (a static KV cache's
+        ``index_copy_``) is part of what the program must reproduce -- it
+        writes it into the live tensors when installed."""
+        found: list[Mismatch] = []
+        for (path, _), a, b in zip(self.request.inputs.leaves(), want, got):
+            found += [attrs.evolve(m, path=path)
+                      for m in compare_values((a,), (b,), "execute", hint=self.hint,
+                                              member=name)]
+        return found
 
     def _values(self, m: MemberCall, module: nn.Module | None,
                 name: str | None) -> list[Mismatch]:
@@ -174,7 +194,7 @@ class Checker:
                 if program is None:
                     return []  # reported by the execute check
                 try:
-                    produced = self._call(program, leaves)
+                    produced = self._call(program, _clone(leaves))
                 except Exception as exc:
                     found.append(_mismatch("execution", "ran", exception_message(exc)[0],
                                            "values", self.hint, name))
@@ -198,19 +218,21 @@ class Checker:
         return live
 
     def _call(self, program: Callable[..., Any], leaves: tuple[torch.Tensor, ...]) -> Any:
-        args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=_clone(leaves))
+        """``program`` on ``leaves`` (the caller's copies: it may update them)."""
+        args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=leaves)
         with rng_guard(), neutral_replay(self.request.snapshot, self.baseline,
                                          needs=self.needs):
             return program(*args, **kwargs)
 
     def _eager(self, view: nn.Module, leaves: tuple[torch.Tensor, ...]) -> Any:
-        args, kwargs = bind_call(self.request.inputs, _taker(_clone(leaves)))
+        """The member's forward on ``leaves`` (the caller's copies)."""
+        args, kwargs = bind_call(self.request.inputs, _taker(leaves))
         with rng_guard(), neutral_replay(self.request.snapshot, self.baseline, full=True):
             # ``forward`` alone, as observation saw the live call: the hooks
             # ``nn.Module.__call__`` runs at the member's own level ran
             # around it (``isolate.forward_alone``), those of its
             # submodules inside it
-            out = view.forward(*args, **kwargs)
+            out = self.watch.call(view.forward, args, kwargs)
         return tuple(tensor_values(out)) if self.flatten_out else out
 
 

@@ -48,6 +48,7 @@ from ..specs.signature import (
 from ..specs.specjson import call_to_json
 from .checker import Checker
 from .isolate import forward_alone, isolated, rng_guard
+from .mutation import Watch, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 from .results import Capture, CaptureFailure
@@ -90,6 +91,8 @@ class _Plan:
     binding: str
     flatten_out: bool
     faults: list[BaseException]
+    #: what the traced forward changed in its arguments
+    watch: Watch = attrs.field(factory=Watch)
 
     @classmethod
     def make(cls, request: VariantRequest, options: CaptureOptions,
@@ -182,6 +185,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
             fidelity = checker.run(modules)
         except Exception as exc:
             raise fail("verify_failed", exc) from None
+        fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
     finally:
         view_cm.__exit__(None, None, None)
     try:
@@ -330,8 +334,9 @@ def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
             stack.enter_context(plan.around)
         except Exception as exc:
             raise _ReplayFault() from exc
+        inside = plan.inside if plan.binding == "native" else None
         with rng_guard(watch_generators=False), forward_alone(view), \
-                _swapped_forward(target, plan.inside if plan.binding == "native" else None):
+                watched(view, plan.watch), _swapped_forward(target, inside):
             raw = options.backend.capture(target, args, kwargs)
             traced = _resolve(raw, plan, options, args, kwargs)
         try:  # a replay that fails while restoring is a replay fault too

@@ -49,8 +49,8 @@ OBJECT_POLICIES = ("eager", "dispatch")
 
 #: every key of ``DispatchStats.reasons``: why a call ran eagerly
 MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
-                "environment", "fidelity", "unknown_probe", "live_state", "structure",
-                "not_rebuildable", "backend_not_dispatchable", "compile_failed",
+                "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
+                "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
                 "observe_error")
 
 _is_tracing = torch._C._is_tracing
@@ -66,8 +66,11 @@ class DispatchStats:
     reason code (``signature``: no capture of this member has the call's
     input signature; ``context``: one has, but under another context;
     ``training``: the member's ``training`` flag changed since install;
-    ``identity``: the member's class, shapes, training flags or plain
-    attributes differ from those it had when it ran the variant;
+    ``mutates_argument``: the matching capture's forward changes an
+    argument object in Python (a ``DynamicCache`` growing), which no run of
+    its graph repeats, so it is never dispatched; ``identity``: the
+    member's class, shapes, training flags or plain attributes differ from
+    those it had when it ran the variant;
     ``object_arguments``, ``environment``, ``fidelity``, ``unknown_probe``,
     ``live_state``, ``structure``, ``not_rebuildable``,
     ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``:

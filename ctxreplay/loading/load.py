@@ -15,6 +15,7 @@ import attrs
 from torch import nn
 
 from ..artifacts.sidecar import ArtifactError, ArtifactSidecar, read_sidecar, warn_unknown
+from ..capture.mutation import ARGUMENT_FIELD
 from ..core.snapshots import ContextSnapshot, Unresolved
 from ..fidelity.verify import combined_status
 from ..report.manifest import ManifestEntry, read_manifest
@@ -115,6 +116,16 @@ class LoadedCapture:
     def ignore_attributes(self) -> tuple[str, ...]:
         """Attributes left out of the members' identities."""
         return self.sidecar.ignore_attributes
+
+    @property
+    def mutates_argument(self) -> bool:
+        """Whether its check found the forward changing an argument object
+        in Python (a ``Mismatch`` of field ``argument``: a cache growing),
+        which no run of the program repeats."""
+        fid = self.sidecar.document.get("fidelity")
+        found = fid.get("mismatches") if isinstance(fid, Mapping) else None
+        return isinstance(found, list) and any(
+            isinstance(m, Mapping) and m.get("field") == ARGUMENT_FIELD for m in found)
 
     @property
     def needs(self) -> Needs:
