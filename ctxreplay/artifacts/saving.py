@@ -145,32 +145,43 @@ def artifact_inputs(capture: SavableCapture) -> tuple[tuple[Any, ...], dict[str,
 
 
 def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path) -> Fidelity:
-    """Run the file as a consumer would: loaded fresh, on fresh inputs, from a
-    neutral state plus only what no artifact can carry (``neutral_replay``)."""
+    """Run the file as its users would, loaded fresh, on fresh inputs with the
+    live call's strides (``materialize.tensor``): from a neutral state plus
+    only what no artifact can carry (``neutral_replay``), as a consumer in
+    another process runs it, and inside the live call's whole context, as
+    ``install`` runs it.  Both: which kernel a composite op picks can hang
+    on that context (on CPU ``scaled_dot_product_attention`` runs its flash
+    kernel under ``no_grad``, its math kernel with grad enabled, and their
+    outputs have different strides), so a file can run in one and fail in
+    the other."""
     if capture.outputs is None:  # no live outputs to hold the file to
         return Fidelity("off", True, (), ())
     try:
-        program = fmt.load(target)
+        module = fmt.module(fmt.load(target))
     except Exception as exc:
         return Fidelity("saved", False, (Mismatch("out", "execution", "loaded",
                                                   type(exc).__name__, "saved"),), ("saved",))
-    found = _run_saved(capture, fmt, program, ())
+    found = _run_saved(capture, module, ())
+    live_context = not found
+    if live_context:
+        found = _run_saved(capture, module, (), full=True)
     with_needs = None
-    if found and capture.ambient_only:
-        with_needs = not _run_saved(capture, fmt, program, capture.ambient_only)
     hint = None
-    if found and capture.ambient_only:
+    if found and live_context:
+        hint = "in the live call's context (where install runs it)"
+    elif found and capture.ambient_only:
+        with_needs = not _run_saved(capture, module, capture.ambient_only)
         hint = "not carried by the artifact: " + ", ".join(capture.ambient_only)
     return Fidelity("saved", not found, tuple(Mismatch.of(m, "saved", hint) for m in found),
                     ("saved",), ok_with_needs=with_needs)
 
 
-def _run_saved(capture: SavableCapture, fmt: ArtifactFormat, program: Any,
-               needs: tuple[str, ...]) -> list[SpecMismatch]:
+def _run_saved(capture: SavableCapture, module: Any, needs: tuple[str, ...], *,
+               full: bool = False) -> list[SpecMismatch]:
     try:
         args, kwargs = artifact_inputs(capture)
-        with neutral_replay(capture.snapshot, needs=needs):
-            produced = spec_of(fmt.module(program)(*args, **kwargs))
+        with neutral_replay(capture.snapshot, needs=needs, full=full):
+            produced = spec_of(module(*args, **kwargs))
     except Exception as exc:
         return [SpecMismatch("out", "execution", "ran", type(exc).__name__)]
     assert capture.outputs is not None

@@ -11,7 +11,7 @@ import torch
 
 __all__ = ["WRAPPER_HOPS", "graph_code", "graph_nodes", "graph_op_args", "graph_ops",
            "has_collectives",
-           "has_wrapper_hops", "lower_wrappers", "pin_factory_defaults"]
+           "has_wrapper_hops", "lower_wrappers", "pin_factory_defaults", "relax_views"]
 
 #: higher-order ops export records for contexts entered inside the traced
 #: callable; torch.export.save rejected them on older torch (its verifier did)
@@ -99,8 +99,40 @@ def lower_wrappers(ep: Any) -> Any:
     if has_wrapper_hops(ep.graph_module):
         # an empty table decomposes no op: it only re-traces, which turns
         # the context wrappers into explicit casts
-        return ep.run_decompositions({})
+        lowered = ep.run_decompositions({})
+        relax_views(lowered.graph_module)
+        return lowered
     return ep
+
+
+def relax_views(gm: torch.fx.GraphModule) -> int:
+    """Turn every ``aten.view`` of ``gm`` (and its nested graphs) into
+    ``aten.reshape``; returns how many.
+
+    A re-trace decomposes ``reshape`` into ``view`` where the traced
+    (fake) strides allow a view.  Fake kernels of some composite ops report
+    strides their real kernel does not return: on CPU the fake
+    ``scaled_dot_product_attention`` gives its output the layout of the
+    flash kernel, while the math kernel returns it contiguous, so a
+    ``transpose`` + ``reshape`` after attention (T5, most transformers)
+    became a ``view`` that fails on the real tensor ("view size is not
+    compatible with input tensor's size and stride").  ``reshape`` is a view
+    wherever one is possible and a copy elsewhere; the graph is functional
+    after lowering, so no write goes through the alias either way.  Mutates
+    ``gm`` in place."""
+    changed = 0
+    for mod in gm.modules():
+        if not isinstance(mod, torch.fx.GraphModule):
+            continue
+        count = 0
+        for node in mod.graph.nodes:
+            if node.op == "call_function" and node.target is _aten.view.default:
+                node.target = _aten.reshape.default
+                count += 1
+        if count:
+            mod.recompile()
+        changed += count
+    return changed
 
 _aten = torch.ops.aten
 

@@ -1,0 +1,210 @@
+"""Trust III on disk and in the check: a saved file is held to the live calls
+it stands for, and a block ``torch.export`` captures is verified, not failed
+by the check's own runs.
+
+* A tiny ``transformers`` T5 (``use_cache=False``, ``targets="repeated"``):
+  every saved file, loaded back with ``torch.export.load`` as a consumer
+  would, runs each live call of its member (recorded by the test's own
+  hooks) and returns the live outputs.  The negative control writes the
+  lowering torch gives without ctxreplay's view relaxation: the file fails
+  on the live inputs (the oracle shows it) and ``saved.fidelity`` says so.
+* The saved check's inputs carry the live strides (a channels-last input).
+* CogVideoX with diffusers' Pyramid Attention Broadcast: ``verify="execute"``
+  captures every variant (it failed with ``GuardOnDataDependentSymNode``
+  when the check's reference run reached the user's hook state through a
+  closure), ``finalize()`` leaves that state as it was, and each capture
+  reproduces its member's first live call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from trust_oracle import Call, candidates, differs, record
+
+import ctxreplay
+from ctxreplay.artifacts.saving import artifact_inputs
+from ctxreplay.backends import passes
+
+pytestmark = [pytest.mark.models,
+              pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+T5_BLOCKS = ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+
+
+def _t5() -> tuple[ctxreplay.CaptureReport, list[Call]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5Model(config).eval()
+    with record(model, T5_BLOCKS) as calls, \
+            ctxreplay.capture_with(model, targets="repeated") as session, torch.no_grad():
+        for enc, dec in [(10, 6), (7, 3)]:
+            model(input_ids=torch.randint(0, 64, (1, enc)),
+                  decoder_input_ids=torch.randint(0, 64, (1, dec)), use_cache=False)
+    return session.finalize(), calls
+
+
+def _file_failure(path: Path, capture: ctxreplay.Capture, call: Call) -> str | None:
+    """The saved file, loaded fresh, on the call's real inputs, run as a consumer
+    would: from torch's defaults plus only the states the capture says must
+    surround it (``ambient_only``), and inside the live call's own context
+    (where ``install`` runs it).  ``None`` when both return the live outputs.
+    The two differ in which kernel a composite op picks: on CPU,
+    ``scaled_dot_product_attention`` runs its flash kernel under ``no_grad``
+    and its math kernel (another output layout) with grad enabled."""
+    keep = set(capture.ambient_only)
+    snap = capture.snapshot
+    consumer = snap.without(*[n for n in snap.names if n not in keep])
+    try:
+        program = torch.export.load(path).module()
+        assert capture.weights_from == call.member  # the file holds this member's weights
+        outs = []
+        for context in (consumer, call.snapshot):
+            args, kwargs = call.fresh_inputs()
+            with context.replay():
+                outs.append(program(*args, **kwargs))
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    for out in outs:
+        why = differs(call.out, tuple(t.detach() for t in out if isinstance(t, torch.Tensor)))
+        if why is not None:
+            return why
+    return None
+
+
+def _saved_against_oracle(report: ctxreplay.CaptureReport, calls: list[Call], root: Path
+                          ) -> list[tuple[str, bool, str | None]]:
+    """``(call, saved.fidelity.ok, what the oracle found)`` for every live call."""
+    out = []
+    for i, call in enumerate(calls):
+        found = candidates(report, call)
+        assert len(found) == 1, (call.member, [(c.scope, c.variant) for c in found])
+        capture = found[0]
+        assert capture.binding == "native"  # the file takes the block's own arguments
+        path = root / f"{i}.pt2"
+        saved = capture.save(path)
+        out.append((f"call {i} of {call.member}", saved.fidelity.ok,
+                    _file_failure(path, capture, call)))
+    return out
+
+
+def test_t5_saved_files_run_the_live_calls(tmp_path: Path) -> None:
+    report, calls = _t5()
+    assert report.ok and len(calls) == 8
+    results = _saved_against_oracle(report, calls, tmp_path)
+    assert [(name, why) for name, _, why in results if why is not None] == []
+    assert all(ok for _, ok, _ in results)
+
+
+def test_a_saved_file_that_fails_the_live_call_is_not_ok(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the lowering as torch gives it: views chosen from the fake strides of
+    # scaled_dot_product_attention, which its CPU kernel does not return
+    monkeypatch.setattr(passes, "relax_views", lambda gm: 0)
+    report, calls = _t5()
+    results = _saved_against_oracle(report, calls, tmp_path)
+    failing = [(name, ok) for name, ok, why in results if why is not None]
+    assert failing, "the unrelaxed lowering ran every live call: the control shows nothing"
+    assert any("view size is not compatible" in (why or "") for _, _, why in results)
+    assert [name for name, ok in failing if ok] == []  # never saved as ok
+    manifest = report.save_all(tmp_path / "all")
+    assert not manifest.ok
+
+
+class _ChannelsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) * 2  # keeps its input's memory format
+
+
+def test_the_saved_check_runs_on_the_live_strides(tmp_path: Path) -> None:
+    model = _ChannelsLast().eval()
+    x = torch.rand(2, 3, 5, 5).to(memory_format=torch.channels_last)
+    with ctxreplay.capture_with(model) as session, torch.no_grad():
+        live = model(x)
+    report = session.finalize()
+    (capture,) = report.captures
+    args, _ = artifact_inputs(capture)
+    assert args[0].stride() == x.stride() != torch.rand(2, 3, 5, 5).stride()
+    saved = capture.save(tmp_path / "c.pt2")
+    assert saved.fidelity.ok, saved.fidelity.mismatches
+    with torch.no_grad():  # the oracle: the file on the live input, strides included
+        out = torch.export.load(saved.path).module()(x)
+    assert out.stride() == live.stride() and torch.allclose(out, live)
+
+
+# -- CogVideoX with Pyramid Attention Broadcast -------------------------------------
+
+def _pab_states(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each broadcast hook's iteration and the identity of its cached tensors."""
+    out = {}
+    for name, sub in model.named_modules():
+        registry = getattr(sub, "_diffusers_hook", None)
+        for hook in getattr(registry, "hooks", {}).values():
+            state = getattr(hook, "state", None)
+            if state is None:
+                continue
+            cache = state.cache if isinstance(state.cache, tuple) else (state.cache,)
+            assert all(type(t) is torch.Tensor for t in cache), [type(t) for t in cache]
+            out[name] = (state.iteration, tuple(id(t) for t in cache))
+    return out
+
+
+def test_pyramid_attention_broadcast_blocks_are_verified() -> None:
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        time_embed_dim=16, text_embed_dim=16, num_layers=2, sample_width=8, sample_height=8,
+        sample_frames=9, patch_size=2, temporal_compression_ratio=4,
+        max_text_seq_length=4).eval()
+    step = {"t": 0}
+    diffusers.apply_pyramid_attention_broadcast(model, diffusers.PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(100, 800),
+        current_timestep_callback=lambda: step["t"]))
+    x, text = torch.randn(1, 3, 4, 8, 8), torch.randn(1, 4, 16)
+    blocks = ["transformer_blocks.0", "transformer_blocks.1"]
+    with record(model, blocks) as calls, \
+            ctxreplay.capture_with(model, targets="repeated", verify="execute") as session, \
+            torch.no_grad():
+        for t in (700, 600):
+            step["t"] = t
+            model(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([t]))
+    before = _pab_states(model)
+    assert len(before) == 2
+    report = session.finalize()
+    assert [(f.scope, f.reason, f.exc_type) for f in report.failures] == []
+    assert report.captures and all(c.fidelity.ok for c in report.captures)
+    assert _pab_states(model) == before  # finalize() left the user's hook state alone
+    first: dict[str, Call] = {}
+    for call in calls:
+        first.setdefault(call.member, call)
+    assert sorted(first) == blocks
+    for member, call in first.items():
+        (capture,) = [c for c in report.captures if member in c.members
+                      and c.weights_from == member and _runs(c, call) is None][:1] or [None]
+        assert capture is not None, (member, [_runs(c, call) for c in report.captures])
+
+
+def _runs(capture: ctxreplay.Capture, call: Call) -> str | None:
+    """The capture's program (its own member's weights) on the call's inputs."""
+    assert capture.binding == "native"
+    args, kwargs = call.fresh_inputs()
+    try:
+        with torch.no_grad():
+            out: Any = capture.artifact.module()(*args, **kwargs)
+    except Exception as exc:
+        return f"raised {type(exc).__name__}"
+    return differs(call.out, tuple(out))
