@@ -27,6 +27,7 @@ from torch import nn
 from trust_oracle import Call, candidates, differs, record
 
 import ctxreplay
+from ctxreplay.artifacts.pt2 import Pt2Format
 from ctxreplay.artifacts.saving import artifact_inputs
 from ctxreplay.backends import passes
 
@@ -81,8 +82,8 @@ def _file_failure(path: Path, capture: ctxreplay.Capture, call: Call) -> str | N
     return None
 
 
-def _saved_against_oracle(report: ctxreplay.CaptureReport, calls: list[Call], root: Path
-                          ) -> list[tuple[str, bool, str | None]]:
+def _saved_against_oracle(report: ctxreplay.CaptureReport, calls: list[Call], root: Path,
+                          *, lowered: bool) -> list[tuple[str, bool, str | None]]:
     """``(call, saved.fidelity.ok, what the oracle found)`` for every live call."""
     out = []
     for i, call in enumerate(calls):
@@ -92,26 +93,46 @@ def _saved_against_oracle(report: ctxreplay.CaptureReport, calls: list[Call], ro
         assert capture.binding == "native"  # the file takes the block's own arguments
         path = root / f"{i}.pt2"
         saved = capture.save(path)
+        assert saved.lowered == (lowered and passes.has_wrapper_hops(
+            capture.artifact.graph_module))
         out.append((f"call {i} of {call.member}", saved.fidelity.ok,
                     _file_failure(path, capture, call)))
     return out
 
 
-def test_t5_saved_files_run_the_live_calls(tmp_path: Path) -> None:
+def _refuse_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serialiser that refuses context wrappers (torch before 2.6 did): the
+    file then holds the program lowered to explicit casts."""
+    real = Pt2Format.save
+
+    def save(self: Pt2Format, artifact: Any, path: Path) -> None:
+        if passes.has_wrapper_hops(artifact.graph_module):
+            raise RuntimeError("wrapper higher-order ops are not serialisable here")
+        real(self, artifact, path)
+
+    monkeypatch.setattr(Pt2Format, "save", save)
+
+
+@pytest.mark.parametrize("form", ["as_captured", "lowered"])
+def test_t5_saved_files_run_the_live_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           form: str) -> None:
+    if form == "lowered":
+        _refuse_wrappers(monkeypatch)
     report, calls = _t5()
     assert report.ok and len(calls) == 8
-    results = _saved_against_oracle(report, calls, tmp_path)
+    results = _saved_against_oracle(report, calls, tmp_path, lowered=form == "lowered")
     assert [(name, why) for name, _, why in results if why is not None] == []
     assert all(ok for _, ok, _ in results)
 
 
 def test_a_saved_file_that_fails_the_live_call_is_not_ok(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _refuse_wrappers(monkeypatch)
     # the lowering as torch gives it: views chosen from the fake strides of
     # scaled_dot_product_attention, which its CPU kernel does not return
     monkeypatch.setattr(passes, "relax_views", lambda gm: 0)
     report, calls = _t5()
-    results = _saved_against_oracle(report, calls, tmp_path)
+    results = _saved_against_oracle(report, calls, tmp_path, lowered=True)
     failing = [(name, ok) for name, ok, why in results if why is not None]
     assert failing, "the unrelaxed lowering ran every live call: the control shows nothing"
     assert any("view size is not compatible" in (why or "") for _, _, why in results)
@@ -208,3 +229,65 @@ def _runs(capture: ctxreplay.Capture, call: Call) -> str | None:
     except Exception as exc:
         return f"raised {type(exc).__name__}"
     return differs(call.out, tuple(out))
+
+
+# -- the file is checked at the cost of what finalize() did not already prove ------
+
+class _Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.factor
+
+
+def _captured(verify: str) -> ctxreplay.Capture:
+    model = _Scale(2.0).eval()
+    with ctxreplay.capture_with(model, verify=verify) as session, torch.no_grad():
+        model(torch.rand(3, 4))
+    (capture,) = session.finalize().captures
+    return capture
+
+
+def test_graph_form_sees_the_computation_not_the_names(tmp_path: Path) -> None:
+    x = torch.rand(3, 4)
+    two = torch.export.export(_Scale(2.0), (x,))
+    three = torch.export.export(_Scale(3.0), (x,))
+    torch.export.save(two, tmp_path / "two.pt2")
+    back = torch.export.load(tmp_path / "two.pt2")
+    assert passes.graph_form(back.graph_module) == passes.graph_form(two.graph_module)
+    assert passes.graph_form(three.graph_module) != passes.graph_form(two.graph_module)
+    assert Pt2Format().same_program(two, back) and not Pt2Format().same_program(two, three)
+
+
+def test_a_file_of_the_checked_program_is_not_run_again(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    capture = _captured("execute")
+    runs: list[int] = []
+    real = Pt2Format.module
+    monkeypatch.setattr(Pt2Format, "module", lambda self, a: runs.append(1) or real(self, a))
+    saved = capture.save(tmp_path / "a.pt2")
+    assert saved.fidelity.ok and saved.fidelity.checked == ("graph",) and runs == []
+    # finalize() checked the signature only: the file runs once
+    saved = _captured("signature").save(tmp_path / "b.pt2")
+    assert saved.fidelity.ok and saved.fidelity.checked == ("saved",) and runs == [1]
+
+
+def test_a_file_that_is_not_the_checked_program_is_run(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    capture = _captured("execute")
+    x = torch.rand(3, 4)
+    other = torch.export.export(_Double(), (x,))  # returns float64 where the live call gave float32
+    real = Pt2Format.save
+    monkeypatch.setattr(Pt2Format, "save", lambda self, a, path: real(self, other, path))
+    saved = capture.save(tmp_path / "a.pt2")
+    assert saved.fidelity.checked == ("saved",)
+    assert not saved.fidelity.ok
+    assert {(m.field, m.level) for m in saved.fidelity.mismatches} == {("dtype", "saved")}
+
+
+class _Double(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.double()
