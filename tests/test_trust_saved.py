@@ -291,3 +291,37 @@ def test_a_file_that_is_not_the_checked_program_is_run(tmp_path: Path,
 class _Double(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.double()
+
+
+class _Leaky(nn.Module):
+    """A forward that stores its output where no copy of the module reaches
+    (a dict the class holds) and returns the stored one on later calls."""
+
+    store: dict[str, torch.Tensor] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "out" not in self.store:
+            self.store["out"] = self.lin(x)
+        return self.store["out"]
+
+
+def test_a_check_that_meets_the_trace_leftovers_names_them() -> None:
+    _Leaky.store.clear()
+    model = _Leaky().eval()
+    x = torch.rand(3, 4)
+    try:
+        with ctxreplay.capture_with(model, verify="execute") as session, torch.no_grad():
+            model(x)
+        _Leaky.store.clear()  # the trace then writes a FakeTensor there
+        report = session.finalize()
+    finally:
+        _Leaky.store.clear()
+    assert not report.ok
+    assert report.failures == ()  # not a verify_failed crash: a named mismatch
+    (capture,) = report.captures
+    assert [(m.field, m.live, m.captured) for m in capture.fidelity.mismatches] == [
+        ("execution", "reference run", "FakeTensor left by trace")]
