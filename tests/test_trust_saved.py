@@ -19,7 +19,7 @@ by the check's own runs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -297,7 +297,7 @@ class _Leaky(nn.Module):
     """A forward that stores its output where no copy of the module reaches
     (a dict the class holds) and returns the stored one on later calls."""
 
-    store: dict[str, torch.Tensor] = {}
+    store: ClassVar[dict[str, torch.Tensor]] = {}
 
     def __init__(self) -> None:
         super().__init__()

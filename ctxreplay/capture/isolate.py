@@ -112,12 +112,19 @@ def _follow_closures(view: nn.Module, memo: dict[int, Any]) -> None:
                 continue
             slots = [(k, v) for k, v in table.items() if k not in _MODULE_DICTS]
         for key, value in slots:
-            rebuilt = _rebound(value, memo, 3)
-            if rebuilt is not value:
-                table[key] = rebuilt
-            elif isinstance(value, (list, dict)) or (
-                    not callable(value) and type(getattr(value, "__dict__", None)) is dict):
-                stack.append(value)
+            if isinstance(value, _FUNCTIONS):
+                rebuilt = _rebound(value, memo, 3)
+                if rebuilt is not value:
+                    table[key] = rebuilt
+            elif isinstance(value, (list, dict)) or not (
+                    isinstance(value, _LEAVES) or callable(value)):
+                stack.append(value)  # a container, or an object whose __dict__ is walked
+
+
+#: what ``_follow_closures`` rebuilds, and what it never walks into
+_FUNCTIONS = (types.FunctionType, functools.partial)
+_LEAVES = (torch.Tensor, type, str, bytes, int, float, bool, complex, type(None), tuple,
+           torch.dtype, torch.device)
 
 
 def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:
