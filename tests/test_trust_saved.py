@@ -325,3 +325,13 @@ def test_a_check_that_meets_the_trace_leftovers_names_them() -> None:
     (capture,) = report.captures
     assert [(m.field, m.live, m.captured) for m in capture.fidelity.mismatches] == [
         ("execution", "reference run", "FakeTensor left by trace")]
+
+
+def test_a_file_with_other_weights_is_not_the_checked_program(tmp_path: Path) -> None:
+    x = torch.rand(3, 4)
+    torch.manual_seed(0)
+    one = torch.export.export(_Scale(2.0), (x,))
+    torch.manual_seed(1)
+    other = torch.export.export(_Scale(2.0), (x,))
+    assert passes.graph_form(one.graph_module) == passes.graph_form(other.graph_module)
+    assert not Pt2Format().same_program(one, other)

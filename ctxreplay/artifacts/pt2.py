@@ -81,10 +81,12 @@ class Pt2Format(ArtifactFormat):
 
     def same_program(self, written: Any, loaded: Any) -> bool:
         """Whether the file's program computes what ``written`` does: the same
-        graph form (``graph_form``: names left out), input and output
-        specs."""
+        graph form (``graph_form``: names left out), input and output specs,
+        and equal weights and constants."""
         return bool(_signature_form(written) == _signature_form(loaded)
-                    and graph_form(written.graph_module) == graph_form(loaded.graph_module))
+                    and graph_form(written.graph_module) == graph_form(loaded.graph_module)
+                    and _same_tensors(written.state_dict, loaded.state_dict)
+                    and _same_tensors(written.constants, loaded.constants))
 
     def to_bytes(self, artifact: Any) -> bytes:
         """``torch.export.save`` into memory."""
@@ -107,6 +109,19 @@ def _without_empty_wrappers(program: Any) -> Any:
     if not drop_empty_wrappers(gm):
         return program
     return program._update(gm, program.graph_signature)
+
+
+def _same_tensors(a: Any, b: Any) -> bool:
+    if set(a) != set(b):
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor) and (x.dtype != y.dtype or x.shape != y.shape or
+                                            not torch.equal(x.detach().cpu(), y.detach().cpu())):
+            return False
+    return True
 
 
 def _signature_form(program: Any) -> tuple[Any, ...]:
