@@ -88,6 +88,14 @@ class ArtifactFormat(ABC):
         as captured."""
         return ((False, lambda: artifact),)
 
+    def same_program(self, written: Any, loaded: Any) -> bool:
+        """Whether ``loaded`` (read back from the file) computes what
+        ``written`` does, known without running either; ``False`` (the
+        default) when the format cannot tell.  Where it is true, a file
+        written from the program ``finalize()`` already ran and checked
+        needs no run of its own."""
+        return False
+
     def to_bytes(self, artifact: Any) -> bytes:
         """``artifact`` as bytes (by default, the file ``save`` writes)."""
         with tempfile.TemporaryDirectory() as tmp:

@@ -160,6 +160,11 @@ class Checker:
             except Exception as exc:
                 return [_mismatch("execution", "reference run", exception_message(exc)[0],
                                   "execute", None, name)]
+        if _fake(reference):
+            # values a trace left in Python state that the copy still shares
+            # with the model: comparing them would guard on symbols
+            return [_mismatch("execution", "reference run",
+                              "FakeTensor left by trace", "execute", None, name)]
         return compare_values(reference, produced, "execute", hint=self.hint, member=name) + \
             self._updates(updated, ran, name)
 
@@ -261,6 +266,12 @@ def _mismatch(field: str, live: str, captured: str, level: str, hint: str | None
               member: str | None) -> Mismatch:
     return Mismatch("out", field, live, captured, level, hint,
                     () if member is None else (member,))
+
+
+def _fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, FakeTensor) for t in tensor_values(value))
 
 
 def _placed(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

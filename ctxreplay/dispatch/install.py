@@ -20,6 +20,7 @@ key (``signature.call_key``) and one dictionary lookup.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -39,6 +40,8 @@ from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.signature import NotRealError, call_key, call_spec
 from .programs import Compiler, Entry, Programs, Target, entry, sources
+
+_log = logging.getLogger("ctxreplay")
 
 __all__ = ["MISS_REASONS", "OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
 
@@ -400,4 +403,12 @@ def install(model: nn.Module,
     handle._copies = [Entries(m) for m in path_modules(model, list(modules))]
     for c in handle._copies:
         c.install()
+    _log.info("install: %d captures bound to %d members of %s (%s)", len(entries), len(modules),
+              type(model).__name__, _names(list(modules)))
     return handle
+
+
+def _names(names: list[str], shown: int = 4) -> str:
+    """The first few names and how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -34,6 +35,8 @@ from .needs import (
     probe_map,
 )
 from .weights import Weights, bind_weights
+
+_log = logging.getLogger("ctxreplay")
 
 __all__ = ["LoadedCapture", "LoadedManifest", "load"]
 
@@ -363,6 +366,14 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
 
 
 
+def _statuses(captures: Iterable[LoadedCapture]) -> str:
+    """``"7 ok, 1 failed"``: how many captures have each fidelity status."""
+    counts: dict[str, int] = {}
+    for c in captures:
+        counts[c.fidelity] = counts.get(c.fidelity, 0) + 1
+    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "none"
+
+
 def load(path: str | os.PathLike[str], *,
          probes: Probes = None) -> LoadedManifest | LoadedCapture:
     """Open a directory written by ``report.save_all`` (or its
@@ -393,8 +404,16 @@ def load(path: str | os.PathLike[str], *,
     """
     kind, target, data = detect(path)
     if kind == "manifest":
-        return _load_manifest(target, data, probes)
+        loaded = _load_manifest(target, data, probes)
+        _log.info("load: %s: %d captures (%s) for %d members%s", loaded.directory,
+                  len(loaded.captures), _statuses(loaded.captures),
+                  len({m for c in loaded.captures for m in c.members}),
+                  f"; {len(loaded.not_saved)} not saved" if loaded.not_saved else "")
+        return loaded
     if kind in ("artifact", "sidecar"):
-        return _load_single(target, probes)
+        one = _load_single(target, probes)
+        _log.info("load: %s: %s (%s) for %s", one.path, one.label, one.fidelity,
+                  ", ".join(one.members))
+        return one
     raise ValueError(f"$.schema: a report holds no artifacts; write them with "
                      f"report.save_all(directory) and load that directory (in {target})")

@@ -4,7 +4,7 @@ from being ok; metadata-only JSON."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +158,9 @@ class CaptureReport:
         """Write ``to_json()`` to ``path`` (what ``ctxreplay explain`` reads)."""
         Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True))
 
-    def save_all(self, directory: str | Path, *, verify: bool = True) -> _manifest.SavedManifest:
+    def save_all(self, directory: str | Path, *, verify: bool = True,
+                 progress: Callable[[int, int, str], None] | None = None
+                 ) -> _manifest.SavedManifest:
         """Write every capture into ``directory`` (created if missing): per
         capture its artifact file (named with its format's suffix: ``.pt2``
         for a torch.export program) and metadata-only sidecar (``Capture.save``,
@@ -170,8 +172,16 @@ class CaptureReport:
         autocast op policy).  A capture no registered artifact format can
         hold (for the ``.pt2``, another backend than ``torch.export``) is
         recorded as not saved, with its reason code.  Open the directory
-        with :func:`ctxreplay.load`."""
-        return _manifest.save_all(self, directory, verify=verify)
+        with :func:`ctxreplay.load`.
+
+        Each written file is loaded back and checked (``SavedArtifact.fidelity``):
+        one that holds the very program ``finalize()`` already ran and
+        checked is compared by its graph and not run again.  ``progress(done,
+        total, capture)`` is called after each capture; with many captures a
+        tqdm bar shows on a terminal (when tqdm is installed), else one
+        ``logging`` line per capture (logger ``"ctxreplay"``), and one summary
+        line at the end."""
+        return _manifest.save_all(self, directory, verify=verify, progress=progress)
 
 
 class FidelityError(Error, AssertionError):
