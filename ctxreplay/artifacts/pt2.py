@@ -4,11 +4,16 @@ archive (``torch.export.save`` / ``torch.export.load``), registered as ``pt2``.
 
 from __future__ import annotations
 
+import copy
 import io
+import json
+import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..backends.passes import has_wrapper_hops, lower_wrappers
 from .formats import ArtifactFormat, Form, register_format
@@ -82,6 +87,55 @@ class Pt2Format(ArtifactFormat):
     def from_bytes(self, data: bytes) -> Any:
         """``torch.export.load`` from memory."""
         return torch.export.load(io.BytesIO(data))
+
+    def program_bytes(self, artifact: Any) -> bytes | None:
+        """The program's serialised graph and its own tensor constants, with
+        every parameter and buffer (persistent or not) left out: a shallow
+        copy whose module tensors are ``meta`` placeholders of the same shape
+        and dtype is serialised, and the example inputs are dropped."""
+        if not isinstance(artifact, torch.export.ExportedProgram):
+            return None
+        from torch._export.serde.serialize import serialize
+
+        held = set(artifact.graph_signature.non_persistent_buffers)
+        shallow = copy.copy(artifact)
+        shallow._state_dict = {k: _placeholder(v) for k, v in artifact.state_dict.items()}
+        shallow._constants = {k: _placeholder(v) if k in held else v
+                              for k, v in artifact.constants.items()}
+        shallow._example_inputs = None
+        done = serialize(shallow)
+        head = json.dumps({"state": sorted(artifact.state_dict), "held": sorted(held)}).encode()
+        return b"".join((struct.pack("<III", len(head), len(done.exported_program),
+                                     len(done.constants)), head, done.exported_program,
+                         done.constants))
+
+    def program_from_bytes(self, data: bytes, weights: Mapping[str, Any]) -> Any:
+        """Rebuilt with ``torch._export.serde.serialize.deserialize`` from the
+        graph alone: no archive, no weights read (cheaper than
+        ``torch.export.load``); ``weights`` become its state."""
+        from torch._export.serde.serialize import SerializedArtifact, deserialize
+
+        n_head, n_program, n_consts = struct.unpack_from("<III", data)
+        at = struct.calcsize("<III")
+        if len(data) != at + n_head + n_program + n_consts:
+            raise ValueError(f"a cached program of {len(data)} bytes is truncated or padded")
+        head = json.loads(data[at:at + n_head])
+        program = data[at + n_head:at + n_head + n_program]
+        consts = data[at + n_head + n_program:]
+        constants = torch.load(io.BytesIO(consts), weights_only=True) if consts else {}
+        for name in head["held"]:
+            constants[name] = weights[name]
+        state = {name: weights[name] for name in head["state"]}
+        return deserialize(SerializedArtifact(program, state, constants, b""))  # type: ignore[arg-type]
+
+
+def _placeholder(t: Any) -> Any:
+    """A ``meta`` tensor of ``t``'s shape and dtype (a parameter stays one)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    meta = t.detach().to("meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+        else meta
 
 
 register_format(Pt2Format())
