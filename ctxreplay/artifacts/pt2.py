@@ -5,9 +5,13 @@ archive (``torch.export.save`` / ``torch.export.load``), registered as ``pt2``.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import io
 import json
 import struct
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -113,7 +117,8 @@ class Pt2Format(ArtifactFormat):
         """Rebuilt with ``torch._export.serde.serialize.deserialize`` from the
         graph alone: no archive, no weights read (cheaper than
         ``torch.export.load``); ``weights`` become its state."""
-        from torch._export.serde.serialize import SerializedArtifact, deserialize
+        from torch._export.serde.schema import ExportedProgram as Schema
+        from torch._export.serde.serialize import ExportedProgramDeserializer
 
         n_head, n_program, n_consts = struct.unpack_from("<III", data)
         at = struct.calcsize("<III")
@@ -126,7 +131,47 @@ class Pt2Format(ArtifactFormat):
         for name in head["held"]:
             constants[name] = weights[name]
         state = {name: weights[name] for name in head["state"]}
-        return deserialize(SerializedArtifact(program, state, constants, b""))  # type: ignore[arg-type]
+        serialized = _decode(Schema, json.loads(program))
+        return ExportedProgramDeserializer(None).deserialize(  # type: ignore[no-untyped-call]
+            serialized, state, constants, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    from torch._export.serde import schema
+
+    return typing.get_type_hints(cls, globalns=vars(schema))
+
+
+def _decode(cls: Any, data: Any) -> Any:
+    """torch's JSON-to-schema decoding (``serialize._dict_to_dataclass``),
+    with each class's type hints resolved once instead of at every node --
+    most of what loading a small program costs."""
+    from torch._export.serde import schema
+    from torch._export.serde.union import _Union
+
+    if isinstance(cls, typing.ForwardRef):
+        cls = cls.__forward_arg__
+    if isinstance(cls, str):
+        cls = getattr(schema, cls)
+    origin = typing.get_origin(cls)
+    if origin is typing.Annotated:
+        return _decode(cls.__origin__, data)
+    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(cls):
+        return None if data is None else _decode(typing.get_args(cls)[0], data)
+    if isinstance(cls, type) and issubclass(cls, _Union):
+        (name, value), = data.items()
+        return cls.create(**{name: _decode(_hints(cls)[name], value)})  # type: ignore[attr-defined]
+    if dataclasses.is_dataclass(cls):
+        hints = _hints(cls)  # type: ignore[arg-type]
+        return cls(**{f.name: _decode(hints[f.name], data[f.name])  # type: ignore[operator]
+                      for f in dataclasses.fields(cls) if f.name in data})
+    if isinstance(data, list):
+        return [_decode(typing.get_args(cls)[0], d) for d in data] if data else data
+    if isinstance(data, dict):
+        v_type = typing.get_args(cls)[1]
+        return {k: _decode(v_type, v) for k, v in data.items()}
+    return float(data) if cls is float else data
 
 
 def _placeholder(t: Any) -> Any:
