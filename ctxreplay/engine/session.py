@@ -6,6 +6,7 @@ The engine never names a concrete probe: it only calls the probe contract.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from collections.abc import Callable, Sequence
@@ -165,6 +166,8 @@ class CaptureSession:
             net.restore()
         self._state = "finalized"
         self._report = report
+        if report.cache_summary:
+            logging.getLogger("ctxreplay").info("finalize: %s", report.cache_summary)
         if strict and not report.ok:
             raise FidelityError(report)
         return report
