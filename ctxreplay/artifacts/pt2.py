@@ -108,10 +108,17 @@ class Pt2Format(ArtifactFormat):
                               for k, v in artifact.constants.items()}
         shallow._example_inputs = None
         done = serialize(shallow)
+        graph = json.loads(done.exported_program)
+        _drop_empty_wrappers(graph["graph_module"]["graph"])
+        program = json.dumps(graph).encode()
         head = json.dumps({"state": sorted(artifact.state_dict), "held": sorted(held)}).encode()
-        return b"".join((struct.pack("<III", len(head), len(done.exported_program),
-                                     len(done.constants)), head, done.exported_program,
-                         done.constants))
+        data = b"".join((struct.pack("<III", len(head), len(program), len(done.constants)),
+                         head, program, done.constants))
+        try:  # what cannot be read back is not kept: rebuilt once, on placeholders
+            self.program_from_bytes(data, {**shallow._state_dict, **shallow._constants})
+        except Exception:
+            return None
+        return data
 
     def program_from_bytes(self, data: bytes, weights: Mapping[str, Any]) -> Any:
         """Rebuilt with ``torch._export.serde.serialize.deserialize`` from the
@@ -172,6 +179,28 @@ def _decode(cls: Any, data: Any) -> Any:
         v_type = typing.get_args(cls)[1]
         return {k: _decode(v_type, v) for k, v in data.items()}
     return float(data) if cls is float else data
+
+
+def _drop_empty_wrappers(graph: dict[str, Any]) -> None:
+    """Leave out context-wrapper nodes (``wrap_with_autocast``, ...) that take
+    nothing, return nothing and hold an empty body: they compute nothing,
+    and torch's deserialiser rejects them (their ``val`` meta is missing)."""
+    def empty(node: dict[str, Any]) -> bool:
+        if not str(node.get("target", "")).startswith("torch.ops.higher_order.wrap_with_") \
+                or node.get("outputs"):
+            return False
+        bodies = [a["arg"]["as_graph"]["graph"] for a in node.get("inputs", [])
+                  if "as_graph" in a.get("arg", {})]
+        others = [a for a in node.get("inputs", []) if "as_graph" not in a.get("arg", {})
+                  and not any(k in a.get("arg", {}) for k in _CONSTANT_ARGS)]
+        return len(bodies) == 1 and not others and not bodies[0]["nodes"] \
+            and not bodies[0]["inputs"] and not bodies[0]["outputs"]
+
+    graph["nodes"] = [n for n in graph["nodes"] if not empty(n)]
+
+
+#: serialised argument kinds of a wrapper's own settings (device, dtype, flags)
+_CONSTANT_ARGS = ("as_string", "as_scalar_type", "as_bool", "as_none", "as_int", "as_float")
 
 
 def _placeholder(t: Any) -> Any:

@@ -241,7 +241,7 @@ class _OnDisk(Deferred):
             return self.fmt.program_from_bytes(self.data, self.weights)
         except Exception as exc:
             raise ArtifactError(f"the cached program of {self.where} cannot be rebuilt "
-                                f"({type(exc).__name__}: {exc})") from exc
+                                f"({type(exc).__name__}: {exc})", "not_rebuildable") from exc
 
 
 def _deferred_capture(entry: Entry, stored: Stored, fmt: ArtifactFormat, backend: Backend,
