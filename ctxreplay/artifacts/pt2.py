@@ -143,7 +143,7 @@ class Pt2Format(ArtifactFormat):
             serialized, state, constants, None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     from torch._export.serde import schema
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-
 from collections.abc import Callable, Sequence
 from typing import Any
 
