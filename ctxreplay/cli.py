@@ -296,7 +296,7 @@ def _cache(ns: argparse.Namespace) -> int:
     if ns.action == "size":
         print(f"{where}: {n} entries, {size / 1e6:.1f} MB")
         return 0
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for key, rec, nbytes in store.entries():
         about = rec.get("about", {}) if rec is not None else {}
         rows.append((key[:16], f"{about.get('class', '?')} {about.get('scope', '?')}"

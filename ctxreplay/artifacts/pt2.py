@@ -139,8 +139,7 @@ class Pt2Format(ArtifactFormat):
             constants[name] = weights[name]
         state = {name: weights[name] for name in head["state"]}
         serialized = _decode(Schema, json.loads(program))
-        return ExportedProgramDeserializer(None).deserialize(  # type: ignore[no-untyped-call]
-            serialized, state, constants, None)
+        return ExportedProgramDeserializer(None).deserialize(serialized, state, constants, None)
 
 
 @functools.cache
@@ -167,8 +166,10 @@ def _decode(cls: Any, data: Any) -> Any:
     if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(cls):
         return None if data is None else _decode(typing.get_args(cls)[0], data)
     if isinstance(cls, type) and issubclass(cls, _Union):
+        cls = typing.cast(Any, cls)
         (name, value), = data.items()
-        return cls.create(**{name: _decode(_hints(cls)[name], value)})  # type: ignore[attr-defined]
+        create: Any = cls.create
+        return create(**{name: _decode(_hints(cls)[name], value)})
     if dataclasses.is_dataclass(cls):
         hints = _hints(cls)  # type: ignore[arg-type]
         return cls(**{f.name: _decode(hints[f.name], data[f.name])  # type: ignore[operator]

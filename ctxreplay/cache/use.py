@@ -104,8 +104,10 @@ class CaptureCache:
         """``request``'s capture: from the cache where an entry passes its
         check, else ``run(None)`` (a trace), stored when it passed its own."""
         module = modules.get(request.traced.name)
+        if module is None:
+            return run(None)
         try:
-            keyed = None if module is None else variant_key(request, module, options)
+            keyed = variant_key(request, module, options)
         except Exception:  # what cannot be keyed is captured, never guessed
             keyed = None
         if keyed is None:
@@ -113,7 +115,6 @@ class CaptureCache:
         key = keyed[0]
         entry = self.store.read(key)
         if entry is not None:
-            assert module is not None
             hit = self._use(entry, request, module, modules, options, baseline, run)
             if hit is not None:
                 return hit
