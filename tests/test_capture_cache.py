@@ -420,3 +420,25 @@ def test_the_cache_command_and_inspect(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["cache", "clear", str(tmp_path / "c")]) == 0
     assert "removed 3 entries" in capsys.readouterr().out
     assert entries(tmp_path / "c") == []
+
+
+def test_a_cached_capture_saves_and_dispatches_like_a_traced_one(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    run(Stack(), tmp_path / "cache", shapes=SHAPES[:1])
+    torch.manual_seed(2)
+    model = Stack()
+    report, _ = run(model, tmp_path / "cache", shapes=SHAPES[:1])
+    assert cached(report) == [True]
+    x = torch.rand(SHAPES[0])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    saved = report.captures[0].save(tmp_path / "c.pt2")  # loads the program, then writes it
+    assert saved.fidelity is not None and saved.fidelity.ok
+    loaded = ctxreplay.load(tmp_path / "c.pt2")
+    assert isinstance(loaded, ctxreplay.LoadedCapture)
+    for source in (report, loaded):
+        with ctxreplay.install(model, source) as handle, torch.no_grad(), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(x)
+            assert handle.stats().total_misses == 0 and sum(handle.stats().hits.values()) == 2
+        assert torch.equal(got, expected)  # each member ran the program with its own weights
