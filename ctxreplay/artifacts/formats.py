@@ -110,6 +110,19 @@ class ArtifactFormat(ABC):
             path.write_bytes(data)
             return self.load(path)
 
+    def program_bytes(self, artifact: Any) -> bytes | None:
+        """``artifact`` as bytes *without* the module's weights and buffers
+        (what the capture cache keeps; ``program_from_bytes`` is given them
+        again); ``None``: this format cannot leave them out, and such
+        artifacts are not cached.  By default ``None``."""
+        return None
+
+    def program_from_bytes(self, data: bytes, weights: Mapping[str, Any]) -> Any:
+        """The artifact ``program_bytes`` made ``data`` of, holding the
+        tensors of ``weights`` (by qualified name) -- the same objects, not
+        copies; a name it needs and ``weights`` lacks raises ``KeyError``."""
+        raise NotImplementedError(f"{self.name}: artifacts are not kept without their weights")
+
 
 _lock = threading.RLock()
 _formats: dict[str, ArtifactFormat] = {}  # in registration order

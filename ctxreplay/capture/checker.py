@@ -69,6 +69,7 @@ class Checker:
         self.by_value = 0  # live calls run and compared by value in this pass
         #: what the reference runs changed in their arguments
         self.watch = Watch()
+        self._fresh: tuple[Any, dict[str, str] | None] | None = None
 
     def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
         name = self.options.verify
@@ -119,13 +120,20 @@ class Checker:
         """The artifact as a module running with ``view``'s tensors; for a
         backend that only runs artifacts its own way, ``backend.run`` for the
         member whose weights the artifact holds (``None`` for the others)."""
-        fresh = self.backend.module(self.artifact)
-        if fresh is None:
+        if self._fresh is None:
+            # made once per check (unlifting a program recompiles its
+            # graphs), rebound to each member's tensors by name
+            fresh = self.backend.module(self.artifact)
+            self._fresh = (fresh, None if fresh is None else _names_of(fresh, self.traced))
+        fresh, names = self._fresh
+        if fresh is None or names is None:
             if member is not self.request.traced:
                 return None
             backend, artifact = self.backend, self.artifact
             return lambda *args, **kwargs: backend.run(artifact, args, kwargs)
-        _rebind(fresh, self.traced, view)
+        mine = dict(_tensors(view))
+        fresh.load_state_dict({n: mine[src] for n, src in names.items() if src in mine},
+                              strict=False, assign=True)
         return fresh
 
     def _execute(self, m: MemberCall, module: nn.Module | None,
@@ -297,18 +305,11 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _rebind(fresh: nn.Module, traced: nn.Module, view: nn.Module) -> None:
-    """Point ``fresh``'s parameters and buffers at ``view``'s, matching each
-    to the traced module's tensor it was made from (by identity)."""
+def _names_of(fresh: nn.Module, traced: nn.Module) -> dict[str, str]:
+    """For each of ``fresh``'s parameters and buffers, the name of the traced
+    module's tensor it was made from (matched by identity): what points it
+    at another member's tensors of the same names."""
     names: dict[int, str] = {}
     for n, t in _tensors(traced):
         names.setdefault(id(t), n)
-    if view is traced:
-        return
-    mine = dict(_tensors(view))
-    state: dict[str, torch.Tensor] = {}
-    for n, t in _tensors(fresh):
-        src = names.get(id(t))
-        if src is not None and src in mine:
-            state[n] = mine[src]
-    fresh.load_state_dict(state, strict=False, assign=True)
+    return {n: names[id(t)] for n, t in _tensors(fresh) if id(t) in names}

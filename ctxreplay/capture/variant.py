@@ -53,7 +53,13 @@ from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 from .results import Capture, CaptureFailure
 
-__all__ = ["CaptureFailed", "capture_variant", "recapture"]
+__all__ = ["CaptureFailed", "Source", "capture_variant", "recapture"]
+
+
+#: an artifact from elsewhere than a trace (the capture cache): given the
+#: isolated view of the traced member and the binding (``"flattened"``: the
+#: view sits under ``inner.``), ``(artifact, graph output spec, backend)``
+Source = Callable[[nn.Module, str], tuple[Any, "Spec | None", Backend]]
 
 
 class CaptureFailed(Error):
@@ -118,7 +124,7 @@ class _Plan:
 def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                     options: CaptureOptions, *,
                     baseline: tuple[ContextProbe[Any], ...] = (),
-                    defer_collectives: bool = False) -> Capture:
+                    defer_collectives: bool = False, source: Source | None = None) -> Capture:
     """See ``_capture_variant``; it runs from the state a fresh process has
     (inputs made under the caller's ``inference_mode`` would be inference
     tensors), whatever the caller of ``finalize()`` has active."""
@@ -129,7 +135,7 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         raise _failure(request, options.backend, "replay_failed", exc) from None
     try:
         return _capture_variant(request, modules, options, baseline=baseline,
-                                defer_collectives=defer_collectives)
+                                defer_collectives=defer_collectives, source=source)
     finally:
         neutral.__exit__(None, None, None)
 
@@ -137,9 +143,11 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
 def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                      options: CaptureOptions, *,
                      baseline: tuple[ContextProbe[Any], ...] = (),
-                     defer_collectives: bool = False) -> Capture:
+                     defer_collectives: bool = False, source: Source | None = None) -> Capture:
     """Capture ``request``; ``modules`` maps member names to the live modules
     (never changed: every trace and run uses an isolated view).
+    ``source``: where the artifact comes from instead of a trace (the
+    capture cache); it is checked exactly as a traced one.
     ``baseline``: probes whose neutral state execution checks start from,
     beside the snapshot's own.  ``defer_collectives``: a graph holding
     collectives is only checked at the signature level here (running it
@@ -171,7 +179,13 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         raise _with_context(fail("state_not_restorable", exc), {"attribute": str(exc)}) \
             from None
     try:
-        artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
+        if source is None:
+            artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
+        else:
+            try:
+                artifact, graph_outputs, real = source(view, plan.binding)
+            except Exception as exc:
+                raise fail("bad_artifact", exc) from None
         embedded, carried, ambient_only = _context_split(request, plan, options, real)
         gm = real.graph_module(artifact)
         collective = gm is not None and has_collectives(gm)
@@ -204,7 +218,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         weights_from=traced.name, collective=collective, graph_digest=digest,
         op_args=op_args, identities=tuple((m.name, request.identity) for m in request.members
                                           if request.identity),
-        ignore_attributes=options.ignore_attributes,
+        ignore_attributes=options.ignore_attributes, from_cache=source is not None,
     )
 
 

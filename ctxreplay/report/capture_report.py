@@ -75,6 +75,27 @@ class CaptureReport:
         """``(scope, variant)`` -> probe effects, once computed."""
         return dict(self._explanations)
 
+    @property
+    def cache(self) -> dict[str, Any] | None:
+        """The capture cache's share (``capture_with(..., cache=...)``): its
+        ``directory``, the captures loaded ``from_cache`` and those
+        ``traced``; ``None`` when the session used no cache."""
+        where = self.settings.get("cache")
+        if where is None:
+            return None
+        hits = sum(1 for c in self.captures if c.from_cache)
+        return {"directory": where, "from_cache": hits, "traced": len(self.captures) - hits}
+
+    @property
+    def cache_summary(self) -> str | None:
+        """``cache`` in one line (``None`` without a cache)."""
+        cache = self.cache
+        if cache is None:
+            return None
+        return (f"capture cache {cache['directory']}: {cache['from_cache']} of "
+                f"{len(self.captures)} captures loaded from it and checked, "
+                f"{cache['traced']} traced")
+
     def mismatches(self) -> Iterator[tuple[Capture, Mismatch]]:
         """Every ``(capture, mismatch)`` pair of the report, in capture order."""
         for c in self.captures:
@@ -143,6 +164,7 @@ class CaptureReport:
             "notices": [n.to_json() for n in self.notices],
             "retained": None if self.retained is None else dict(self.retained),
             "distributed": None if self.distributed is None else dict(self.distributed),
+            "cache": self.cache,
             "captures": [self._capture_json(c) for c in self.captures],
             "failures": [f.to_json() for f in self.failures],
         }
