@@ -167,25 +167,9 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         plan = _Plan.make(request, options, backend)
     except Exception as exc:
         raise fail("replay_failed", exc) from None
-    try:
-        view_cm = isolated(module, request.training)
-        view = view_cm.__enter__()
-    except Exception as exc:
-        raise fail("isolation_failed", exc) from None
-    try:
-        restore_state(view, request.state)
-    except Exception as exc:
-        view_cm.__exit__(None, None, None)
-        raise _with_context(fail("state_not_restorable", exc), {"attribute": str(exc)}) \
-            from None
-    try:
-        if source is None:
-            artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
-        else:
-            try:
-                artifact, graph_outputs, real = source(view, plan.binding)
-            except Exception as exc:
-                raise fail("bad_artifact", exc) from None
+    with _view(module, request, fail) as view:
+        artifact, graph_outputs, real = _artifact(request, plan, view, options, fail,
+                                                  baseline, source)
         embedded, carried, ambient_only = _context_split(request, plan, options, real)
         gm = real.graph_module(artifact)
         collective = gm is not None and has_collectives(gm)
@@ -200,8 +184,6 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         except Exception as exc:
             raise fail("verify_failed", exc) from None
         fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
-    finally:
-        view_cm.__exit__(None, None, None)
     try:
         ops, op_args, digest, fingerprint = _graph_summary(request, real, artifact)
     except Exception as exc:
@@ -220,6 +202,40 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                                           if request.identity),
         ignore_attributes=options.ignore_attributes, from_cache=source is not None,
     )
+
+
+@contextmanager
+def _view(module: nn.Module, request: VariantRequest,
+          fail: Callable[..., CaptureFailed]) -> Iterator[nn.Module]:
+    """The isolated view of ``module`` every trace and run of the variant
+    uses, holding the attribute values its calls ran with."""
+    try:
+        view_cm = isolated(module, request.training)
+        view = view_cm.__enter__()
+    except Exception as exc:
+        raise fail("isolation_failed", exc) from None
+    try:
+        try:
+            restore_state(view, request.state)
+        except Exception as exc:
+            raise _with_context(fail("state_not_restorable", exc),
+                                {"attribute": str(exc)}) from None
+        yield view
+    finally:
+        view_cm.__exit__(None, None, None)
+
+
+def _artifact(request: VariantRequest, plan: _Plan, view: nn.Module, options: CaptureOptions,
+              fail: Callable[..., CaptureFailed],
+              baseline: tuple[ContextProbe[Any], ...], source: Source | None
+              ) -> tuple[Any, Spec | None, Backend]:
+    """The variant's artifact: traced from ``view``, or taken from ``source``."""
+    if source is None:
+        return _trace(request, plan, view, options, fail, baseline)
+    try:
+        return source(view, plan.binding)
+    except Exception as exc:
+        raise fail("bad_artifact", exc) from None
 
 
 def _context_split(request: VariantRequest, plan: _Plan, options: CaptureOptions,
