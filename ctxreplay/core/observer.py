@@ -181,7 +181,7 @@ class Observer:
         self.cache = None
 
 
-_default_observer: tuple[int, Observer] | None = None
+_default_observer: tuple[Any, Observer] | None = None
 
 
 def snapshot(probes: object = None) -> ContextSnapshot:
@@ -190,13 +190,12 @@ def snapshot(probes: object = None) -> ContextSnapshot:
     A probe that cannot observe raises ``ProbeObservationError`` naming it."""
     global _default_observer
     if probes is None:
+        # the default set changes with the registry and with which frameworks
+        # the integration probes need are imported (``registry.default_key``)
+        key = registry.default_key()
         cached = _default_observer
-        if cached is not None and cached[0] == registry._PROBES.generation:
-            fast: ContextSnapshot = cached[1]()
-            return fast
-        gen = registry.generation()
-        if cached is None or cached[0] != gen:
-            cached = (gen, Observer(registry.resolve_probes(None)))
+        if cached is None or cached[0] != key:
+            cached = (key, Observer(registry.resolve_probes(None)))
             _default_observer = cached
         snap: ContextSnapshot = cached[1]()
         return snap

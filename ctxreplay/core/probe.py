@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, ClassVar, Generic, TypeVar
@@ -42,6 +43,9 @@ class ContextProbe(abc.ABC, Generic[S]):
     * ``guarded`` -- every part of the state that ``watch`` does not list is
       covered by torch's global-state guard, so a snapshot may be reused
       while that guard holds and the watched getters return the same values.
+    * ``requires`` -- modules that must already be imported for a ``default``
+      probe to join the default set (a framework's state exists only once
+      the framework is loaded; ctxreplay never imports it itself).
     """
 
     name: str = ""
@@ -62,6 +66,18 @@ class ContextProbe(abc.ABC, Generic[S]):
     pinnable: ClassVar[bool] = False
     """The state only sets defaults of factory ops, which the engine's pinning pass writes into the
     graph, so an artifact carries it."""
+    requires: ClassVar[tuple[str, ...]] = ()
+    """Top-level modules that must already be in ``sys.modules`` for the probe to be active: a
+    ``default`` probe joins the default set only then, judged each time the default set is
+    resolved (``capture_with``, ``snapshot``), whatever the import order."""
+
+    def inactive_reason(self) -> str | None:
+        """Why the probe is not active now (``None``: it is).  Default: the
+        first module of ``requires`` that is not imported yet."""
+        for module in self.requires:
+            if module not in sys.modules:
+                return f"{module} is not imported"
+        return None
 
     @abc.abstractmethod
     def observe(self) -> S:
