@@ -46,12 +46,11 @@ def math_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def _selects_math_alone(args: tuple[Any, ...]) -> bool:
+def _selects_math_alone(query: object) -> bool:
     # The CPU selection tries flash, then math; a CUDA one is lowered only
     # when every other kernel is off as well (what sdpa_kernel(MATH) sets).
     if not _math_enabled() or _flash_enabled():
         return False
-    query = args[0] if args else None
     if not isinstance(query, torch.Tensor) or query.device.type == "mps":
         return False  # MPS runs its own math kernel
     if query.device.type == "cpu":
@@ -64,9 +63,12 @@ class _LowerMathSdpa(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and _selects_math_alone(args) \
-                and not kwargs.get("dropout_p") and (len(args) < 5 or not args[4]):
-            return math_sdpa(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            # diffusers passes every argument by keyword
+            query = args[0] if args else kwargs.get("query")
+            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            if not dropout and _selects_math_alone(query):
+                return math_sdpa(*args, **kwargs)
         return func(*args, **kwargs)
 
 
