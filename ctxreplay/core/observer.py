@@ -14,7 +14,7 @@ from .._base.torchcaps import TENSOR_GUARDED_GETTERS as _TENSOR_GUARDED
 from .._base.torchcaps import GlobalStateGuard as _GlobalStateGuard
 from ..errors import Error
 from . import registry
-from .probe import ContextProbe
+from .probe import ContextProbe, FrameworkStateError
 from .snapshots import ContextSnapshot
 
 __all__ = ["Cache", "Observer", "ProbeObservationError", "checker", "snapshot"]
@@ -30,7 +30,10 @@ class ProbeObservationError(Error, RuntimeError):
         self.probe = probe
         """The probe that raised."""
         self.exc_type = type(exc).__name__
-        """The type name of what it raised."""
+        """The type name of what it raised (with the framework and its version for a
+        ``FrameworkStateError``: metadata, never a state's value)."""
+        if isinstance(exc, FrameworkStateError):
+            self.exc_type += f" ({exc.framework} {exc.version})"
 
 
 _Checks = tuple[tuple[Any, Any], ...]

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from .._base.torchcaps import CAPS, dynamo_compiling
 from ..errors import Error
 
-__all__ = ["ContextProbe", "NotPortableError", "Part", "applying", "composed", "restoring"]
+__all__ = ["ContextProbe", "FrameworkStateError", "NotPortableError", "Part", "applying", "composed", "restoring"]
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -19,6 +19,19 @@ T = TypeVar("T")
 
 class NotPortableError(Error, TypeError):
     """Raised by ``encode`` when a state holds live objects that JSON cannot carry."""
+
+
+class FrameworkStateError(Error, RuntimeError):
+    """A probe of a framework's state cannot read it in the installed release
+    (a private name it reads moved).  ``framework`` and ``version`` name the
+    release; a report's ``observation_error`` lists both."""
+
+    def __init__(self, framework: str, version: str, detail: str) -> None:
+        super().__init__(f"{framework} {version}: {detail}")
+        self.framework = framework
+        """The framework's distribution name (``diffusers``)."""
+        self.version = version
+        """Its installed version."""
 
 
 class ContextProbe(abc.ABC, Generic[S]):

@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 
 from .._base.jsonread import read_mapping, read_str
-from ..core.probe import ContextProbe, composed
+from ..core.probe import ContextProbe, FrameworkStateError, composed
 from ..core.registry import register_probe
 from .sdpa_lowering import lowering_math_sdpa
 
@@ -58,8 +58,8 @@ def _registry() -> Any:
         return None
     reg = getattr(mod, _REGISTRY, None)
     if reg is None or not hasattr(reg, _ATTR) or not hasattr(reg, "_backends"):
-        raise RuntimeError(
-            f"diffusers {_version()}: {_MODULE}.{_REGISTRY}.{_ATTR} (or its _backends) is "
+        raise FrameworkStateError(
+            "diffusers", _version(), f"{_MODULE}.{_REGISTRY}.{_ATTR} (or its _backends) is "
             "not there; the diffusers_attention probe reads it (present in diffusers 0.42), "
             "so this diffusers' attention backend cannot be observed")
     return reg
