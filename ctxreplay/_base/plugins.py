@@ -55,8 +55,8 @@ class Registry(Generic[T]):
         kind: what a plugin is called in messages (``"probe"``).
         group: the entry-point group installed packages declare plugins in.
         builtin_prefix: a registration from a module under this prefix (or
-            one of these prefixes) has origin ``builtin`` (any other one outside entry-point loading is
-            ``runtime``).
+            one of these prefixes) has origin ``builtin`` (any other one
+            outside entry-point loading is ``runtime``).
         unknown: the exception an unknown name raises, given the message.
         warning: the warning a broken entry point issues.
         register_entry_point: registers what an entry point loaded (it calls

@@ -11,7 +11,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 from .._base.torchcaps import CAPS, dynamo_compiling
 from ..errors import Error
 
-__all__ = ["ContextProbe", "FrameworkStateError", "NotPortableError", "Part", "applying", "composed", "restoring"]
+__all__ = ["ContextProbe", "FrameworkStateError", "NotPortableError", "Part", "applying",
+           "composed", "restoring"]
 
 S = TypeVar("S")
 T = TypeVar("T")
