@@ -105,6 +105,16 @@ class ContextProbe(abc.ABC, Generic[S]):
     def clear(self) -> None:
         """Drop live objects this probe holds (called after capture)."""
 
+    def attach(self, module: Any) -> None:
+        """Called with the model ``capture_with`` observes or ``install``
+        dispatches, before its first call: a probe of state the model itself
+        holds (a framework's per-model setting) starts reading it there.
+        Default: nothing."""
+
+    def detach(self, module: Any) -> None:
+        """Undoes ``attach`` (the session closed, the install was removed).
+        Default: nothing."""
+
     def watch(self, state: S) -> tuple[tuple[Callable[[], object], object], ...]:
         """``(getter, expected)`` pairs: ``state`` is still current while torch's
         global-state guard holds and every ``getter()`` returns ``expected``.

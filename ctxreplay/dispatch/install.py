@@ -32,6 +32,7 @@ from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import tensor_guard
 from ..capture.results import Capture
 from ..core.observer import Observer
+from ..core.probe import ContextProbe
 from ..core.snapshots import UnknownProbe, UnknownState
 from ..loading.load import LoadedCapture, LoadedManifest
 from ..observation.copies import Entries, path_modules
@@ -232,6 +233,7 @@ class InstallHandle:
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
         self._observers: tuple[Observer, ...] = ()
+        self._attached: tuple[ContextProbe[Any], ...] = ()
         self._root: Root | None = None
         self._copies: list[Entries] = []
         self.active = 0  # calls of the model in progress
@@ -301,6 +303,12 @@ class InstallHandle:
             h.remove()
         self._hooks.clear()
         self._owners.clear()
+        for probe in self._attached:
+            try:
+                probe.detach(self.model)
+            except Exception:  # a probe's bookkeeping never breaks remove()
+                pass
+        self._attached = ()
 
     def __enter__(self) -> InstallHandle:
         return self
@@ -386,6 +394,9 @@ def install(model: nn.Module,
         slot.groups = [(observers[k], v) for k, v in by_probes.items()]
         handle._slots.append(slot)
     handle._observers = tuple(observers.values())
+    handle._attached = tuple({id(p): p for o in handle._observers for p in o.probes}.values())
+    for probe in handle._attached:  # a probe of per-model state reads this model's
+        probe.attach(model)
     handle._watch()
     for slot in handle._slots:
         wrap(slot)

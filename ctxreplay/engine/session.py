@@ -55,6 +55,9 @@ class CaptureSession:
             profile=options.profile_ranges,
             retain_bytes=options.retain_bytes if level(options.verify).retains else None,
             ignore=options.ignore_attributes)
+        self._module = module
+        for probe in options.probes:  # a probe of per-model state reads this model's
+            probe.attach(module)
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None
@@ -95,6 +98,11 @@ class CaptureSession:
         if self._state == "open":
             self._state = "closed"
             self._observation.detach()
+            for probe in self.options.probes:
+                try:
+                    probe.detach(self._module)
+                except Exception:  # a probe's bookkeeping never breaks close()
+                    pass
 
     def __enter__(self) -> CaptureSession:
         return self
