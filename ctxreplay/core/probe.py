@@ -57,6 +57,9 @@ class ContextProbe(abc.ABC, Generic[S]):
     * ``guarded`` -- every part of the state that ``watch`` does not list is
       covered by torch's global-state guard, so a snapshot may be reused
       while that guard holds and the watched getters return the same values.
+    * ``baked`` -- the state only steers the Python of the forward (which
+      function it calls), so a graph traced under the replay holds the
+      choice: replayed around the capture, yet carried by the artifact.
     * ``requires`` -- modules that must already be imported for a ``default``
       probe to join the default set (a framework's state exists only once
       the framework is loaded; ctxreplay never imports it itself).
@@ -80,6 +83,10 @@ class ContextProbe(abc.ABC, Generic[S]):
     pinnable: ClassVar[bool] = False
     """The state only sets defaults of factory ops, which the engine's pinning pass writes into the
     graph, so an artifact carries it."""
+    baked: ClassVar[bool] = False
+    """The state only steers the Python of the forward (which function it calls): a graph traced
+    under the replay holds the choice, so the artifact carries it although it is replayed around
+    the capture."""
     requires: ClassVar[tuple[str, ...]] = ()
     """Top-level modules that must already be in ``sys.modules`` for the probe to be active: a
     ``default`` probe joins the default set only then, judged each time the default set is

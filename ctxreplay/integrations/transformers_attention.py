@@ -11,7 +11,7 @@ model), keeps them by weak reference, and observes the distinct
 ``(config class, implementation)`` pairs -- so a switch between calls starts
 a new variant, one capture per implementation.
 
-Replayed around the traced forward by overriding ``_attn_implementation`` on
+Replayed around the traced forward (``baked``) by overriding ``_attn_implementation`` on
 the config's class (capture traces an isolated copy of the model, whose
 config is a copy): the implementation is Python control flow, so the graph
 holds the chosen kernel's ops and the artifact carries it.  Portable as the
@@ -67,7 +67,9 @@ class TransformersAttentionProbe(ContextProbe[TransformersAttentionState]):
     description = ("transformers attention implementation of the observed model's configs "
                    "(set_attn_implementation); active once transformers is imported")
     default = True
-    traceable = True  # the override is entered inside the traced forward: its choice is baked in
+    # replayed around the capture (Dynamo cannot trace a class attribute being
+    # set), yet carried: the graph holds the attention function it chose
+    baked = True
     requires = ("transformers",)
 
     def __init__(self) -> None:
