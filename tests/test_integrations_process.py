@@ -53,15 +53,18 @@ def test_without_the_frameworks_the_integrations_are_listed_inactive() -> None:
     *listing, last = proc.stdout.strip().splitlines()
     result = json.loads(last)
     assert result["imported"] == []  # ctxreplay imports neither framework
-    assert result["inactive"] == {"diffusers_attention": "diffusers is not imported"}
+    assert result["inactive"] == {"diffusers_attention": "diffusers is not imported",
+                                  "transformers_attention": "transformers is not imported"}
     # the default set is the torch probes alone, as before the integrations
-    assert "diffusers_attention" not in result["default"]
+    assert not {"diffusers_attention", "transformers_attention"} & set(result["default"])
     assert result["default"] == [n for n in result["builtin_defaults"]
                                  if n not in result["inactive"]]
     assert result["snapshot"] == result["default"]
     text = "\n".join(listing)
     assert "diffusers_attention  [default, builtin, inactive]" in text
     assert "inactive: diffusers is not imported" in text
+    assert "transformers_attention [default, builtin, inactive]" in text
+    assert "inactive: transformers is not imported" in text
 
 
 # a small attention block that dispatches through diffusers, captured under
