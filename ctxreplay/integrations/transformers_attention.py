@@ -120,11 +120,14 @@ class TransformersAttentionProbe(ContextProbe[TransformersAttentionState]):
 
     def watch(self, state: TransformersAttentionState
               ) -> tuple[tuple[Callable[[], object], object], ...]:
-        # one C-level read per attached config, and whether the set changed
+        # one C-level read per attached config, and whether the set changed.
+        # The config's own dict, not getattr: PreTrainedConfig.__getattribute__
+        # is Python (its attribute map), 4 us a read against 40 ns (measured)
         checks: list[tuple[Callable[[], object], object]] = [
             (partial(getattr, self, "generation"), self.generation)]
         for cfg in self._live():
-            checks.append((partial(getattr, cfg, _INTERNAL), vars(cfg).get(_INTERNAL)))
+            held = vars(cfg)
+            checks.append((partial(held.get, _INTERNAL), held.get(_INTERNAL)))
         return tuple(checks)
 
     def replay(self, state: TransformersAttentionState) -> AbstractContextManager[None]:
