@@ -20,6 +20,7 @@ key (``signature.call_key``) and one dictionary lookup.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -304,10 +305,8 @@ class InstallHandle:
         self._hooks.clear()
         self._owners.clear()
         for probe in self._attached:
-            try:
+            with contextlib.suppress(Exception):  # bookkeeping never breaks remove()
                 probe.detach(self.model)
-            except Exception:  # a probe's bookkeeping never breaks remove()
-                pass
         self._attached = ()
 
     def __enter__(self) -> InstallHandle:

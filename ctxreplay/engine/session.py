@@ -6,6 +6,8 @@ The engine never names a concrete probe: it only calls the probe contract.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,7 +57,8 @@ class CaptureSession:
             profile=options.profile_ranges,
             retain_bytes=options.retain_bytes if level(options.verify).retains else None,
             ignore=options.ignore_attributes)
-        self._module = module
+        # weakly: a finalized session keeps no module alive
+        self._module: weakref.ref[nn.Module] = weakref.ref(module)
         for probe in options.probes:  # a probe of per-model state reads this model's
             probe.attach(module)
         self._state = "open"
@@ -98,11 +101,10 @@ class CaptureSession:
         if self._state == "open":
             self._state = "closed"
             self._observation.detach()
-            for probe in self.options.probes:
-                try:
-                    probe.detach(self._module)
-                except Exception:  # a probe's bookkeeping never breaks close()
-                    pass
+            module = self._module()
+            for probe in self.options.probes if module is not None else ():
+                with contextlib.suppress(Exception):  # bookkeeping never breaks close()
+                    probe.detach(module)
 
     def __enter__(self) -> CaptureSession:
         return self

@@ -1,7 +1,7 @@
 """Probes for state that frameworks keep outside torch (diffusers' attention
-backend, transformers' attention implementation), each active in the default set only once its framework is imported
-(ctxreplay never imports one), and the SDPA lowering that writes a
-framework's kernel choice into a graph."""
+backend, transformers' attention implementation), each active in the default
+set only once its framework is imported (ctxreplay never imports one), and
+the SDPA lowering that writes a framework's kernel choice into a graph."""
 
 from ..core.probe import FrameworkStateError
 from . import diffusers_attention, transformers_attention  # noqa: F401  (registration)

@@ -156,7 +156,7 @@ class TransformersAttentionProbe(ContextProbe[TransformersAttentionState]):
 
     def describe(self, state: TransformersAttentionState) -> str:
         if not state.implementations:
-            return "no transformers model attached"
+            return "none"  # no transformers model attached
         return ", ".join(f"{c}: {i}" for c, i in state.implementations)
 
 
@@ -171,6 +171,12 @@ def _configs_of(module: Any) -> list[Any]:
         if cfg is not None and _is_transformers(cfg):
             seen.setdefault(id(cfg), cfg)
     return list(seen.values())
+
+
+def _constant(value: str) -> Callable[[Any], str]:
+    def get(self: Any) -> str:
+        return value
+    return get
 
 
 @contextmanager
@@ -190,7 +196,7 @@ def _overriding(classes: dict[str, type], state: TransformersAttentionState) -> 
         targets.append((cls, impl, cls.__dict__.get(_PROPERTY, _MISSING)))
     try:
         for cls, impl, _ in targets:
-            setattr(cls, _PROPERTY, property(lambda self, value=impl: value))
+            setattr(cls, _PROPERTY, property(_constant(impl)))
         yield
     finally:
         for cls, _, before in reversed(targets):
