@@ -89,7 +89,9 @@ class TransformersAttentionProbe(ContextProbe[TransformersAttentionState]):
                                "transformers 5.24)")
                 continue
             with self._lock:
-                ref, owners = self._configs.get(id(cfg), (weakref.ref(cfg), 0))
+                ref, owners = self._configs.get(id(cfg), (None, 0))
+                if ref is None or ref() is not cfg:  # new, or an id a dead config left
+                    ref, owners = weakref.ref(cfg), 0
                 self._configs[id(cfg)] = (ref, owners + 1)
                 self._classes[type(cfg).__qualname__] = type(cfg)
                 self.generation += 1
