@@ -78,7 +78,7 @@ def report(model: nn.Module) -> ctxreplay.CaptureReport:
 def test_the_probe_is_default_once_transformers_is_imported() -> None:
     assert "transformers_attention" in default_probes()
     probe = get_probe("transformers_attention")
-    assert probe.observe() == probe.neutral_state()  # nothing attached outside a session
+    assert probe.observe() == probe.neutral_state()  # the registered probe reads no model
 
 
 def test_a_capture_per_implementation_named_in_the_report(
@@ -101,7 +101,7 @@ def test_installed_graphs_follow_the_switch_by_value(
             assert handle.stats().total_hits == n * N_LAYERS, implementation
             assert torch.equal(out, eager[implementation]), implementation
         assert handle.stats().reasons == {}
-    # the session and the install detached: the probe holds no model any more
+    # the registered probe was never bound: sessions and installs bind their own
     probe = get_probe("transformers_attention")
     assert probe.observe() == probe.neutral_state()
 
@@ -110,11 +110,11 @@ def test_a_config_class_under_two_implementations_is_refused_by_name() -> None:
     probe = get_probe("transformers_attention")
     state = probe.decode({"implementations": [["LlamaConfig", "eager"],
                                               ["LlamaConfig", "sdpa"]]}, "$.state")
-    with pytest.raises(ValueError, match="LlamaConfig is attached under two"), \
+    with pytest.raises(ValueError, match="LlamaConfig is bound under two"), \
             probe.replay(state):
         pass
     unknown = probe.decode({"implementations": [["NoSuchConfig", "eager"]]}, "$.state")
-    with pytest.raises(ValueError, match="no model with a NoSuchConfig config"), \
+    with pytest.raises(ValueError, match="bound to no model with a NoSuchConfig config"), \
             probe.replay(unknown):
         pass
     with pytest.raises(ValueError, match=r"\$\.state\.implementations\[0\]"):

@@ -112,15 +112,13 @@ class ContextProbe(abc.ABC, Generic[S]):
     def clear(self) -> None:
         """Drop live objects this probe holds (called after capture)."""
 
-    def attach(self, module: Any) -> None:
-        """Called with the model ``capture_with`` observes or ``install``
-        dispatches, before its first call: a probe of state the model itself
-        holds (a framework's per-model setting) starts reading it there.
-        Default: nothing."""
-
-    def detach(self, module: Any) -> None:
-        """Undoes ``attach`` (the session closed, the install was removed).
-        Default: nothing."""
+    def bind(self, module: Any) -> ContextProbe[S]:
+        """The probe to use for ``module``: the model ``capture_with``
+        observes or ``install`` dispatches, before its first call.  A probe of
+        state the model itself holds (a framework's per-model setting)
+        returns a new instance that reads it there, so two models never mix;
+        the default is the probe itself."""
+        return self
 
     def watch(self, state: S) -> tuple[tuple[Callable[[], object], object], ...]:
         """``(getter, expected)`` pairs: ``state`` is still current while torch's

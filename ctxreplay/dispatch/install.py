@@ -20,7 +20,6 @@ key (``signature.call_key``) and one dictionary lookup.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -234,7 +233,6 @@ class InstallHandle:
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
         self._observers: tuple[Observer, ...] = ()
-        self._attached: tuple[ContextProbe[Any], ...] = ()
         self._root: Root | None = None
         self._copies: list[Entries] = []
         self.active = 0  # calls of the model in progress
@@ -304,10 +302,6 @@ class InstallHandle:
             h.remove()
         self._hooks.clear()
         self._owners.clear()
-        for probe in self._attached:
-            with contextlib.suppress(Exception):  # bookkeeping never breaks remove()
-                probe.detach(self.model)
-        self._attached = ()
 
     def __enter__(self) -> InstallHandle:
         return self
@@ -376,6 +370,7 @@ def install(model: nn.Module,
                                  f"{e.label})") from None
     handle = InstallHandle(model, entries, compile)
     observers: dict[tuple[Any, ...], Observer] = {}
+    bound: dict[int, ContextProbe[Any]] = {}  # a probe of per-model state reads model's
     for name, module in modules.items():
         slot = _Slot(handle, name, module)
         slot.entries = [e for e in entries if name in e.members]
@@ -388,14 +383,13 @@ def install(model: nn.Module,
                 # the numerics-only flags (watch_forward) are checked once per
                 # call of ``model``, as observation does: too many to read on
                 # every block call
-                observers[key] = Observer(probes, per_call=False)
+                observers[key] = Observer(
+                    tuple(bound.setdefault(id(p), p.bind(model)) for p in probes),
+                    per_call=False)
             by_probes.setdefault(key, []).append(e)
         slot.groups = [(observers[k], v) for k, v in by_probes.items()]
         handle._slots.append(slot)
     handle._observers = tuple(observers.values())
-    handle._attached = tuple({id(p): p for o in handle._observers for p in o.probes}.values())
-    for probe in handle._attached:  # a probe of per-model state reads this model's
-        probe.attach(model)
     handle._watch()
     for slot in handle._slots:
         wrap(slot)

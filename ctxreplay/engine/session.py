@@ -6,11 +6,10 @@ The engine never names a concrete probe: it only calls the probe contract.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 from torch import nn
 
 from ..backends import Backend, get_backend
@@ -48,6 +47,8 @@ class CaptureSession:
     def __init__(self, module: nn.Module, options: CaptureOptions, targets: Targets) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"capture_with: expected an nn.Module, got {type(module).__name__}")
+        # a probe of per-model state reads this model's (``ContextProbe.bind``)
+        options = attrs.evolve(options, probes=tuple(p.bind(module) for p in options.probes))
         self.options = options
         """Every setting of the session, validated (``capture_with``'s arguments)."""
         self._observer = Observer(options.probes, per_call=options.watch == "call")
@@ -57,10 +58,6 @@ class CaptureSession:
             profile=options.profile_ranges,
             retain_bytes=options.retain_bytes if level(options.verify).retains else None,
             ignore=options.ignore_attributes)
-        # weakly: a finalized session keeps no module alive
-        self._module: weakref.ref[nn.Module] = weakref.ref(module)
-        for probe in options.probes:  # a probe of per-model state reads this model's
-            probe.attach(module)
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None
@@ -101,10 +98,6 @@ class CaptureSession:
         if self._state == "open":
             self._state = "closed"
             self._observation.detach()
-            module = self._module()
-            for probe in self.options.probes if module is not None else ():
-                with contextlib.suppress(Exception):  # bookkeeping never breaks close()
-                    probe.detach(module)
 
     def __enter__(self) -> CaptureSession:
         return self

@@ -5,25 +5,24 @@ transformers (read on 5.24) picks a layer's attention function per call from
 ``self.config._attn_implementation`` (``eager``, ``sdpa``, ``flex_attention``,
 ...), a property over the config's ``_attn_implementation_internal`` that
 ``model.set_attn_implementation(...)`` rewrites.  The state lives on the
-model, not in the process: this probe reads it from the configs of the
-models it is attached to (``capture_with`` and ``install`` attach their
-model), keeps them by weak reference, and observes the distinct
-``(config class, implementation)`` pairs -- so a switch between calls starts
-a new variant, one capture per implementation.
+model, not in the process: ``capture_with`` and ``install`` bind the probe to
+their model (``ContextProbe.bind``: a probe of its own, reading that model's
+configs by weak reference; the registered probe reads none), and it observes
+the distinct ``(config class, implementation)`` pairs -- so a switch between
+calls starts a new variant, one capture per implementation.
 
-Replayed around the traced forward (``baked``) by overriding ``_attn_implementation`` on
-the config's class (capture traces an isolated copy of the model, whose
-config is a copy): the implementation is Python control flow, so the graph
-holds the chosen kernel's ops and the artifact carries it.  Portable as the
-pairs.  A model of one config class attached under two implementations at
-once cannot be replayed (one class, one override): that capture fails with
-a clear error rather than trace the wrong one.
+Replayed around the traced forward (``baked``) by overriding
+``_attn_implementation`` on the config's class (capture traces an isolated
+copy of the model, whose config is a copy): the implementation is Python
+control flow, so the graph holds the chosen kernel's ops and the artifact
+carries it.  Portable as the pairs.  A model holding configs of one class
+under two implementations cannot be replayed (one class, one override): that
+capture fails with a clear error rather than trace the wrong one.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -54,7 +53,7 @@ def _is_transformers(obj: object) -> bool:
 @attrs.frozen(cache_hash=True)
 class TransformersAttentionState:
     """``implementations``: the distinct ``(config class, implementation)``
-    pairs of the attached models' configs, sorted (empty: none attached)."""
+    pairs of the bound model's configs, sorted (empty: no model bound)."""
 
     implementations: tuple[tuple[str, str], ...] = ()
 
@@ -72,45 +71,31 @@ class TransformersAttentionProbe(ContextProbe[TransformersAttentionState]):
     baked = True
     requires = ("transformers",)
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._configs: dict[int, tuple[weakref.ref[Any], int]] = {}  # id -> (config, owners)
+    def __init__(self, module: Any = None) -> None:
+        self._configs: tuple[weakref.ref[Any], ...] = ()
         self._classes: dict[str, type] = {}
         self._moved: str | None = None
-        self.generation = 0
-        """Changes whenever a model is attached or detached."""
+        if module is not None:
+            self._read(module)
 
-    # -- attach / detach: which configs to read ---------------------------------
-    def attach(self, module: Any) -> None:
+    def bind(self, module: Any) -> TransformersAttentionProbe:
+        """A probe that reads ``module``'s configs (the registered one reads none)."""
+        return TransformersAttentionProbe(module)
+
+    def _read(self, module: Any) -> None:
+        refs = []
         for cfg in _configs_of(module):
             if not isinstance(vars(cfg).get(_INTERNAL, _MISSING), (str, type(None))):
                 self._moved = (f"{type(cfg).__qualname__}.{_INTERNAL} is not there; the "
                                "transformers_attention probe reads it (present in "
                                "transformers 5.24)")
                 continue
-            with self._lock:
-                ref, owners = self._configs.get(id(cfg), (None, 0))
-                if ref is None or ref() is not cfg:  # new, or an id a dead config left
-                    ref, owners = weakref.ref(cfg), 0
-                self._configs[id(cfg)] = (ref, owners + 1)
-                self._classes[type(cfg).__qualname__] = type(cfg)
-                self.generation += 1
-
-    def detach(self, module: Any) -> None:
-        for cfg in _configs_of(module):
-            with self._lock:
-                held = self._configs.get(id(cfg))
-                if held is None:
-                    continue
-                if held[1] <= 1:
-                    del self._configs[id(cfg)]
-                else:
-                    self._configs[id(cfg)] = (held[0], held[1] - 1)
-                self.generation += 1
+            refs.append(weakref.ref(cfg))  # weakly: a probe keeps no model alive
+            self._classes[type(cfg).__qualname__] = type(cfg)
+        self._configs = tuple(refs)
 
     def _live(self) -> list[Any]:
-        with self._lock:
-            found = [ref() for ref, _ in self._configs.values()]
+        found = [ref() for ref in self._configs]
         return [c for c in found if c is not None]
 
     # -- the probe ------------------------------------------------------------------
@@ -122,11 +107,10 @@ class TransformersAttentionProbe(ContextProbe[TransformersAttentionState]):
 
     def watch(self, state: TransformersAttentionState
               ) -> tuple[tuple[Callable[[], object], object], ...]:
-        # one C-level read per attached config, and whether the set changed.
-        # The config's own dict, not getattr: PreTrainedConfig.__getattribute__
-        # is Python (its attribute map), 4 us a read against 40 ns (measured)
-        checks: list[tuple[Callable[[], object], object]] = [
-            (partial(getattr, self, "generation"), self.generation)]
+        # one C-level read per config of the bound model: the config's own
+        # dict, not getattr -- PreTrainedConfig.__getattribute__ is Python (its
+        # attribute map), 4.2 us a read against 30 ns (measured)
+        checks: list[tuple[Callable[[], object], object]] = []
         for cfg in self._live():
             held = vars(cfg)
             checks.append((partial(held.get, _INTERNAL), held.get(_INTERNAL)))
@@ -158,7 +142,7 @@ class TransformersAttentionProbe(ContextProbe[TransformersAttentionState]):
 
     def describe(self, state: TransformersAttentionState) -> str:
         if not state.implementations:
-            return "none"  # no transformers model attached
+            return "none"  # no transformers model bound
         return ", ".join(f"{c}: {i}" for c, i in state.implementations)
 
 
@@ -186,15 +170,15 @@ def _overriding(classes: dict[str, type], state: TransformersAttentionState) -> 
     wanted: dict[str, str] = {}
     for cls_name, impl in state.implementations:
         if wanted.setdefault(cls_name, impl) != impl:
-            raise ValueError(f"transformers_attention: {cls_name} is attached under two "
+            raise ValueError(f"transformers_attention: {cls_name} is bound under two "
                              f"implementations ({wanted[cls_name]!r}, {impl!r}); one class "
                              "can be replayed under one: capture such models one at a time")
     targets = []
     for cls_name, impl in wanted.items():
         cls = classes.get(cls_name)
         if cls is None:
-            raise ValueError(f"transformers_attention: no model with a {cls_name} config is "
-                             f"attached in this process; known: {sorted(classes) or 'none'}")
+            raise ValueError(f"transformers_attention: this probe is bound to no model with a "
+                             f"{cls_name} config; bound: {sorted(classes) or 'none'}")
         targets.append((cls, impl, cls.__dict__.get(_PROPERTY, _MISSING)))
     try:
         for cls, impl, _ in targets:
