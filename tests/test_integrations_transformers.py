@@ -106,6 +106,17 @@ def test_installed_graphs_follow_the_switch_by_value(
     assert probe.observe() == probe.neutral_state()
 
 
+def test_each_bound_model_is_read_alone(model: nn.Module) -> None:
+    other: nn.Module = llama()  # type: ignore[operator]
+    other.set_attn_implementation("eager")
+    model.set_attn_implementation("sdpa")
+    probe = get_probe("transformers_attention")
+    mine, theirs = probe.bind(model), probe.bind(other)
+    assert mine.describe(mine.observe()) == "LlamaConfig: sdpa"
+    assert theirs.describe(theirs.observe()) == "LlamaConfig: eager"
+    assert probe.observe() == probe.neutral_state()
+
+
 def test_a_config_class_under_two_implementations_is_refused_by_name() -> None:
     probe = get_probe("transformers_attention")
     state = probe.decode({"implementations": [["LlamaConfig", "eager"],

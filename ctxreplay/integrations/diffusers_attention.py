@@ -73,12 +73,12 @@ def _name(raw: object) -> str:
 @attrs.frozen(cache_hash=True)
 class DiffusersAttentionState:
     """``backend``: the name of the active attention backend (``native``,
-    ``_native_math``, ``flex``, ...); ``loaded``: whether diffusers' attention
-    dispatch was imported (before it is, the name is the one it will start
-    with: ``DIFFUSERS_ATTN_BACKEND``, default ``native``)."""
+    ``_native_math``, ``flex``, ...); before diffusers' attention dispatch is
+    imported, the one it will start with (``DIFFUSERS_ATTN_BACKEND``, default
+    ``native``), so a process without diffusers loaded matches a capture made
+    under that backend with it loaded."""
 
     backend: str
-    loaded: bool = True
 
 
 @register_probe
@@ -95,17 +95,17 @@ class DiffusersAttentionProbe(ContextProbe[DiffusersAttentionState]):
     def observe(self) -> DiffusersAttentionState:
         reg = _registry()
         if reg is None:
-            return DiffusersAttentionState(
-                os.environ.get("DIFFUSERS_ATTN_BACKEND", _NEUTRAL_NAME), loaded=False)
+            return DiffusersAttentionState(os.environ.get("DIFFUSERS_ATTN_BACKEND", _NEUTRAL_NAME))
         return DiffusersAttentionState(_name(getattr(reg, _ATTR)))
 
     def watch(self, state: DiffusersAttentionState
               ) -> tuple[tuple[Callable[[], object], object], ...]:
         # one C-level read per call: the class attribute (an AttentionBackendName
         # compares equal to its name), or whether the module got imported
-        if not state.loaded:
+        reg = _registry()
+        if reg is None:
             return ((partial(sys.modules.get, _MODULE), None),)
-        return ((partial(getattr, _registry(), _ATTR), state.backend),)
+        return ((partial(getattr, reg, _ATTR), state.backend),)
 
     def replay(self, state: DiffusersAttentionState) -> AbstractContextManager[None]:
         return _backend(state)
@@ -137,7 +137,7 @@ class DiffusersAttentionProbe(ContextProbe[DiffusersAttentionState]):
         return DiffusersAttentionState(name)
 
     def describe(self, state: DiffusersAttentionState) -> str:
-        return state.backend if state.loaded else f"{state.backend} (diffusers not loaded)"
+        return state.backend
 
 
 @contextmanager
