@@ -35,7 +35,8 @@ FACES = {
     "ctxreplay.testing": {"GlobalState", "check_probe", "global_state", "leak_check",
                           "state_changes"},
     "ctxreplay.integrations": {"DiffusersAttentionProbe", "DiffusersAttentionState",
-                               "FrameworkStateError", "lowering_math_sdpa", "math_sdpa"},
+                               "FrameworkStateError", "TransformersAttentionProbe",
+                               "TransformersAttentionState", "lowering_math_sdpa", "math_sdpa"},
 }
 
 #: the probe-authoring part of ctxreplay.probes (the built-in probes are the rest)
