@@ -12,6 +12,7 @@ built-in probes) is under ``ctxreplay.probes``, capture backends under
 
 from __future__ import annotations
 
+from . import integrations as _integrations  # noqa: F401  (registers the integration probes)
 from . import probes as _builtin_probes  # noqa: F401  (registers the built-ins)
 from ._base.version import __version__ as __version__
 from .artifacts.sidecar import ArtifactError, load_sidecar

@@ -17,7 +17,7 @@ from .artifacts.formats import format_of_file
 from .artifacts.sidecar import read_sidecar
 from .backends.registry import available_backends
 from .core.observer import snapshot
-from .core.registry import available_probes
+from .core.registry import available_probes, get_probe
 from .core.snapshots import describe_state
 from .demo import run_demo
 from .fidelity.verify import fidelity_status
@@ -30,9 +30,11 @@ from .report.manifest import read_manifest
 __all__ = ["main"]
 
 
-def _registry_listing(rows: Iterable[tuple[str, list[str], str, str | None]]) -> int:
+def _registry_listing(rows: Iterable[tuple[str, list[str], str, str | None]],
+                      notes: dict[str, str] | None = None) -> int:
     """Print ``(name, flags, description, error)`` rows: one line a name (the
-    description wrapped under itself), and the error of a broken entry point."""
+    description wrapped under itself), the error of a broken entry point,
+    and a name's note (why a probe is inactive)."""
     # the terminal's width (88 when stdout is not a terminal)
     width = max(60, shutil.get_terminal_size((88, 24)).columns)
     for name, flags, description, error in rows:
@@ -42,14 +44,30 @@ def _registry_listing(rows: Iterable[tuple[str, list[str], str, str | None]]) ->
                             break_long_words=False))
         if error:
             print(f"{'':20s} ERROR: {error}")
+        if notes and name in notes:
+            print(f"{'':20s} {notes[name]}")
     return 0
 
 
 def _probes(_: argparse.Namespace) -> int:
+    # a probe that needs a framework says whether it is active, and why not
+    infos = available_probes()
+    notes = {name: f"inactive: {info.inactive}" for name, info in infos.items()
+             if info.inactive}
+    needs = {name for name in infos if _requires(name)}
     return _registry_listing(
-        (name, ["default" if info.default else "opt-in", info.origin,
-                *filter(None, [info.distribution])], info.description, info.error)
-        for name, info in available_probes().items())
+        ((name, ["default" if info.default else "opt-in", info.origin,
+                 *filter(None, [info.distribution]),
+                 *(["inactive" if info.inactive else "active"] if name in needs else [])],
+          info.description, info.error)
+         for name, info in infos.items()), notes)
+
+
+def _requires(name: str) -> tuple[str, ...]:
+    try:
+        return tuple(get_probe(name).requires)
+    except Exception:  # a broken entry point: listed with its error
+        return ()
 
 
 def _backends(_: argparse.Namespace) -> int:

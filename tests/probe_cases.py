@@ -118,9 +118,12 @@ CASES = [
 ]
 BUILTIN_PROBES = {"autocast", "grad_mode", "determinism", "default_dtype", "default_device",
                   "matmul_precision", "rng", "sdpa_backend", "mode_stack", "distributed",
-                  "numerics"}
+                  "numerics", "diffusers_attention", "transformers_attention"}
 # Built-ins whose registered instance replays no non-neutral state it
 # observes, so no case here can pass the replay tests: each has its own file.
 CASELESS = {"mode_stack": "types only; tests/test_probes_mode_stack.py",
             "distributed": "a process's distributed mode is not re-entered; "
-                           "tests/test_distributed.py"}
+                           "tests/test_distributed.py",
+            "diffusers_attention": "needs diffusers; tests/test_integrations.py",
+            "transformers_attention": "reads attached models' configs; "
+                                      "tests/test_integrations_transformers.py"}

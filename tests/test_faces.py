@@ -34,6 +34,9 @@ FACES = {
                            "register_backend", "unregister_backend"},
     "ctxreplay.testing": {"GlobalState", "check_probe", "global_state", "leak_check",
                           "state_changes"},
+    "ctxreplay.integrations": {"DiffusersAttentionProbe", "DiffusersAttentionState",
+                               "FrameworkStateError", "TransformersAttentionProbe",
+                               "TransformersAttentionState", "lowering_math_sdpa", "math_sdpa"},
 }
 
 #: the probe-authoring part of ctxreplay.probes (the built-in probes are the rest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -16,6 +17,15 @@ from ctxreplay.probes import AutocastProbe
 BUILTIN_DEFAULTS = ("autocast", "default_device", "default_dtype", "determinism",
                     "distributed", "grad_mode", "matmul_precision", "mode_stack", "numerics",
                     "sdpa_backend")
+#: default probes that join the default set only while their framework is imported
+INTEGRATIONS = {"diffusers_attention": "diffusers", "transformers_attention": "transformers"}
+
+
+def defaults_now() -> tuple[str, ...]:
+    """The built-in default set in this process: the torch probes, plus each
+    integration whose framework an earlier test imported."""
+    return tuple(sorted([*BUILTIN_DEFAULTS,
+                         *(n for n, m in INTEGRATIONS.items() if m in sys.modules)]))
 
 
 class Counter(ctxreplay.probes.ContextProbe[int]):
@@ -74,8 +84,8 @@ def test_builtin_info() -> None:
 
 
 def test_default_probes() -> None:
-    assert ctxreplay.probes.default_probes() == BUILTIN_DEFAULTS
-    assert ctxreplay.snapshot().names == BUILTIN_DEFAULTS
+    assert ctxreplay.probes.default_probes() == defaults_now()
+    assert ctxreplay.snapshot().names == defaults_now()
 
 
 # -- registration ----------------------------------------------------------------
@@ -179,7 +189,7 @@ def test_a_runtime_default_probe_joins_the_default_snapshot(cleanup: list[str]) 
     assert "test_default_counter" in ctxreplay.probes.default_probes()
     assert ctxreplay.probes.available_probes()["test_default_counter"].default
     snap = ctxreplay.snapshot()
-    assert snap.names == tuple(sorted([*BUILTIN_DEFAULTS, "test_default_counter"]))
+    assert snap.names == tuple(sorted([*defaults_now(), "test_default_counter"]))
     ctxreplay.probes.unregister_probe("test_default_counter")
     assert ctxreplay.snapshot() == before
 
@@ -300,7 +310,7 @@ def test_broken_entry_points_warn_and_everything_else_works(fake_dist: MakeDist)
     # Everything else still works, and the warnings come once.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ctxreplay.probes.default_probes() == BUILTIN_DEFAULTS
+        assert ctxreplay.probes.default_probes() == defaults_now()
         assert ctxreplay.probes.available_probes()["example_forward_context"].loaded
         with torch.autocast("cpu", dtype=torch.bfloat16):
             snap = ctxreplay.snapshot()

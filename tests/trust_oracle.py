@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import ctxreplay
+from ctxreplay.core.registry import resolve_probes
 from ctxreplay.specs.signature import tensor_values
 
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-2}
@@ -83,13 +84,15 @@ def record(model: nn.Module, members: Iterable[str] | None = None,
     names = list(members) if members is not None else []
     pending: dict[int, list[Call]] = {}
     handles = []
+    # a probe of per-model state reads this model's, as a session's does
+    bound = [p.bind(model) for p in resolve_probes(probes)]
     for name in names:
         mod = named[name]
 
         def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 _name: str = name) -> None:
             a, k = _copy_call(args, kwargs)
-            call = Call(_name, m, a, k, (), ctxreplay.snapshot(probes), m.training)
+            call = Call(_name, m, a, k, (), ctxreplay.snapshot(bound), m.training)
             pending.setdefault(id(m), []).append(call)
 
         def post(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -54,9 +54,9 @@ class Registry(Generic[T]):
     Args:
         kind: what a plugin is called in messages (``"probe"``).
         group: the entry-point group installed packages declare plugins in.
-        builtin_prefix: a registration from a module under this prefix has
-            origin ``builtin`` (any other one outside entry-point loading is
-            ``runtime``).
+        builtin_prefix: a registration from a module under this prefix (or
+            one of these prefixes) has origin ``builtin`` (any other one
+            outside entry-point loading is ``runtime``).
         unknown: the exception an unknown name raises, given the message.
         warning: the warning a broken entry point issues.
         register_entry_point: registers what an entry point loaded (it calls
@@ -65,7 +65,7 @@ class Registry(Generic[T]):
         unknown_hint: appended to the unknown-name message.
     """
 
-    def __init__(self, kind: str, group: str, *, builtin_prefix: str,
+    def __init__(self, kind: str, group: str, *, builtin_prefix: str | tuple[str, ...],
                  unknown: Callable[[str], Exception], warning: type[Warning],
                  register_entry_point: Callable[[metadata.EntryPoint, object], object],
                  unknown_hint: str = "") -> None:

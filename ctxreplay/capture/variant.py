@@ -244,13 +244,14 @@ def _context_split(request: VariantRequest, plan: _Plan, options: CaptureOptions
     ``(embedded, carried, ambient_only)`` -- the probes replayed inside the
     graph (none when ``real`` records no embedded context), those the
     artifact carries itself (embedded and not also ambient, plus the pinned
-    factory defaults), and the non-neutral ones that must be re-established
-    around it wherever it runs."""
+    factory defaults and the baked probes' states), and the non-neutral ones
+    that must be re-established around it wherever it runs."""
     embedded, ambient = plan.embedded, plan.ambient
     if embedded and not real.records_embedded:  # the artifact carries none of them
         embedded, ambient = (), request.snapshot.names
     pinned = tuple(p.name for p in request.snapshot.probes
-                   if options.pin_factories and p.pinnable)
+                   if (options.pin_factories and p.pinnable)
+                   or getattr(p, "baked", False))
     carried = tuple(n for n in embedded if n not in ambient) + pinned
     ambient_only = tuple(
         n for n, p, s in zip(request.snapshot.names, request.snapshot.probes,

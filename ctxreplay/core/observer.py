@@ -14,7 +14,7 @@ from .._base.torchcaps import TENSOR_GUARDED_GETTERS as _TENSOR_GUARDED
 from .._base.torchcaps import GlobalStateGuard as _GlobalStateGuard
 from ..errors import Error
 from . import registry
-from .probe import ContextProbe
+from .probe import ContextProbe, FrameworkStateError
 from .snapshots import ContextSnapshot
 
 __all__ = ["Cache", "Observer", "ProbeObservationError", "checker", "snapshot"]
@@ -30,7 +30,10 @@ class ProbeObservationError(Error, RuntimeError):
         self.probe = probe
         """The probe that raised."""
         self.exc_type = type(exc).__name__
-        """The type name of what it raised."""
+        """The type name of what it raised (with the framework and its version for a
+        ``FrameworkStateError``: metadata, never a state's value)."""
+        if isinstance(exc, FrameworkStateError):
+            self.exc_type += f" ({exc.framework} {exc.version})"
 
 
 _Checks = tuple[tuple[Any, Any], ...]
@@ -181,7 +184,7 @@ class Observer:
         self.cache = None
 
 
-_default_observer: tuple[int, Observer] | None = None
+_default_observer: tuple[Any, Observer] | None = None
 
 
 def snapshot(probes: object = None) -> ContextSnapshot:
@@ -190,13 +193,12 @@ def snapshot(probes: object = None) -> ContextSnapshot:
     A probe that cannot observe raises ``ProbeObservationError`` naming it."""
     global _default_observer
     if probes is None:
+        # the default set changes with the registry and with which frameworks
+        # the integration probes need are imported (``registry.default_key``)
+        key = registry.default_key()
         cached = _default_observer
-        if cached is not None and cached[0] == registry._PROBES.generation:
-            fast: ContextSnapshot = cached[1]()
-            return fast
-        gen = registry.generation()
-        if cached is None or cached[0] != gen:
-            cached = (gen, Observer(registry.resolve_probes(None)))
+        if cached is None or cached[0] != key:
+            cached = (key, Observer(registry.resolve_probes(None)))
             _default_observer = cached
         snap: ContextSnapshot = cached[1]()
         return snap

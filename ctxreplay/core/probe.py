@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, ClassVar, Generic, TypeVar
@@ -10,7 +11,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 from .._base.torchcaps import CAPS, dynamo_compiling
 from ..errors import Error
 
-__all__ = ["ContextProbe", "NotPortableError", "Part", "applying", "composed", "restoring"]
+__all__ = ["ContextProbe", "FrameworkStateError", "NotPortableError", "Part", "applying",
+           "composed", "restoring"]
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -18,6 +20,19 @@ T = TypeVar("T")
 
 class NotPortableError(Error, TypeError):
     """Raised by ``encode`` when a state holds live objects that JSON cannot carry."""
+
+
+class FrameworkStateError(Error, RuntimeError):
+    """A probe of a framework's state cannot read it in the installed release
+    (a private name it reads moved).  ``framework`` and ``version`` name the
+    release; a report's ``observation_error`` lists both."""
+
+    def __init__(self, framework: str, version: str, detail: str) -> None:
+        super().__init__(f"{framework} {version}: {detail}")
+        self.framework = framework
+        """The framework's distribution name (``diffusers``)."""
+        self.version = version
+        """Its installed version."""
 
 
 class ContextProbe(abc.ABC, Generic[S]):
@@ -42,6 +57,12 @@ class ContextProbe(abc.ABC, Generic[S]):
     * ``guarded`` -- every part of the state that ``watch`` does not list is
       covered by torch's global-state guard, so a snapshot may be reused
       while that guard holds and the watched getters return the same values.
+    * ``baked`` -- the state only steers the Python of the forward (which
+      function it calls), so a graph traced under the replay holds the
+      choice: replayed around the capture, yet carried by the artifact.
+    * ``requires`` -- modules that must already be imported for a ``default``
+      probe to join the default set (a framework's state exists only once
+      the framework is loaded; ctxreplay never imports it itself).
     """
 
     name: str = ""
@@ -62,6 +83,22 @@ class ContextProbe(abc.ABC, Generic[S]):
     pinnable: ClassVar[bool] = False
     """The state only sets defaults of factory ops, which the engine's pinning pass writes into the
     graph, so an artifact carries it."""
+    baked: ClassVar[bool] = False
+    """The state only steers the Python of the forward (which function it calls): a graph traced
+    under the replay holds the choice, so the artifact carries it although it is replayed around
+    the capture."""
+    requires: ClassVar[tuple[str, ...]] = ()
+    """Top-level modules that must already be in ``sys.modules`` for the probe to be active: a
+    ``default`` probe joins the default set only then, judged each time the default set is
+    resolved (``capture_with``, ``snapshot``), whatever the import order."""
+
+    def inactive_reason(self) -> str | None:
+        """Why the probe is not active now (``None``: it is).  Default: the
+        first module of ``requires`` that is not imported yet."""
+        for module in self.requires:
+            if module not in sys.modules:
+                return f"{module} is not imported"
+        return None
 
     @abc.abstractmethod
     def observe(self) -> S:
@@ -74,6 +111,14 @@ class ContextProbe(abc.ABC, Generic[S]):
 
     def clear(self) -> None:
         """Drop live objects this probe holds (called after capture)."""
+
+    def bind(self, module: Any) -> ContextProbe[S]:
+        """The probe to use for ``module``: the model ``capture_with``
+        observes or ``install`` dispatches, before its first call.  A probe of
+        state the model itself holds (a framework's per-model setting)
+        returns a new instance that reads it there, so two models never mix;
+        the default is the probe itself."""
+        return self
 
     def watch(self, state: S) -> tuple[tuple[Callable[[], object], object], ...]:
         """``(getter, expected)`` pairs: ``state`` is still current while torch's

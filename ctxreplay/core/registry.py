@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any, TypeVar, overload
@@ -18,6 +19,7 @@ __all__ = [
     "ProbeRegistrationWarning",
     "UnknownProbeError",
     "available_probes",
+    "default_key",
     "default_probes",
     "generation",
     "get_probe",
@@ -58,6 +60,8 @@ class ProbeInfo:
     """For an entry point: the distribution that provides it."""
     error: str | None = None  # set when an entry point failed to load
     """Set when its entry point failed to load: what went wrong."""
+    inactive: str | None = None
+    """Why the probe is not active now (a framework it reads is not imported), else ``None``."""
 
     @property
     def loaded(self) -> bool:
@@ -76,7 +80,8 @@ def _register_entry_point(ep: metadata.EntryPoint, obj: object) -> None:
 
 
 _PROBES: Registry[ContextProbe[Any]] = Registry(
-    "probe", ENTRY_POINT_GROUP, builtin_prefix=__name__.partition(".")[0] + ".probes.",
+    "probe", ENTRY_POINT_GROUP,
+    builtin_prefix=tuple(__name__.partition(".")[0] + f".{p}." for p in ("probes", "integrations")),
     unknown=UnknownProbeError, warning=ProbeRegistrationWarning,
     register_entry_point=_register_entry_point)
 
@@ -138,16 +143,43 @@ def available_probes() -> Mapping[str, ProbeInfo]:
     """Every known name with its info, broken entry points included (with their error)."""
     entries, broken = _PROBES.listing()
     out = {n: ProbeInfo(n, e.value.description, bool(e.value.default), e.origin,
-                        e.distribution) for n, e in entries.items()}
+                        e.distribution, None, _inactive(e.value)) for n, e in entries.items()}
     for key, b in broken.items():
         out.setdefault(key, ProbeInfo(b.name, "", False, "entry_point", b.distribution, b.error))
     return dict(sorted(out.items()))
 
 
+def _inactive(probe: ContextProbe[Any]) -> str | None:
+    try:
+        return probe.inactive_reason()
+    except Exception as exc:  # a probe that cannot say: not active, and why
+        return f"inactive_reason() raised {type(exc).__name__}: {exc}"
+
+
 def default_probes() -> tuple[str, ...]:
-    """Names used when ``probes=None``, in registry order (sorted by name)."""
+    """Names used when ``probes=None``, in registry order (sorted by name): the
+    ``default`` probes that are active now (``ContextProbe.requires``)."""
     entries, _ = _PROBES.listing()
-    return tuple(sorted(n for n, e in entries.items() if e.value.default))
+    return tuple(sorted(n for n, e in entries.items()
+                        if e.value.default and _inactive(e.value) is None))
+
+
+def default_key() -> tuple[int, tuple[bool, ...]]:
+    """What the default set depends on, cheaply: the registry's generation and,
+    per module some default probe ``requires``, whether it is imported.  Equal
+    keys resolve to the same default set."""
+    _PROBES.load_entry_points()
+    gen = _PROBES.generation
+    if _REQUIRED[0] != gen:
+        entries, _ = _PROBES.listing()
+        _REQUIRED[:] = [gen, tuple(sorted({m for e in entries.values() if e.value.default
+                                           for m in e.value.requires}))]
+    modules = sys.modules
+    return gen, tuple(m in modules for m in _REQUIRED[1])
+
+
+# [generation, the modules the default probes of that generation require]
+_REQUIRED: list[Any] = [-1, ()]
 
 
 def resolve_probes(

@@ -33,6 +33,7 @@ from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import tensor_guard
 from ..capture.results import Capture
 from ..core.observer import Observer
+from ..core.probe import ContextProbe
 from ..core.snapshots import UnknownProbe, UnknownState
 from ..loading.load import LoadedCapture, LoadedManifest
 from ..observation.copies import Entries, path_modules
@@ -375,6 +376,7 @@ def install(model: nn.Module,
                                  f"{e.label})") from None
     handle = InstallHandle(model, entries, compile)
     observers: dict[tuple[Any, ...], Observer] = {}
+    bound: dict[int, ContextProbe[Any]] = {}  # a probe of per-model state reads model's
     for name, module in modules.items():
         slot = _Slot(handle, name, module)
         slot.entries = [e for e in entries if name in e.members]
@@ -387,7 +389,9 @@ def install(model: nn.Module,
                 # the numerics-only flags (watch_forward) are checked once per
                 # call of ``model``, as observation does: too many to read on
                 # every block call
-                observers[key] = Observer(probes, per_call=False)
+                observers[key] = Observer(
+                    tuple(bound.setdefault(id(p), p.bind(model)) for p in probes),
+                    per_call=False)
             by_probes.setdefault(key, []).append(e)
         slot.groups = [(observers[k], v) for k, v in by_probes.items()]
         handle._slots.append(slot)

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 from torch import nn
 
 from ..backends import Backend, get_backend
@@ -48,6 +49,8 @@ class CaptureSession:
     def __init__(self, module: nn.Module, options: CaptureOptions, targets: Targets) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"capture_with: expected an nn.Module, got {type(module).__name__}")
+        # a probe of per-model state reads this model's (``ContextProbe.bind``)
+        options = attrs.evolve(options, probes=tuple(p.bind(module) for p in options.probes))
         self.options = options
         """Every setting of the session, validated (``capture_with``'s arguments)."""
         self._observer = Observer(options.probes, per_call=options.watch == "call")

@@ -216,7 +216,8 @@ def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[An
     the part of each probe's replay that must surround the captured callable
     (``split_replay``'s *around*: inference mode, a framework's live
     context, determinism flags), except pinnable states (default dtype and
-    device), which a capture writes into its graph.  So an artifact run here
+    device), which a capture writes into its graph, and baked ones, which
+    its graph holds as the function the forward chose.  So an artifact run here
     shows whether it carries what it can carry.  ``full=True`` replays the
     whole snapshot instead (the live call's context); ``only_neutral=True``
     nothing of it (the state a capture starts from, whatever the caller of
@@ -241,7 +242,7 @@ def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[An
                 if name in needed:
                     stack.enter_context(probe.replay(state))
                     continue
-                if probe.pinnable:
+                if probe.pinnable or getattr(probe, "baked", False):
                     continue
                 around = probe.split_replay(state)[1]
                 if around is not None:

@@ -1,0 +1,323 @@
+"""Integration probes, in this process: diffusers' attention backend observed,
+keyed, replayed into the graph, carried by saved documents and guarded at
+install; the SDPA lowering behind it; and the ``requires`` rule that keeps a
+framework's probe out of the default set until the framework is imported.
+
+The oracle is always an eager rerun of the same model under the backend in
+question (diffusers' own kernels), compared by value -- never ctxreplay's
+verdict alone -- and every test first shows the backends really differ, so
+a graph of the wrong kernel would fail it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ctxreplay
+from ctxreplay.core.probe import ContextProbe
+from ctxreplay.integrations import lowering_math_sdpa, math_sdpa
+from ctxreplay.probes import (
+    ProbeObservationError,
+    default_probes,
+    get_probe,
+    register_probe,
+    unregister_probe,
+)
+from ctxreplay.testing import check_probe
+
+pytestmark = [pytest.mark.models,
+              pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+diffusers = pytest.importorskip("diffusers")
+dispatch = pytest.importorskip("diffusers.models.attention_dispatch")
+attention_backend = dispatch.attention_backend
+
+BACKENDS = ("_native_math", "flex")  # the CPU backends that differ from native
+
+
+def _wan() -> nn.Module:
+    torch.manual_seed(0)
+    return diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"hidden_states": torch.rand(1, 4, 2, 8, 8, generator=g),
+            "timestep": torch.tensor([3]),
+            "encoder_hidden_states": torch.rand(1, 4, 16, generator=g)}
+
+
+N_BLOCKS = 3
+
+
+def _run(model: nn.Module, backend: str) -> torch.Tensor:
+    # flex attention has no CPU backward: diffusers runs it without grad
+    with torch.no_grad(), attention_backend(backend):
+        out: torch.Tensor = model(**_inputs()).sample
+    return out
+
+
+def _capture(model: nn.Module, backend: str) -> ctxreplay.CaptureReport:
+    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session, \
+            torch.no_grad(), attention_backend(backend):
+        model(**_inputs())
+    return session.finalize()
+
+
+@pytest.fixture(scope="module")
+def wan() -> nn.Module:
+    return _wan()
+
+
+@pytest.fixture(scope="module")
+def eager(wan: nn.Module) -> dict[str, torch.Tensor]:
+    out = {b: _run(wan, b) for b in ("native", *BACKENDS)}
+    for b in BACKENDS:  # else a graph of the wrong kernel could pass unnoticed
+        assert not torch.equal(out[b], out["native"]), b
+    return out
+
+
+@pytest.fixture(scope="module")
+def native_report(wan: nn.Module) -> ctxreplay.CaptureReport:
+    report = _capture(wan, "native")
+    assert report.ok, (report.failures, report.problems)
+    return report
+
+
+def test_the_probe_joins_the_default_set_once_diffusers_is_imported() -> None:
+    assert "diffusers_attention" in default_probes()
+    info = ctxreplay.probes.available_probes()["diffusers_attention"]
+    assert info.default and info.inactive is None and info.origin == "builtin"
+    assert ctxreplay.snapshot().describe()["diffusers_attention"] == "native"
+    with attention_backend("_native_math"):
+        assert ctxreplay.snapshot().describe()["diffusers_attention"] == "_native_math"
+    assert ctxreplay.snapshot().describe()["diffusers_attention"] == "native"
+
+
+def test_the_probe_keeps_the_contract() -> None:
+    probe = get_probe("diffusers_attention")
+    states = []
+    for b in BACKENDS:
+        with attention_backend(b):
+            states.append(probe.observe())
+    check_probe(probe, states, neutral=probe.neutral_state())
+
+
+def test_a_backend_the_installed_diffusers_lacks_is_refused_by_name() -> None:
+    probe = get_probe("diffusers_attention")
+    state = probe.decode({"backend": "no_such_backend"}, "$.state")
+    refused = r"no attention backend 'no_such_backend'.*_native_math"
+    with pytest.raises(ValueError, match=refused), probe.replay(state):
+        pass
+    with pytest.raises(ValueError, match=r"\$\.state\.backend"):
+        probe.decode({"backend": "a b"}, "$.state")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_default_capture_never_runs_under_another_backend(
+        wan: nn.Module, eager: dict[str, torch.Tensor], native_report: ctxreplay.CaptureReport,
+        backend: str, tmp_path: Path) -> None:
+    assert native_report.save_all(tmp_path).ok
+    src = ctxreplay.load(tmp_path)
+    handle = ctxreplay.install(wan, src)
+    try:
+        out = _run(wan, backend)
+        stats = handle.stats()
+        assert stats.total_hits == 0 and stats.reasons == {"context": N_BLOCKS}
+        assert torch.equal(out, eager[backend])
+        out = _run(wan, "native")  # the captured backend: dispatched, bit-identical
+        assert handle.stats().total_hits == N_BLOCKS
+        assert torch.equal(out, eager["native"])
+    finally:
+        handle.remove()
+    assert src.check() == ()
+    with attention_backend(backend):
+        found = [d.text for d in src.check()]
+    assert found and all(t.startswith(f"diffusers_attention: needs native, now {backend}")
+                         for t in found), found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_capture_under_a_backend_reproduces_it_by_value(
+        wan: nn.Module, eager: dict[str, torch.Tensor], backend: str, tmp_path: Path) -> None:
+    report = _capture(wan, backend)
+    assert report.ok, (report.failures, report.problems)
+    assert {c.snapshot.describe()["diffusers_attention"] for c in report.captures} == {backend}
+    handle = ctxreplay.install(wan, report)
+    try:
+        out = _run(wan, backend)
+        assert handle.stats().total_hits == N_BLOCKS
+        assert torch.equal(out, eager[backend])  # not native's kernel
+        _run(wan, "native")  # another backend: eager, never this graph
+        assert handle.stats().reasons == {"context": N_BLOCKS}
+    finally:
+        handle.remove()
+    saved = report.save_all(tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    states = [c["capture"]["snapshot"]["probes"]["diffusers_attention"]["state"]
+              for c in manifest["captures"]]
+    assert states and all(s == {"backend": backend} for s in states), states
+    if backend == "flex":
+        # torch.export cannot serialize flex attention's higher-order op: the
+        # capture stays usable in this process and the manifest says so
+        assert not saved.ok and {r for _, _, r in saved.not_saved} == {"serialize_failed"}
+    else:
+        assert saved.ok
+        sidecar = json.loads(next(tmp_path.glob("*.pt2.json")).read_text())
+        assert sidecar["snapshot"]["probes"]["diffusers_attention"]["state"] == {
+            "backend": backend}
+
+
+def test_a_saved_math_capture_reproduces_it_in_this_process(
+        wan: nn.Module, eager: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    report = _capture(wan, "_native_math")
+    assert report.save_all(tmp_path).ok
+    src = ctxreplay.load(tmp_path)
+    with attention_backend("_native_math"):
+        assert [d.text for d in src.check()] == []
+    handle = ctxreplay.install(wan, src)
+    try:
+        out = _run(wan, "_native_math")
+        assert handle.stats().total_hits == N_BLOCKS
+        assert torch.equal(out, eager["_native_math"])
+    finally:
+        handle.remove()
+
+
+def test_a_moved_private_name_is_an_observation_error_naming_the_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(dispatch, "_AttentionBackendRegistry")
+    with pytest.raises(ProbeObservationError, match=rf"diffusers {diffusers.__version__}: "
+                       r".*_AttentionBackendRegistry\._active_backend"):
+        ctxreplay.snapshot(["diffusers_attention"])
+    model = nn.Linear(3, 3)
+    with ctxreplay.capture_with(model) as session:
+        model(torch.rand(2, 3))
+    report = session.finalize()
+    assert not report.ok
+    (problem,) = [p for p in report.problems if p.reason == "observation_error"]
+    assert f"observe:FrameworkStateError (diffusers {diffusers.__version__})" in problem.names
+    assert "probe diffusers_attention" in problem.names
+
+
+# -- the SDPA lowering ----------------------------------------------------------
+
+
+def _sdpa_cases() -> Iterator[tuple[torch.dtype, str | None, bool, bool]]:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for mask in (None, "bool", "float"):
+            for causal in (False, True):
+                for gqa in (False, True):
+                    if not (mask and causal):
+                        yield dtype, mask, causal, gqa
+
+
+@pytest.mark.parametrize("dtype,mask,causal,gqa", list(_sdpa_cases()))
+def test_math_sdpa_is_the_math_kernel_bit_for_bit(dtype: torch.dtype, mask: str | None,
+                                                  causal: bool, gqa: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, generator=g).to(dtype)
+    k = torch.randn(2, 2 if gqa else 4, 11, 8, generator=g).to(dtype)
+    v = torch.randn(k.shape, generator=g).to(dtype)
+    m = None if mask is None else (torch.rand(9, 11, generator=g) > 0.3 if mask == "bool"
+                                   else torch.randn(9, 11, generator=g).to(dtype))
+    kw: dict[str, Any] = {"attn_mask": m, "is_causal": causal, "enable_gqa": gqa, "scale": 0.3}
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert torch.equal(math_sdpa(q, k, v, **kw), ref)
+
+
+class _MathAttention(nn.Module):
+    """Chooses the math kernel inside its forward, as diffusers' _native_math does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 33, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(query=q, key=k, value=v)
+
+
+class _Lowered(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = lowering_math_sdpa()
+        assert mode is not None
+        with mode:
+            out: torch.Tensor = self.inner(x)
+            return out
+
+
+def test_the_lowering_writes_the_math_kernel_into_an_exported_graph() -> None:
+    torch.manual_seed(0)
+    model, x = _MathAttention(), torch.randn(2, 33, 16)
+    live = model(x)
+    plain = torch.export.export(model, (x,), strict=False).module()(x)
+    assert not torch.equal(plain, live)  # the kernel choice was lost: flash ran
+    lowered = torch.export.export(_Lowered(model), (x,), strict=False)
+    assert torch.equal(lowered.module()(x), live)
+    # outside a math-only selection the lowering leaves SDPA alone
+    q = torch.randn(1, 2, 5, 8)
+    mode = lowering_math_sdpa()
+    assert mode is not None
+    with mode:
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q),
+                           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                               q, q, q)[0])
+
+
+# -- the requires rule ------------------------------------------------------------
+
+
+class _NeedsAFramework(ContextProbe[int]):
+    name = "test_needs_a_framework"
+    description = "test: active once its framework is imported"
+    default = True
+    requires = ("ctxreplay_test_fake_framework",)
+
+    def observe(self) -> int:
+        return 0
+
+    def replay(self, state: int) -> Any:
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def test_a_probe_that_requires_a_module_is_default_only_once_it_is_imported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    register_probe(_NeedsAFramework)
+    try:
+        assert "test_needs_a_framework" not in default_probes()
+        assert "test_needs_a_framework" not in ctxreplay.snapshot().names
+        info = ctxreplay.probes.available_probes()["test_needs_a_framework"]
+        assert info.inactive == "ctxreplay_test_fake_framework is not imported"
+        monkeypatch.setitem(sys.modules, "ctxreplay_test_fake_framework",
+                            types.ModuleType("ctxreplay_test_fake_framework"))
+        # imported after ctxreplay and after the last snapshot: still seen
+        assert "test_needs_a_framework" in default_probes()
+        assert "test_needs_a_framework" in ctxreplay.snapshot().names
+        assert ctxreplay.probes.available_probes()["test_needs_a_framework"].inactive is None
+        monkeypatch.delitem(sys.modules, "ctxreplay_test_fake_framework")
+        assert "test_needs_a_framework" not in ctxreplay.snapshot().names
+    finally:
+        unregister_probe("test_needs_a_framework")

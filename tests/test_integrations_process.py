@@ -1,0 +1,204 @@
+"""Integration probes across processes: ctxreplay alone imports neither
+framework and lists their probes inactive; the diffusers probe works whether
+ctxreplay or diffusers is imported first; a capture saved here is guarded
+and dispatched in a fresh process.  Each child process checks its outputs
+against its own eager reruns and prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.models,
+              pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+def _child(source: str, *argv: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(source), *argv],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+_ALONE = """
+    import json, sys
+    import ctxreplay
+    from ctxreplay.cli import main
+    from ctxreplay.probes import available_probes, default_probes
+    main(["probes"])
+    infos = available_probes()
+    print(json.dumps({
+        "imported": sorted(m for m in ("diffusers", "transformers") if m in sys.modules),
+        "default": list(default_probes()),
+        "snapshot": list(ctxreplay.snapshot().names),
+        "builtin_defaults": sorted(n for n, i in infos.items()
+                                   if i.default and i.origin == "builtin"),
+        "inactive": {n: i.inactive for n, i in infos.items() if i.inactive},
+    }))
+"""
+
+
+def test_without_the_frameworks_the_integrations_are_listed_inactive() -> None:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_ALONE)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *listing, last = proc.stdout.strip().splitlines()
+    result = json.loads(last)
+    assert result["imported"] == []  # ctxreplay imports neither framework
+    assert result["inactive"] == {"diffusers_attention": "diffusers is not imported",
+                                  "transformers_attention": "transformers is not imported"}
+    # the default set is the torch probes alone, as before the integrations
+    assert not {"diffusers_attention", "transformers_attention"} & set(result["default"])
+    assert result["default"] == [n for n in result["builtin_defaults"]
+                                 if n not in result["inactive"]]
+    assert result["snapshot"] == result["default"]
+    text = "\n".join(listing)
+    assert "diffusers_attention  [default, builtin, inactive]" in text
+    assert "inactive: diffusers is not imported" in text
+    assert "transformers_attention [default, builtin, inactive]" in text
+    assert "inactive: transformers is not imported" in text
+
+
+# a small attention block that dispatches through diffusers, captured under
+# _native_math and checked against eager reruns; argv[1]: which import first
+_ORDER = """
+    import json, sys
+    if sys.argv[1] == "ctxreplay_first":
+        import ctxreplay
+        import torch
+        from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
+    else:
+        import torch
+        from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
+        import ctxreplay
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 33, 3, 2, 8).unbind(2)
+            return dispatch_attention_fn(q, k, v).flatten(2)
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Attention() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = x + b(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Stack().eval(), torch.randn(2, 33, 16)
+    eager = {}
+    for name in ("native", "_native_math"):
+        with attention_backend(name):
+            eager[name] = model(x)
+    with ctxreplay.capture_with(model, targets="repeated") as session, \\
+            attention_backend("_native_math"):
+        model(x)
+    report = session.finalize()
+    handle = ctxreplay.install(model, report)
+    with attention_backend("_native_math"):
+        math = model(x)
+    hits = handle.stats().total_hits
+    native = model(x)
+    print(json.dumps({
+        "ok": report.ok,
+        "states": sorted({c.snapshot.describe().get("diffusers_attention", "absent")
+                          for c in report.captures}),
+        "hits": hits, "misses": handle.stats().reasons,
+        "math_equal": bool(torch.equal(math, eager["_native_math"])),
+        "native_equal": bool(torch.equal(native, eager["native"])),
+        "backends_differ": not torch.equal(eager["native"], eager["_native_math"]),
+    }))
+"""
+
+
+@pytest.mark.parametrize("order", ["ctxreplay_first", "diffusers_first"])
+def test_the_diffusers_probe_works_whatever_the_import_order(order: str) -> None:
+    result = _child(_ORDER, order)
+    assert result["backends_differ"]
+    assert result["ok"] and result["states"] == ["_native_math"]
+    assert result["hits"] == 2 and result["math_equal"]
+    assert result["misses"] == {"context": 2} and result["native_equal"]
+
+
+_WAN = """
+    def wan():
+        import diffusers, torch
+        torch.manual_seed(0)
+        return diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+
+    def inputs():
+        import torch
+        g = torch.Generator().manual_seed(1)
+        return {"hidden_states": torch.rand(1, 4, 2, 8, 8, generator=g),
+                "timestep": torch.tensor([3]),
+                "encoder_hidden_states": torch.rand(1, 4, 16, generator=g)}
+"""
+
+_FRESH = _WAN + """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, ctxreplay
+    from diffusers.models.attention_dispatch import attention_backend
+    model, src = wan(), ctxreplay.load(sys.argv[1])
+
+    def run(name):
+        with torch.no_grad(), attention_backend(name):
+            return model(**inputs()).sample
+
+    eager = {name: run(name) for name in ("native", "_native_math", "flex")}
+    result = {"differ": {n: not torch.equal(eager[n], eager["native"]) for n in eager}}
+    handle = ctxreplay.install(model, src)
+    for name in ("_native_math", "flex", "native"):
+        before = handle.stats().total_hits
+        out = run(name)
+        with attention_backend(name):
+            found = [d.text for d in src.check()]
+        result[name] = {"hits": handle.stats().total_hits - before,
+                        "equal": bool(torch.equal(out, eager[name])), "check": found}
+    result["reasons"] = handle.stats().reasons
+    print(json.dumps(result))
+"""
+
+_SAVE = _WAN + """
+    import sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, ctxreplay
+    model = wan()
+    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session, \\
+            torch.no_grad():
+        model(**inputs())
+    report = session.finalize()
+    assert report.ok and report.save_all(sys.argv[1]).ok
+    print('{"saved": true}')
+"""
+
+
+def test_a_saved_default_capture_is_guarded_in_a_fresh_process(tmp_path: Path) -> None:
+    assert _child(_SAVE, str(tmp_path))["saved"]
+    result = _child(_FRESH, str(tmp_path))
+    assert result["differ"] == {"native": False, "_native_math": True, "flex": True}
+    for name in ("_native_math", "flex"):
+        assert result[name]["hits"] == 0 and result[name]["equal"], name
+        assert result[name]["check"] and all(
+            t.startswith(f"diffusers_attention: needs native, now {name}")
+            for t in result[name]["check"]), result[name]
+    assert result["native"] == {"hits": 3, "equal": True, "check": []}
+    assert result["reasons"] == {"context": 6}
