@@ -74,7 +74,7 @@ def stack_members(model: nn.Module) -> list[str]:
     out = []
     for name, mod in model.named_modules():
         kinds = {type(m) for m in mod.children()}
-        stack = isinstance(mod, nn.ModuleList) and len(kinds) == 1 or (
+        stack = (isinstance(mod, nn.ModuleList) and len(kinds) == 1) or (
             type(mod) is nn.Sequential and len(mod) >= 2 and len(kinds) == 1
             and not next(iter(kinds)).__module__.startswith("torch.nn.modules"))
         if stack:
@@ -122,8 +122,9 @@ def _ids(n: int, batch: int = 1) -> torch.Tensor:
 
 
 def lm_mixed(model: nn.Module) -> None:
-    """Prompts of several shapes (one repeated), bf16 autocast on and off,
-    inference mode and no_grad, eval then train; no cache."""
+    """Prompts of several shapes (one repeated with other tokens), bf16
+    autocast on and off, inference mode and no_grad, eval then train, a
+    left-padded batch; no cache."""
     for where, training, n, batch in (("bf16_inference", False, 8, 1),
                                       ("bf16_inference", False, 5, 1),
                                       ("bf16_inference", False, 8, 1),
@@ -132,6 +133,35 @@ def lm_mixed(model: nn.Module) -> None:
                                       ("fp32_no_grad", False, 5, 2)):
         with mode(model, training), ctx(where):
             model(input_ids=_ids(n, batch), use_cache=False)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    with ctx("bf16_inference"):
+        model(input_ids=_ids(6, 2), attention_mask=mask, use_cache=False)
+
+
+def lm_default(model: nn.Module) -> None:
+    """The plainest use: ``model(input_ids)`` with the defaults (a cache the
+    model makes and returns)."""
+    for n in (8, 5):
+        with ctx("inference"):
+            model(_ids(n))
+
+
+def lm_train_step(model: nn.Module) -> None:
+    """A training step as profiled: train mode, gradient checkpointing,
+    bf16 autocast, a loss and its backward (which runs each layer again)."""
+    model.train()
+    model.gradient_checkpointing_enable()
+    try:
+        for n in (8, 5):
+            ids = _ids(n)
+            with ctx("bf16"):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+        model.zero_grad(set_to_none=True)
 
 
 def _cache_kw(model: nn.Module) -> str:
@@ -161,11 +191,23 @@ def lm_decode(where: str, cache: str | None = None) -> Callable[[nn.Module], Non
     return live
 
 
+def lm_generate(model: nn.Module) -> None:
+    """``generate()`` with its defaults (greedy, a cache it makes)."""
+    with ctx("bf16_inference"):
+        model.generate(_ids(5), attention_mask=torch.ones(1, 5, dtype=torch.long),
+                       max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
 def t5_mixed(model: nn.Module) -> None:
     for where, enc, dec in (("bf16_inference", 10, 6), ("bf16_inference", 7, 3),
                             ("fp32_no_grad", 10, 6)):
         with ctx(where):
             model(input_ids=_ids(enc), decoder_input_ids=_ids(dec), use_cache=False)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    with ctx("bf16_inference"):
+        model(input_ids=_ids(7, 2), attention_mask=mask, decoder_input_ids=_ids(3, 2),
+              use_cache=False)
 
 
 def whisper_decode(model: nn.Module) -> None:
@@ -243,6 +285,10 @@ def _matmul_stack() -> nn.Module:
     return MatmulStack().eval()
 
 
+def _bf16(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    return lambda: build().to(torch.bfloat16)
+
+
 def _llama_named(name: str, _m: nn.Module) -> bool:
     return name.endswith(".mlp") or name.endswith("self_attn")
 
@@ -251,12 +297,16 @@ CASES: dict[str, Case] = {
     "llama-mixed": Case(real_models.llama, lm_mixed),
     "llama-decode-bf16-inference": Case(real_models.llama, lm_decode("bf16_inference"),
                                         verify="execute"),
-    "llama-list-fp32-grad": Case(real_models.llama, lm_mixed,
+    "llama-bf16-weights-default-call": Case(_bf16(real_models.llama), lm_default, targets=None),
+    "qwen2-bf16-weights-default-call": Case(_bf16(real_models.qwen2), lm_default),
+    "llama-train-step-checkpointing": Case(real_models.llama, lm_train_step),
+    "llama-list": Case(real_models.llama, lm_mixed,
                                  targets=["model.layers.0", "model.layers.1.mlp", "model.norm"]),
     "llama-whole-model": Case(real_models.llama, lm_mixed, targets=None),
     "llama-predicate": Case(real_models.llama, lm_mixed, targets=_llama_named, verify="execute"),
     "qwen2-mixed": Case(real_models.qwen2, lm_mixed),
     "qwen2-decode-dynamic-fp32": Case(real_models.qwen2, lm_decode("fp32_no_grad", "dynamic")),
+    "qwen2-generate-bf16-inference": Case(real_models.qwen2, lm_generate),
     "qwen3-decode-static-bf16": Case(lambda: real_models.qwen3()[0],
                                      lm_decode("bf16_inference", "static")),
     "gpt2-mixed": Case(real_models.gpt2, lm_mixed),
@@ -294,19 +344,23 @@ def _forged_ok(report: ctxreplay.CaptureReport) -> ctxreplay.CaptureReport:
 
 
 def test_the_sweep_catches_captures_that_ran_without_the_live_context() -> None:
-    # replay="off": every capture traced in float32 while the calls ran in
-    # bfloat16; ok is forged on, and the oracle must see every call wrong
-    case = Case(real_models.llama, lm_mixed, options=(("replay", "off"),))
-    report, calls = run_case(case)
+    # replay="off": every capture traced outside the live autocast, so a call
+    # that ran in bfloat16 is captured in float32.  With ok forged on, the
+    # oracle must name exactly the calls that ran under autocast.
+    model = real_models.llama()
+    members = stack_members(model)
+    ran_bf16: list[bool] = []
+    for name in members:  # the layers run one after another: the same order as ``calls``
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda *_: ran_bf16.append(torch.is_autocast_enabled("cpu")))
+    report, calls = run_case(Case(lambda: model, lm_mixed, options=(("replay", "off"),)))
     assert not report.ok
     forged = _forged_ok(report)
     assert forged.ok
     found = false_oks(forged, calls)
-    bf16 = [c for c in calls if c.out and c.out[0].dtype == torch.bfloat16]
-    assert bf16 and len(found) >= 1 + sum(1 for c in report.captures
-                                          if c.snapshot.describe().get("autocast") not in
-                                          (None, "off")) - 1, found
-    assert any("reproduced by none" in f for f in found), found
+    flagged = {int(f.split("call ")[1].split()[0]) for f in found if "reproduced by none" in f}
+    assert len(ran_bf16) == len(calls) and 0 < sum(ran_bf16) < len(calls)
+    assert flagged == {i for i, bf16 in enumerate(ran_bf16) if bf16}, found
 
 
 def test_the_sweep_catches_a_graph_that_does_not_update_a_cache_it_was_given() -> None:
