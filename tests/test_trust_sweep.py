@@ -139,12 +139,26 @@ def lm_mixed(model: nn.Module) -> None:
         model(input_ids=_ids(6, 2), attention_mask=mask, use_cache=False)
 
 
+def lm_small(model: nn.Module) -> None:
+    """Two prompt shapes under bf16 autocast and inference mode, one in float32."""
+    for where, n in (("bf16_inference", 8), ("bf16_inference", 5), ("fp32_no_grad", 8)):
+        with ctx(where):
+            model(input_ids=_ids(n), use_cache=False)
+
+
 def lm_default(model: nn.Module) -> None:
-    """The plainest use: ``model(input_ids)`` with the defaults (a cache the
-    model makes and returns)."""
+    """The plainest use: ``model(ids)`` with the defaults (a cache the model
+    makes and returns), then a batch of one shape with a mask of ones and
+    with a padded mask (eager transformers may drop a mask of ones)."""
     for n in (8, 5):
         with ctx("inference"):
             model(_ids(n))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ids = _ids(6, 2)
+    for pad in (0, 2):
+        mask[1, :pad] = 0
+        with ctx("inference"):
+            model(ids, attention_mask=mask.clone())
 
 
 def lm_train_step(model: nn.Module) -> None:
@@ -153,11 +167,10 @@ def lm_train_step(model: nn.Module) -> None:
     model.train()
     model.gradient_checkpointing_enable()
     try:
-        for n in (8, 5):
-            ids = _ids(n)
-            with ctx("bf16"):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
+        ids = _ids(8)
+        with ctx("bf16"):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
     finally:
         model.gradient_checkpointing_disable()
         model.eval()
@@ -199,13 +212,12 @@ def lm_generate(model: nn.Module) -> None:
 
 
 def t5_mixed(model: nn.Module) -> None:
-    for where, enc, dec in (("bf16_inference", 10, 6), ("bf16_inference", 7, 3),
-                            ("fp32_no_grad", 10, 6)):
-        with ctx(where):
-            model(input_ids=_ids(enc), decoder_input_ids=_ids(dec), use_cache=False)
+    """A prompt under bf16 autocast, a padded batch in float32; no cache."""
+    with ctx("bf16_inference"):
+        model(input_ids=_ids(10), decoder_input_ids=_ids(6), use_cache=False)
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, 5:] = 0
-    with ctx("bf16_inference"):
+    with ctx("fp32_no_grad"):
         model(input_ids=_ids(7, 2), attention_mask=mask, decoder_input_ids=_ids(3, 2),
               use_cache=False)
 
@@ -221,16 +233,14 @@ def whisper_decode(model: nn.Module) -> None:
 
 
 def wan_mixed(model: nn.Module) -> None:
-    for where, frames, size in (("bf16_inference", 2, 8), ("bf16_inference", 1, 8),
-                                ("fp32_no_grad", 2, 8)):
+    for where, frames, size in (("bf16_inference", 2, 8), ("fp32_no_grad", 1, 8)):
         with ctx(where):
             model(hidden_states=torch.rand(1, 4, frames, size, size),
                   timestep=torch.tensor([3]), encoder_hidden_states=torch.rand(1, 4, 16))
 
 
 def flux_mixed(model: nn.Module) -> None:
-    for where, seq, txt in (("bf16_inference", 16, 4), ("bf16_inference", 8, 4),
-                            ("fp32_no_grad", 16, 4)):
+    for where, seq, txt in (("bf16_inference", 16, 4), ("fp32_no_grad", 8, 4)):
         with ctx(where):
             model(hidden_states=torch.rand(1, seq, 4), encoder_hidden_states=torch.rand(1, txt, 16),
                   pooled_projections=torch.rand(1, 16), timestep=torch.tensor([0.5]),
@@ -238,7 +248,7 @@ def flux_mixed(model: nn.Module) -> None:
 
 
 def cogvideox_mixed(model: nn.Module) -> None:
-    for where, frames in (("bf16_inference", 2), ("fp32_no_grad", 2), ("bf16_inference", 1)):
+    for where, frames in (("bf16_inference", 2), ("fp32_no_grad", 1)):
         with ctx(where):
             model(hidden_states=torch.rand(1, frames, 4, 8, 8),
                   encoder_hidden_states=torch.rand(1, 4, 16), timestep=torch.tensor([3]))
@@ -289,35 +299,60 @@ def _bf16(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return lambda: build().to(torch.bfloat16)
 
 
-def _llama_named(name: str, _m: nn.Module) -> bool:
+def _attention_or_mlp(name: str, _m: nn.Module) -> bool:
     return name.endswith(".mlp") or name.endswith("self_attn")
 
 
+# Cases that fail today, and why (each an ``ok`` the recorded calls contradict;
+# they are left failing on purpose, never skipped, until the engine is fixed):
+#
+# CACHE_APPENDED -- every decoder layer call given a cache: the layer's
+#   forward appends its keys and values to the cache object it was passed
+#   (``DynamicCache`` / ``EncoderDecoderCache`` Python lists; a
+#   ``StaticCache`` layer creates its tensors on its first update), the
+#   graph holds the cache as a constant and never updates it, and fidelity
+#   never compares the argument objects around the call: the capture is
+#   ok although a run of it leaves the cache as it found it.  A model that
+#   makes its own cache (``model(ids)`` with the defaults, ``generate()``)
+#   passes one to every layer the same way.
 CASES: dict[str, Case] = {
+    # transformers decoder-only LMs
     "llama-mixed": Case(real_models.llama, lm_mixed),
-    "llama-decode-bf16-inference": Case(real_models.llama, lm_decode("bf16_inference"),
-                                        verify="execute"),
-    "llama-bf16-weights-default-call": Case(_bf16(real_models.llama), lm_default, targets=None),
-    "qwen2-bf16-weights-default-call": Case(_bf16(real_models.qwen2), lm_default),
+    "llama-list": Case(real_models.llama, lm_small,
+                       targets=["model.layers.0", "model.layers.1.mlp", "model.norm"]),
+    "llama-predicate": Case(real_models.llama, lm_small, targets=_attention_or_mlp,
+                            verify="execute"),
     "llama-train-step-checkpointing": Case(real_models.llama, lm_train_step),
-    "llama-list": Case(real_models.llama, lm_mixed,
-                                 targets=["model.layers.0", "model.layers.1.mlp", "model.norm"]),
-    "llama-whole-model": Case(real_models.llama, lm_mixed, targets=None),
-    "llama-predicate": Case(real_models.llama, lm_mixed, targets=_llama_named, verify="execute"),
-    "qwen2-mixed": Case(real_models.qwen2, lm_mixed),
-    "qwen2-decode-dynamic-fp32": Case(real_models.qwen2, lm_decode("fp32_no_grad", "dynamic")),
-    "qwen2-generate-bf16-inference": Case(real_models.qwen2, lm_generate),
+    "llama-decode-bf16-inference": Case(real_models.llama, lm_decode("bf16_inference"),
+                                        verify="execute"),  # fails today: CACHE_APPENDED
+    # the whole model: its own cache is made inside, no layer is observed
+    "llama-whole-bf16-weights-default-call": Case(_bf16(real_models.llama), lm_default,
+                                                  targets=None),
+    "qwen2-small": Case(real_models.qwen2, lm_small),
+    "qwen2-bf16-weights-default-call": Case(_bf16(real_models.qwen2),
+                                            lm_default),  # fails today: CACHE_APPENDED
+    "qwen2-decode-dynamic-fp32": Case(real_models.qwen2, lm_decode("fp32_no_grad", "dynamic")
+                                      ),  # fails today: CACHE_APPENDED
+    "qwen2-generate-bf16-inference": Case(real_models.qwen2,
+                                          lm_generate),  # fails today: CACHE_APPENDED
+    # the steps' in-place index_copy_ is reproduced; the prompt's lazy
+    # creation of each layer's tensors is not
     "qwen3-decode-static-bf16": Case(lambda: real_models.qwen3()[0],
-                                     lm_decode("bf16_inference", "static")),
-    "gpt2-mixed": Case(real_models.gpt2, lm_mixed),
-    "gpt2-decode-bf16-no_grad": Case(real_models.gpt2, lm_decode("bf16_no_grad")),
+                                     lm_decode("bf16_inference", "static")
+                                     ),  # fails today: CACHE_APPENDED
+    "gpt2-mixed": Case(real_models.gpt2, lm_mixed),  # its train call has dropout: not ok
+    "gpt2-decode-bf16-no_grad": Case(real_models.gpt2, lm_decode("bf16_no_grad")
+                                     ),  # fails today: CACHE_APPENDED
+    # transformers encoder-decoders
     "t5-mixed": Case(real_models.t5, t5_mixed),
-    "whisper-decode": Case(real_models.whisper, whisper_decode),
+    "whisper-decode": Case(real_models.whisper, whisper_decode),  # fails today: CACHE_APPENDED
+    # diffusers
     "wan-mixed": Case(real_models.wan, wan_mixed),
     "flux-mixed": Case(real_models.flux, flux_mixed),
     "cogvideox-mixed": Case(real_models.cogvideox, cogvideox_mixed),
     "dit-mixed": Case(real_models.dit, dit_mixed, verify="execute"),
     "unet-bf16-inference": Case(real_models.unet2d_condition, unet_once),
+    # plain torch
     "torch-stack-mixed": Case(_stack, stack_mixed),
     "torch-stack-list": Case(_stack, stack_mixed, targets=["blocks.0", "blocks.3", "head"],
                              verify="execute"),
@@ -345,8 +380,11 @@ def _forged_ok(report: ctxreplay.CaptureReport) -> ctxreplay.CaptureReport:
 
 def test_the_sweep_catches_captures_that_ran_without_the_live_context() -> None:
     # replay="off": every capture traced outside the live autocast, so a call
-    # that ran in bfloat16 is captured in float32.  With ok forged on, the
-    # oracle must name exactly the calls that ran under autocast.
+    # that ran in bfloat16 is captured in float32.  With ok forged on and
+    # each capture run as the self-contained program it claims to be (the
+    # report lists autocast as ambient-only: run inside autocast, the float32
+    # graph's ops are cast again), the oracle must name exactly the calls
+    # that ran under autocast.
     model = real_models.llama()
     members = stack_members(model)
     ran_bf16: list[bool] = []
@@ -357,7 +395,7 @@ def test_the_sweep_catches_captures_that_ran_without_the_live_context() -> None:
     assert not report.ok
     forged = _forged_ok(report)
     assert forged.ok
-    found = false_oks(forged, calls)
+    found = false_oks(forged, calls, ambient=False)
     flagged = {int(f.split("call ")[1].split()[0]) for f in found if "reproduced by none" in f}
     assert len(ran_bf16) == len(calls) and 0 < sum(ran_bf16) < len(calls)
     assert flagged == {i for i, bf16 in enumerate(ran_bf16) if bf16}, found

@@ -266,7 +266,8 @@ def _claims(capture: ctxreplay.Capture) -> list[tuple[str, int]]:
     return [(capture.members[0], capture.calls)]
 
 
-def false_oks(report: ctxreplay.CaptureReport, calls: list[Call]) -> list[str]:
+def false_oks(report: ctxreplay.CaptureReport, calls: list[Call], *,
+              ambient: bool = True) -> list[str]:
     """Every ``ok`` the recorded calls contradict.  Empty means none.
 
     * a capture whose fidelity is ok and that claims ``n`` calls of a member
@@ -276,6 +277,9 @@ def false_oks(report: ctxreplay.CaptureReport, calls: list[Call]) -> list[str]:
     * a report that is ok must have, for every recorded call, a capture
       whose fidelity is ok that reproduces it, and must account for every
       recorded call of each member.
+
+    ``ambient=False``: each capture runs as a self-contained program, with
+    nothing of its ``ambient_only`` states re-established.
     """
     programs: dict[Any, nn.Module] = {}
     seen: dict[tuple[int, int], str | None] = {}
@@ -284,7 +288,7 @@ def false_oks(report: ctxreplay.CaptureReport, calls: list[Call]) -> list[str]:
     def failure(capture: ctxreplay.Capture, i: int) -> str | None:
         if (id(capture), i) not in seen:
             seen[id(capture), i] = replay_failure(capture, calls[i], programs=programs,
-                                                  arguments=True)
+                                                  ambient=ambient, arguments=True)
         return seen[id(capture), i]
 
     found = []
