@@ -7,10 +7,11 @@ against what really ran.
 
 The oracle is the test's own (tests/trust_oracle.py): forward hooks
 registered on every member before the session record each live call's
-inputs, outputs and what it left in its arguments; each recorded call is
-then run through every capture that can claim it, with that member's own
-weights.  A *false OK* is a capture whose fidelity is ok over a call it does
-not reproduce, or a report that is ok over a call no capture reproduces
+inputs, outputs, the CPU generator's state (dropout in training draws from
+it) and what it left in its arguments; each recorded call is then run
+through every capture that can claim it, with that member's own weights.
+A *false OK* is a capture whose fidelity is ok over a call it does not
+reproduce, or a report that is ok over a call no capture reproduces
 (``trust_oracle.false_oks``).  A capture honestly not ok is no finding
 here: the sweep asserts only that no ``ok`` is contradicted.
 
@@ -322,6 +323,7 @@ CASES: dict[str, Case] = {
                        targets=["model.layers.0", "model.layers.1.mlp", "model.norm"]),
     "llama-predicate": Case(real_models.llama, lm_small, targets=_attention_or_mlp,
                             verify="execute"),
+    "llama-small-default-verify": Case(real_models.llama, lm_small, verify="signature"),
     "llama-train-step-checkpointing": Case(real_models.llama, lm_train_step),
     "llama-decode-bf16-inference": Case(real_models.llama, lm_decode("bf16_inference"),
                                         verify="execute"),  # fails today: CACHE_APPENDED
@@ -340,7 +342,8 @@ CASES: dict[str, Case] = {
     "qwen3-decode-static-bf16": Case(lambda: real_models.qwen3()[0],
                                      lm_decode("bf16_inference", "static")
                                      ),  # fails today: CACHE_APPENDED
-    "gpt2-mixed": Case(real_models.gpt2, lm_mixed),  # its train call has dropout: not ok
+    # its train call runs dropout: reproduced given the generator's state
+    "gpt2-mixed": Case(real_models.gpt2, lm_mixed, verify="execute"),
     "gpt2-decode-bf16-no_grad": Case(real_models.gpt2, lm_decode("bf16_no_grad")
                                      ),  # fails today: CACHE_APPENDED
     # transformers encoder-decoders

@@ -44,6 +44,9 @@ class Call:
     out: tuple[torch.Tensor, ...]
     snapshot: ctxreplay.ContextSnapshot
     training: bool
+    rng: torch.Tensor | None = None
+    """The CPU generator's state when the call began: a random op (dropout
+    in training) drew from it, so a faithful program given it draws alike."""
     after: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     """Copies of the same arguments once the forward returned: what it left
     in the objects it was given (a cache it appended to, a tensor it wrote)."""
@@ -92,7 +95,8 @@ def record(model: nn.Module, members: Iterable[str] | None = None,
         def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 _name: str = name) -> None:
             a, k = _copy_call(args, kwargs)
-            call = Call(_name, m, a, k, (), ctxreplay.snapshot(probes), m.training)
+            call = Call(_name, m, a, k, (), ctxreplay.snapshot(probes), m.training,
+                        rng=torch.random.get_rng_state())
             pending.setdefault(id(m), []).append(call)
 
         def post(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -191,7 +195,10 @@ def _run(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool, ambient:
         if programs is not None:
             programs[key] = gm
     args, kwargs = call.fresh_inputs()
-    with ambient_of(capture) if ambient else torch.no_grad():
+    with torch.random.fork_rng(devices=[]), \
+            ambient_of(capture) if ambient else torch.no_grad():
+        if call.rng is not None:
+            torch.random.set_rng_state(call.rng)
         if capture.binding == "native":
             out = gm(*args, **kwargs)
         else:
