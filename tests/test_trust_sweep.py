@@ -49,10 +49,10 @@ VOCAB = real_models.VOCAB
 @contextlib.contextmanager
 def ctx(name: str) -> Iterator[None]:
     """The ambient states the live calls run under."""
-    autocast = name.startswith("bf16")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name[:4])
     with contextlib.ExitStack() as stack:
-        if autocast:
-            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        if dtype is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=dtype))
         if name.endswith("inference"):
             stack.enter_context(torch.inference_mode())
         elif name.endswith("no_grad"):
@@ -269,12 +269,16 @@ def unet_once(model: nn.Module) -> None:
 
 
 def stack_mixed(model: nn.Module) -> None:
-    """Plain torch: shapes, autocast on/off, inference/no_grad/grad, train/eval."""
+    """Plain torch: shapes, autocast (bf16, fp16) on/off, inference/no_grad/
+    grad, train/eval, a transposed (non-contiguous) input."""
     for where, training, rows in (("bf16_inference", False, 2), ("bf16_inference", False, 3),
                                   ("fp32_no_grad", False, 2), ("fp32", True, 2),
-                                  ("bf16_no_grad", True, 3), ("bf16_inference", False, 2)):
+                                  ("bf16_no_grad", True, 3), ("bf16_inference", False, 2),
+                                  ("fp16_no_grad", False, 2)):
         with mode(model, training), ctx(where):
             model(torch.rand(rows, 16))
+    with ctx("bf16_inference"):
+        model(torch.rand(16, 3).t())
 
 
 class MatmulStack(nn.Module):
