@@ -406,6 +406,19 @@ def test_the_sweep_catches_captures_that_ran_without_the_live_context() -> None:
     flagged = {int(f.split("call ")[1].split()[0]) for f in found if "reproduced by none" in f}
     assert len(ran_bf16) == len(calls) and 0 < sum(ran_bf16) < len(calls)
     assert flagged == {i for i, bf16 in enumerate(ran_bf16) if bf16}, found
+    # and each capture that claims such a call is named by the capture check
+    assert any("fidelity ok over" in f for f in found), found
+
+
+def test_the_sweep_catches_a_report_ok_over_calls_no_capture_claims() -> None:
+    report, calls = run_case(Case(_stack, stack_mixed, verify="signature"))
+    assert false_oks(report, calls) == []
+    gone = max(report.captures, key=lambda c: c.calls)
+    dropped = attrs.evolve(report, captures=tuple(c for c in report.captures if c is not gone))
+    assert dropped.ok
+    found = false_oks(dropped, calls)
+    assert sum("reproduced by none" in f for f in found) == gone.calls, found
+    assert any(f.startswith("report ok but captures claim") for f in found), found
 
 
 def test_the_sweep_catches_a_graph_that_does_not_update_a_cache_it_was_given() -> None:
