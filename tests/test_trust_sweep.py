@@ -62,6 +62,7 @@ def ctx(name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model`` in train or eval mode for the calls inside, as it was after."""
     was = model.training
     model.train(training)
     try:

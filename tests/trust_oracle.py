@@ -11,6 +11,12 @@ a ``"flattened"`` capture takes the call's tensor leaves positionally, in
 ``Capture.signature.leaves()`` order (``ctxreplay.specs.signature.tensor_values``
 walks a value in that order); the shapes of those leaves are checked against
 the signature before anything runs.
+
+A call is run from the CPU generator's state it began with (a dropout in
+training draws the same mask), and with ``arguments=True`` the state it
+leaves in the inputs it was given counts too (a cache the live forward
+appended to must end the same).  ``false_oks`` turns all of it into the
+list of ``ok`` verdicts a report gives that the recorded calls contradict.
 """
 
 from __future__ import annotations
