@@ -162,13 +162,22 @@ def _environment(env: Any) -> str:
             f"python {env.get('python', '?')}, device {device}")
 
 
+def _checked(c: Mapping[str, Any]) -> str:
+    """Calls checked by value of the calls the capture stands for."""
+    checked, calls = c.get("checked"), c.get("calls")
+    if type(checked) is not int or type(calls) is not int:
+        return "-"
+    return f"{checked}/{calls}"
+
+
 def _capture_rows(caps: list[tuple[Mapping[str, Any], str, str]]) -> list[tuple[str, ...]]:
     return [(f"{c.get('scope')}#{c.get('variant')}", _members(c.get("members", [])),
              str(c.get("weights_from") or "-"), _signature(c.get("inputs")),
-             _fidelity(c.get("fidelity")), saved, where) for c, saved, where in caps]
+             _fidelity(c.get("fidelity")), _checked(c), saved, where)
+            for c, saved, where in caps]
 
 
-_HEAD = ("capture", "members", "weights", "inputs", "fidelity", "saved", "file")
+_HEAD = ("capture", "members", "weights", "inputs", "fidelity", "checked", "saved", "file")
 
 
 def _failure_lines(failures: Any, problems: Any) -> list[str]:

@@ -4,6 +4,7 @@ clear error naming what was expected for every wrong file."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -98,11 +99,13 @@ def test_inspect_every_kind(files: dict[str, Path], capsys: pytest.CaptureFixtur
     assert head.split()[0] == {"manifest dir": "manifest", "manifest.json": "manifest",
                                "pt2": "saved", "sidecar": "saved", "report": "report"}[kind]
     assert f"torch {torch.__version__}" in head and f"ctxreplay {ctxreplay.__version__}" in head
-    assert lines[1].split() == ["capture", "members", "weights", "inputs", "fidelity", "saved",
-                                "file"]
+    assert lines[1].split() == ["capture", "members", "weights", "inputs", "fidelity",
+                                "checked", "saved", "file"]
     rows = [line for line in lines[3:] if line.startswith("blocks.")]
     assert len(rows) == (1 if kind in ("pt2", "sidecar") else 2)
     assert all("blocks.0,blocks.1" in r and "ok (signature)" in r for r in rows)
+    # calls checked by value of the calls each capture stands for: none at "signature"
+    assert all(re.search(r" 0/[1-9]\d* ", r) for r in rows), rows
     assert {r.split()[3] for r in rows} <= {"float32[2,8]", "float32[3,8]"}
     if kind in ("pt2", "sidecar"):
         assert "context: autocast=cpu:bfloat16" in out

@@ -261,8 +261,8 @@ def test_a_global_hook_on_every_module_never_gives_a_wrong_installed_model(
 
 class WaitingBlock(Block):
     """Waits in a traced forward (fake inputs) until ``release`` is set; its
-    event makes ``copy.deepcopy`` refuse it, so the trace runs on the live
-    module in place."""
+    event makes ``copy.deepcopy`` refuse it, so the isolated view shares the
+    event (the same one ``release.set()`` sets) and copies the rest."""
 
     release = threading.Event()
 
@@ -278,8 +278,8 @@ class WaitingBlock(Block):
 
 def test_a_trace_abandoned_on_timeout_never_runs_the_hooks_of_the_member_it_holds(
         hooks: list[RemovableHandle]) -> None:
-    """The abandoned trace holds the live member (it refused to be copied)
-    and goes on once released: it never runs the member's hooks, and the
+    """The abandoned trace (on a view sharing the member's event) goes on
+    once released: it never runs the member's hooks, and the
     member is the user's again -- class and hooks -- once it is done."""
     model, x, seen = _net(WaitingBlock), _x(), []
     hooks += _pre_scales(model, seen)

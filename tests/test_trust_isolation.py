@@ -519,10 +519,12 @@ def test_values_catches_a_capture_that_execute_misses_and_reports_its_bytes() ->
     (c,) = reports["values"].captures
     assert not c.fidelity.ok and not reports["values"].ok
     assert [(m.level, m.field) for m in c.fidelity.mismatches] == [("values", "values")]
-    # first call only: input (2, 32) and output (2, 32), float32
+    # both calls (the first and the last): input (2, 32) and output (2, 32), float32
     assert reports["values"].retained == {"retain_bytes": 256 << 20,
-                                          "retained_bytes": 2 * (2 * DIM * 4),
-                                          "not_retained": 0}
+                                          "retained_bytes": 2 * 2 * (2 * DIM * 4),
+                                          "peak_bytes": 2 * 2 * (2 * DIM * 4),
+                                          "retained_calls": 2, "not_retained": 0}
+    assert c.checked == 2 and c.calls == 2
     assert reports["execute"].retained is None
 
 
@@ -566,10 +568,11 @@ def test_values_catches_a_swapped_member_that_signature_misses(verify: str) -> N
         assert c.members == ("blocks.0", "blocks.1") and c.weights_from == "blocks.0"
         values = [m for m in c.fidelity.mismatches if m.level == "values"]
         assert values and all(m.members == ("blocks.1",) for m in values)
-    # per variant and member, the first call's input and output: (2 + 3) rows
+    # per variant and member, its one call's input and output: (2 + 3) rows
     assert report.retained == {"retain_bytes": 256 << 20,
                                "retained_bytes": 2 * 2 * (2 + 3) * DIM * 4,
-                               "not_retained": 0}
+                               "peak_bytes": 2 * 2 * (2 + 3) * DIM * 4,
+                               "retained_calls": 4, "not_retained": 0}
 
 
 def test_values_under_a_cap_too_small_retains_nothing_and_is_not_ok() -> None:

@@ -175,10 +175,10 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "
                  "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
                  "environment", "members", "weights_from", "identities", "ignore_attributes",
-                 "format"}
+                 "format", "calls", "checked"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
                              "environment", "members", "weights_from", "identities",
-                             "ignore_attributes", "format"}
+                             "ignore_attributes", "format", "calls", "checked"}
 
 
 def load_sidecar(path: str | os.PathLike[str],

@@ -6,13 +6,15 @@ metadata against that member's live outputs; the artifact run with the
 member's own weights (an isolated view of it: parameters shared, buffers
 and Python state its own) from a neutral state, against the live output
 metadata and against the member itself on the same inputs under the live
-context; and, for ``values``, against retained copies of the member's first
-live call.  What it compares is in ``verify``; what it runs is here.
+context; and, for ``values``, against retained copies of the member's live
+calls across the session (its first, its last and a sample between), one
+by one.  What it compares is in ``verify``; what it runs is here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
 from .isolate import isolated, rng_guard
 from .options import CaptureOptions, MemberCall, VariantRequest
+from .restore import restore_state
 
 __all__ = ["Checker", "Step", "register_step", "unregister_step"]
 
@@ -61,13 +64,16 @@ class Checker:
         self.hint = hint_for(request.snapshot, carried)
         self.ambient_only = ambient_only
         self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
+        self.by_value = 0  # live calls run and compared by value in this pass
 
     def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
         name = self.options.verify
         if name == "off":
             return Fidelity(name, True, (), ())
         members = [m for m in self.request.members if m.completed]
+        self.by_value = 0
         found = self._check(name, members, modules)
+        by_value = self.by_value
         merged = merge_mismatches(found)
         with_needs = None
         if merged and level(name).executes and self.ambient_only:
@@ -79,7 +85,8 @@ class Checker:
                 with_needs = not self._check(name, members, modules)
             finally:
                 self.needs = ()
-        return Fidelity(name, not merged, merged, checked_by(name), len(members), with_needs)
+        return Fidelity(name, not merged, merged, checked_by(name), len(members), with_needs,
+                        by_value)
 
     def _check(self, name: str, members: list[MemberCall],
                modules: Mapping[str, nn.Module]) -> list[Mismatch]:
@@ -121,7 +128,7 @@ class Checker:
                  name: str | None) -> list[Mismatch]:
         assert module is not None  # _check stops at a released member
         leaves = materialize_leaves(self.request.inputs)
-        with isolated(module, self.request.training) as view:
+        with self._isolated(module) as view:
             program = self._program(view, m)
             if program is None:
                 return [_mismatch("execution", "member weights",
@@ -141,7 +148,7 @@ class Checker:
                                   member=name)
             if found:
                 return found
-        with isolated(module, self.request.training) as ref:
+        with self._isolated(module) as ref:
             try:  # the member itself, on the same inputs, under the live context
                 reference = self._eager(ref, leaves)
             except Exception as exc:
@@ -151,23 +158,39 @@ class Checker:
 
     def _values(self, m: MemberCall, module: nn.Module | None,
                 name: str | None) -> list[Mismatch]:
+        """Every retained call of the member (its first, its last and a sample
+        between), each run through the artifact with the member's weights
+        from a fresh isolated view, compared with what the live call returned."""
         assert module is not None  # _check stops at a released member
-        if m.retained is None:
+        if not m.retained:
             return [_mismatch("values", "retained", "not retained (retain_bytes cap)", "values",
                               None, name)]
         specs = [s for _, s in self.request.inputs.leaves()]
-        leaves = tuple(_placed(t, s) for t, s in zip(m.retained.inputs, specs))
+        found: list[Mismatch] = []
+        for call in m.retained:
+            leaves = tuple(_placed(t, s) for t, s in zip(call.inputs, specs))
+            with self._isolated(module) as view:
+                program = self._program(view, m)
+                if program is None:
+                    return []  # reported by the execute check
+                try:
+                    produced = self._call(program, leaves)
+                except Exception as exc:
+                    found.append(_mismatch("execution", "ran", exception_message(exc)[0],
+                                           "values", self.hint, name))
+                    continue
+            self.by_value += 1
+            found += compare_values(call.outputs, produced, "values", hint=self.hint,
+                                    member=name)
+        return found
+
+    @contextmanager
+    def _isolated(self, module: nn.Module) -> Iterator[nn.Module]:
+        """An isolated view of ``module`` in the state the variant ran in:
+        its ``training`` flags and the attributes it held then."""
         with isolated(module, self.request.training) as view:
-            program = self._program(view, m)
-            if program is None:
-                return []  # reported by the execute check
-            try:
-                produced = self._call(program, leaves)
-            except Exception as exc:
-                return [_mismatch("execution", "ran", exception_message(exc)[0], "values",
-                                  self.hint, name)]
-        return compare_values(m.retained.outputs, produced, "values", hint=self.hint,
-                              member=name)
+            restore_state(view, self.request.state)
+            yield view
 
     def _flat_live(self, live: Spec) -> Spec:
         if self.binding == "flattened" and self.flatten_out:

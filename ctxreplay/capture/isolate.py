@@ -8,9 +8,12 @@ assigned on a module, not the Python objects it holds).  So every capture
 and every execution check works on ``isolated(module)``: a copy that shares
 the parameters (the weights are not copied) and owns everything else --
 buffers, plain attributes, the Python objects the module holds, generators
-it keeps.  A module that refuses to be copied is used in place, with its
-buffers and the ``__dict__`` of it, its submodules and the plain objects
-they hold snapshotted and put back afterwards.
+it keeps.  Where something the module holds refuses to be copied (a
+``threading.Lock``), the copy shares that object alone and still owns every
+container and plain object around it; where even that copy cannot be made,
+``NotIsolable`` is raised: capture never runs the user's own module.
+Inside ``isolated`` the thread is ``isolating()``: an open session (a second
+``capture_with`` on the same blocks) does not count the calls made there.
 
 ``forward_alone(module)`` makes calling the (isolated) member run its
 ``forward`` alone, the way observation saw the live call: without the
@@ -24,6 +27,8 @@ inside it received as ``generator=``.
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,9 +37,50 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["forward_alone", "isolated", "rng_guard"]
+from ..errors import Error
+
+__all__ = ["NotIsolable", "forward_alone", "isolated", "isolating", "rng_guard", "unwatch",
+           "watch"]
 
 _MAX_OBJECTS = 4096
+
+
+class _Depth(threading.local):
+    depth = 0
+
+
+_local = _Depth()
+#: open observations, told (``quiet()``) when a capture or check starts
+_watchers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def isolating() -> bool:
+    """Whether this thread is inside ctxreplay's own capture or check of a
+    module (a ``finalize()``): calls made there are not live calls, and an
+    open session must not count them."""
+    return _local.depth > 0
+
+
+def watch(observation: Any) -> None:
+    """Have ``observation.quiet()`` called whenever a capture or check
+    starts: it drops whatever would count calls without asking
+    ``isolating()`` (a member's memo of its last variant)."""
+    _watchers.add(observation)
+
+
+def unwatch(observation: Any) -> None:
+    _watchers.discard(observation)
+
+
+@contextmanager
+def _isolating() -> Iterator[None]:
+    _local.depth += 1
+    try:
+        for w in list(_watchers):
+            w.quiet()
+        yield
+    finally:
+        _local.depth -= 1
 
 
 @contextmanager
@@ -43,17 +89,10 @@ def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
     """A view of ``module`` that capture and execution may change freely,
     with each submodule path in ``training`` set to that mode (the mode the
     live call ran in, whatever the model is in now)."""
-    try:
-        view = _copy(module)
-    except Exception:
-        view = None
-    if view is not None:
-        _set_training(view, training)
+    view = _copy(module)  # raises NotIsolable: never run on the user's module
+    _set_training(view, training)
+    with _isolating():
         yield view
-        return
-    with _restoring(module):
-        _set_training(module, training)
-        yield module
 
 
 def _set_training(module: nn.Module, training: Iterable[tuple[str, bool]]) -> None:
@@ -65,6 +104,11 @@ def _set_training(module: nn.Module, training: Iterable[tuple[str, bool]]) -> No
         sub.training = mode  # the flag alone: train() would recurse
 
 
+class NotIsolable(Error, TypeError):
+    """No isolated view of a module could be made: capture refuses to run
+    it rather than run the user's own module."""
+
+
 def _copy(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for p in module.parameters():
@@ -74,13 +118,74 @@ def _copy(module: nn.Module) -> nn.Module:
     for t in _held_tensors(module):
         if t.grad_fn is not None:
             memo[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+    try:
+        return _deepcopy(module, dict(memo))
+    except Exception:
+        pass
+    # Something the tree holds refuses to be copied (a threading.Lock, an
+    # open file): the view shares each such leaf object with the module and
+    # copies everything else, its containers and plain objects included, so
+    # what the forward writes (a list it appends to) lands in the copy.
+    # Synchronisation objects are shared whole: a copied Event (its lock
+    # shared, its flag and waiters copied) would never be set by the
+    # thread that sets the user's.
+    shared = _uncopyable(module, memo)
+    memo.update((id(x), x) for x in shared)
+    try:
+        return _deepcopy(module, memo)
+    except Exception as exc:
+        raise NotIsolable(
+            f"{type(module).__name__} cannot be copied for capture ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:120] if str(exc) else '-'}); it is not run on the "
+            "user's module instead") from None
+
+
+def _deepcopy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     view: nn.Module = copy.deepcopy(module, memo)
     return view
+
+
+def _uncopyable(module: nn.Module, memo: dict[int, Any]) -> list[Any]:
+    """The leaf objects of the module tree (neither a module, a tensor, a
+    container nor a plain object with a ``__dict__``) that ``deepcopy``
+    refuses, bounded like ``_held_tensors``."""
+    out: list[Any] = []
+    for obj in _held_objects(module, _synchronising):
+        if _synchronising(obj):
+            out.append(obj)
+            continue
+        if isinstance(obj, (torch.Tensor, nn.Module, list, tuple, dict, set, frozenset, type)) \
+                or id(obj) in memo or type(getattr(obj, "__dict__", None)) is dict:
+            continue
+        try:
+            copy.deepcopy(obj, dict(memo))
+        except Exception:
+            out.append(obj)
+    return out
+
+
+#: modules whose objects synchronise threads or processes
+_SYNC_MODULES = frozenset({"threading", "_thread", "queue", "multiprocessing.synchronize",
+                           "asyncio.locks", "concurrent.futures._base"})
+
+
+def _synchronising(obj: Any) -> bool:
+    return type(obj).__module__ in _SYNC_MODULES
 
 
 def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     """Tensors in the ``__dict__`` of the module tree and of the plain
     objects (and lists, tuples, dicts) it holds, bounded."""
+    for obj in _held_objects(module):
+        if isinstance(obj, torch.Tensor):
+            yield obj
+
+
+def _held_objects(module: nn.Module, leaf: Callable[[Any], bool] = lambda obj: False
+                  ) -> Iterator[Any]:
+    """Every object reached from the ``__dict__`` of the module tree through
+    lists, tuples, sets, dicts and plain objects (but none that ``leaf``
+    holds), once each, bounded."""
     seen: set[int] = set()
     stack: list[Any] = list(module.modules())
     budget = _MAX_OBJECTS
@@ -90,10 +195,10 @@ def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            yield obj
+        yield obj
+        if isinstance(obj, torch.Tensor) or leaf(obj):
             continue
-        if isinstance(obj, (list, tuple)):
+        if isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
             continue
         if isinstance(obj, dict):
@@ -178,51 +283,6 @@ def _own_call(cls: type[nn.Module], active: list[bool]) -> Callable[..., Any]:
 
     call.__code__ = call.__code__.replace()
     return call
-
-
-class _Saved:
-    """Snapshot of a module tree's mutable state, for modules deepcopy refuses."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.buffers = [(m, n, b, None if b is None else b.detach().clone())
-                        for m in module.modules() for n, b in m._buffers.items()]
-        self.dicts: list[tuple[Any, dict[str, Any]]] = []
-        seen: set[int] = set()
-        stack: list[Any] = list(module.modules())
-        while stack and len(self.dicts) < _MAX_OBJECTS:
-            obj = stack.pop()
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            d = getattr(obj, "__dict__", None)
-            if type(d) is not dict:
-                continue
-            self.dicts.append((obj, dict(d)))
-            for v in d.values():
-                if not isinstance(v, (nn.Module, torch.Tensor, type)) and \
-                        type(getattr(v, "__dict__", None)) is dict and not callable(v):
-                    stack.append(v)
-
-    def restore(self) -> None:
-        for obj, d in self.dicts:
-            now = obj.__dict__
-            for k in [k for k in now if k not in d]:
-                del now[k]
-            now.update(d)
-        with torch.no_grad():
-            for m, name, buf, saved in self.buffers:
-                m._buffers[name] = buf
-                if buf is not None and saved is not None and not torch.equal(buf, saved):
-                    buf.copy_(saved)
-
-
-@contextmanager
-def _restoring(module: nn.Module) -> Iterator[None]:
-    saved = _Saved(module)
-    try:
-        yield
-    finally:
-        saved.restore()
 
 
 class _GeneratorWatch(TorchFunctionMode):

@@ -56,7 +56,8 @@ def _merged(group: list[Capture]) -> Capture:
     members = tuple(m for c in group for m in c.members)
     fid = Fidelity(first.fidelity.level, True,
                    merge_mismatches(m for c in group for m in c.fidelity.mismatches),
-                   first.fidelity.checked, sum(c.fidelity.members for c in group))
+                   first.fidelity.checked, sum(c.fidelity.members for c in group),
+                   by_value=sum(c.fidelity.by_value for c in group))
     return attrs.evolve(first, members=members,
                         member_calls=tuple(mc for c in group for mc in c.member_calls),
                         calls=sum(c.calls for c in group), fidelity=fid,

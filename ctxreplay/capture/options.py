@@ -18,8 +18,8 @@ from ..core.snapshots import ContextSnapshot
 from ..fidelity.levels import level
 from ..specs.signature import CallSpec, Spec
 
-__all__ = ["REPLAY_MODES", "WATCH_MODES", "CaptureOptions", "MemberCall", "RetainedCall",
-           "VariantRequest"]
+__all__ = ["ABSENT", "REPLAY_MODES", "WATCH_MODES", "CaptureOptions", "MemberCall", "RetainedCall",
+           "Unrestorable", "VariantRequest"]
 
 REPLAY_MODES = ("embedded", "ambient", "off")
 WATCH_MODES = ("forward", "call")
@@ -86,13 +86,27 @@ class RetainedCall:
 
 @attrs.frozen(eq=False)
 class MemberCall:
-    """One member's share of a variant: its calls and its first live output."""
+    """One member's share of a variant: its calls, its first live output and
+    (``verify="values"``) the calls retained, checked by value one by one."""
 
     name: str
     calls: int
     outputs: Spec | None
     completed: bool
-    retained: RetainedCall | None = attrs.field(default=None, repr=False)
+    retained: tuple[RetainedCall, ...] = attrs.field(default=(), repr=False)
+
+
+@attrs.frozen
+class Unrestorable:
+    """A recorded attribute value that could not be copied when it was
+    observed: a capture that needs it back fails (``state_not_restorable``)
+    instead of running with the value finalize() finds."""
+
+    type_name: str
+
+
+#: in ``VariantRequest.state``: the attribute did not exist when the variant ran
+ABSENT = Unrestorable("<absent>")
 
 
 @attrs.frozen(eq=False)
@@ -111,6 +125,10 @@ class VariantRequest:
     training: tuple[tuple[str, bool], ...] = ()
     #: ``targets.identity_digest`` of the members' identity when it ran
     identity: str = ""
+    #: ``(submodule path, attribute, value)``: the plain attributes (callables
+    #: included) the members held when the variant ran; capture and checks
+    #: put back on every view those that differ now
+    state: tuple[tuple[str, str, Any], ...] = attrs.field(default=(), repr=False)
 
     @property
     def traced(self) -> MemberCall:

@@ -31,7 +31,8 @@ __all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure"
 #: ``BackendError.reason``)
 FAILURE_REASONS = (*BACKEND_REASONS, "replay_failed", "timeout", "no_artifact", "bad_artifact",
                    "materialize_failed", "verify_failed", "module_released",
-                   "isolation_failed", "internal_error", "interrupted", "state_leak")
+                   "isolation_failed", "internal_error", "interrupted", "state_leak",
+                   "unsupported_layout", "state_not_restorable")
 
 #: report-level reasons ``ok`` is False although no capture failed
 PROBLEMS = {
@@ -41,9 +42,12 @@ PROBLEMS = {
     "scope_limit": "structures past max_scopes were never observed",
     "observation_error": "observing some calls failed, so they are not covered",
     "not_observed": "calls ran inside a compiled region, where blocks are not observed",
-    "never_completed": "no call of a variant returned, so there is nothing to capture",
-    "member_changed": "a block's attributes changed while observed, so its calls may "
-                      "have run another graph",
+    "never_completed": "no call of a variant had returned by finalize(), so there is "
+                       "nothing to capture",
+    "observation_lost": "another tool set a block's forward anew while observed, so calls "
+                        "observed before ran a forward capture no longer sees",
+    "member_changed": "a block's attributes changed in place (no assignment) while "
+                      "observed, so its calls may have run another graph",
     "stateful_member": "a block's forward writes Python state it keeps, so a later capture "
                        "may take another path than its calls did",
 }
@@ -140,6 +144,20 @@ class Capture:
     """Attributes left out of the members' identities (``capture_with(...,
     ignore_attributes=...)``)."""
 
+    @property
+    def checked(self) -> int:
+        """Live calls checked by value, of ``calls`` (``verify="values"``: the
+        retained calls of every member -- first, last and a sample between --
+        each run through the artifact with that member's weights; 0 at the
+        other levels)."""
+        return self.fidelity.by_value
+
+    @property
+    def verdict(self) -> str:
+        """The fidelity in words, with what was checked: e.g. ``"ok
+        (signature+execute+values; 5 of 8 calls checked by value)"``."""
+        return self.fidelity.verdict(self.calls)
+
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact in its artifact format, and a metadata-only
         sidecar ``<path>.json`` (snapshot, signatures and the format's name;
@@ -176,6 +194,7 @@ class Capture:
             "variant": self.variant,
             "merged": list(self.merged),
             "calls": self.calls,
+            "checked": self.checked,
             "rank": self.rank,
             "observed_on": list(self.observed_on),
             "rank_calls": [list(r) for r in self.rank_calls],
@@ -220,7 +239,12 @@ class CaptureFailure:
     ``materialize_failed``, ``verify_failed``, ``module_released``,
     ``isolation_failed``, ``internal_error``; ``interrupted`` (a Ctrl-C
     stopped ``finalize()`` before this variant; those captured before it are
-    kept).  And ``state_leak``: the
+    kept); ``unsupported_layout`` (an input is a sparse or nested tensor:
+    ``context`` names each such input's path and layout);
+    ``state_not_restorable`` (an attribute of the member changed after the
+    variant ran and its value then could not be recorded, so the capture
+    cannot run in the state the calls ran in; ``context["attribute"]``
+    names it).  And ``state_leak``: the
     variant captured, but afterwards the ambient state differed from the
     state ``finalize()`` began with -- the engine put it back; ``context``
     names each probe as ``"was -> left"`` (and ``torch_global_state`` what
@@ -323,19 +347,31 @@ _PROBLEM_TEXT: dict[str, Any] = {
                               + ": the blocks inside were not observed; pass the uncompiled "
                                 "module to capture_with and compile afterwards",
     "never_completed": lambda p: f"{p.scope}: no call of {_n(p.variants, 'variant')} "
-                                 f"returned ({_n(p.calls, 'call')} raised), so there is "
-                                 "nothing to capture",
+                                 f"had returned by finalize() ({_n(p.calls, 'call')} still "
+                                 "running, e.g. in another thread), so there is nothing "
+                                 "to capture",
     "stateful_member": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} writes "
                                  f"state it holds ({', '.join(p.names[1:]) or '?'}) in its "
                                  "forward; a capture made afterwards sees that state as "
                                  "finalize() finds it, not as each call did. List the "
                                  "attributes in ignore_attributes if the graph does not "
                                  "depend on them",
+    "observation_lost": lambda p: f"the forward of {_names(p)} was set anew by another tool "
+                                  "while observed (e.g. accelerate's "
+                                  "remove_hook_from_module): "
+                                  f"{_n(p.calls, 'call')} observed before it ran a forward "
+                                  "that capture no longer sees, and calls between the change "
+                                  "and the next call of the model given to capture_with "
+                                  "(where ctxreplay wraps the new forward) were not observed. "
+                                  "Add or remove such hooks before capture_with or after "
+                                  "finalize()",
     "member_changed": lambda p: f"{p.scope}: member {p.names[0] if p.names else '?'} changed "
-                                f"({p.names[1] if len(p.names) > 1 else '?'}) while observed; "
+                                f"({p.names[1] if len(p.names) > 1 else '?'}) in place while "
+                                "observed (an assignment would have split the variant); "
                                 "later calls may have run another graph than the one "
-                                "recorded. Set it before capture_with, or list the attribute "
-                                "in ignore_attributes if the graph does not depend on it",
+                                "recorded. Replace the value instead of changing it in place, "
+                                "set it before capture_with, or list the attribute in "
+                                "ignore_attributes if the graph does not depend on it",
 }
 
 #: notice reasons, in words
@@ -343,6 +379,9 @@ NOTICES = {
     "probe_too_fine": "captures with identical graphs differ only in this probe's state: "
                       "its key separates calls that run the same graph (give the probe a "
                       "coarser key, e.g. ForwardContextProbe(..., key=...))",
+    "call_raised": "calls of this member raised in its forward (the caller handled the "
+                   "exception): they were never calls to reproduce, so they are left out "
+                   "of every variant and of the calls counted",
     "probe_varies_every_call": "this probe had a different state in every variant (a step "
                                "counter or a timestep in its key?)",
 }

@@ -49,6 +49,7 @@ from ..specs.specjson import call_to_json
 from .checker import Checker
 from .isolate import forward_alone, isolated, rng_guard
 from .options import CaptureOptions, MemberCall, VariantRequest
+from .restore import restore_state
 from .results import Capture, CaptureFailure
 
 __all__ = ["CaptureFailed", "capture_variant", "recapture"]
@@ -148,6 +149,9 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     module = modules.get(traced.name)
     if module is None:
         raise fail("module_released", None)
+    layouts = _layouts(request.inputs)
+    if layouts:
+        raise _with_context(fail("unsupported_layout", None), layouts)
     try:
         plan = _Plan.make(request, options, backend)
     except Exception as exc:
@@ -157,6 +161,12 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         view = view_cm.__enter__()
     except Exception as exc:
         raise fail("isolation_failed", exc) from None
+    try:
+        restore_state(view, request.state)
+    except Exception as exc:
+        view_cm.__exit__(None, None, None)
+        raise _with_context(fail("state_not_restorable", exc), {"attribute": str(exc)}) \
+            from None
     try:
         artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
         embedded, carried, ambient_only = _context_split(request, plan, options, real)
@@ -241,6 +251,18 @@ def recapture(capture: Capture, module: nn.Module, options: CaptureOptions, *,
                              capture.signature,
                              (MemberCall(member, capture.calls, capture.outputs, True),))
     return capture_variant(request, {member: module}, attrs.evolve(options, verify="off"))
+
+
+def _layouts(inputs: CallSpec) -> dict[str, str]:
+    """Input tensors that are not plain strided ones, by path: a graph traced
+    from dense stand-ins would run the dense branch of the forward (sparse
+    and nested tensors are neither materialised nor keyed as dense ones)."""
+    return {path: spec.layout for path, spec in inputs.leaves() if spec.layout != "strided"}
+
+
+def _with_context(failed: CaptureFailed, context: dict[str, str]) -> CaptureFailed:
+    return CaptureFailed(attrs.evolve(failed.failure,
+                                      context={**failed.failure.context, **context}))
 
 
 def _failure(request: VariantRequest, backend: Backend, reason: str,

@@ -66,7 +66,8 @@ def run_collective_checks(coll: Collective, captures: list[Capture],
         base = c.fidelity.mismatches
         out[(c.scope, c.variant)] = Fidelity(level, not (merged or base),
                                              merge_mismatches((*base, *merged)), checked,
-                                             c.fidelity.members)
+                                             c.fidelity.members,
+                                             by_value=c.fidelity.by_value)
     return out
 
 

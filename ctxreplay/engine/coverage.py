@@ -49,6 +49,10 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     for scope, member_name, attributes in obs.stateful_members():
         problems.append(Problem("stateful_member", scope.name, 0, 0,
                                 (member_name, *attributes[:8])))
+    if obs.lost:
+        problems.append(Problem("observation_lost", None, 0, sum(n for _, n in obs.lost),
+                                tuple(dict.fromkeys(name for name, _ in obs.lost)),
+                                exact=False))
     for scope, member, change in obs.changed_members():
         problems.append(Problem("member_changed", scope.name, 0, 0,
                                 (member.name or scope.name, change)))
@@ -59,6 +63,8 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     elif requests and not captures:
         problems.append(Problem("no_captures", None, len(requests),
                                 sum(r.calls for r in requests)))
+    for scope, member_name, raised in obs.raised_members():
+        notices.append(Notice("call_raised", scope.name, None, raised, (member_name,)))
     notices += _too_fine(captures, requests, obs)
     return tuple(problems), tuple(notices)
 

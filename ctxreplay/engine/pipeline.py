@@ -77,8 +77,9 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: Baseline, *, explain:
     t0 = time.perf_counter()
     obs, options = job.observation, job.options
     everything = obs.requests()
-    # a variant none of whose calls returned has nothing to capture: it is a
-    # problem of the report (never_completed), not a capture failure
+    # a variant none of whose calls had returned (one still running) has
+    # nothing to capture: a problem of the report (never_completed), not a
+    # capture failure
     requests = [r for r in everything if any(m.completed for m in r.members)]
     exchange.open(options)
     keys = [exchange.key(r, obs.identity_value(r)) for r in requests]

@@ -113,6 +113,19 @@ class Fidelity:
     """When ``ok`` is False and the capture has ``ambient_only`` states: the same checks run again
     with those states re-established around the artifact, as the guard of a loaded capture requires
     (``None``: not run)."""
+    by_value: int = 0
+    """Live calls the artifact was run on and compared with by value (``verify="values"``: every
+    retained call, over all members); the other checks compare metadata or fresh inputs."""
+
+    def verdict(self, calls: int) -> str:
+        """What was checked and what came of it, in words, for a capture
+        standing for ``calls`` live calls."""
+        words = {"ok": "ok", "ok_with_needs": "ok where its needs hold", "failed": "NOT OK",
+                 "unchecked": "not checked"}[self.status]
+        if not self.checked:
+            return words
+        return (f"{words} ({'+'.join(self.checked)}; {self.by_value} of {calls} "
+                f"call{'' if calls == 1 else 's'} checked by value)")
 
     @property
     def status(self) -> str:
@@ -125,6 +138,7 @@ class Fidelity:
         """Metadata only (``status`` included)."""
         return {"level": self.level, "ok": self.ok, "checked": list(self.checked),
                 "members": self.members, "ok_with_needs": self.ok_with_needs,
+                "by_value": self.by_value,
                 "status": self.status,
                 "mismatches": [m.to_json() for m in self.mismatches]}
 

@@ -6,24 +6,31 @@ requests."""
 from __future__ import annotations
 
 import sys
+import threading
+import types
 from typing import Any
 
 from torch import nn
 
-from ..capture.options import MemberCall, VariantRequest
+from ..capture.isolate import unwatch, watch
+from ..capture.options import ABSENT as REMOVED
+from ..capture.options import MemberCall, Unrestorable, VariantRequest
 from ..core.observer import Observer
 from .copies import Entries, path_modules
-from .modules import CompiledCounter
+from .modules import ABSENT, CompiledCounter, before_ctxreplay
 from .targets import (
+    changed_attributes,
     describe_identity_change,
+    held_objects,
     identity_digest,
     identity_of,
     structure_key,
     training_of,
 )
 from .variants import MemberVariant, Scope
+from .watch import Watch as AttributeWatch
 from .wrapper import _Member, _Shared
-from .wrapping import Root, Wrapper, let_go, unwrap, wrap
+from .wrapping import Root, Watch, Wrapper, let_go, reaches, unwrap, wrap
 
 __all__ = ["Observation"]
 
@@ -81,13 +88,72 @@ class Observation:
             scope.member_states.append(member)
             wrap(member)
             self.members.append(member)
+        # assignments to attributes of the members' trees drop their memos
+        self.setattr_watch = AttributeWatch()
+        for member in self.members:
+            self.setattr_watch.add([*member.module.modules(),
+                            *held_objects(member.module, member.ignore)], member.changed)
         self.root = Root(root, (observer,), self.shared, self.shared.error)
         wrap(self.root)
+        self.rewatching = threading.Lock()
+        self.closed = False  # detach began
+        self.replaced: list[_Member] = []  # members another tool's forward went round
+        #: (member, calls) recorded under a forward another tool then replaced
+        self.lost: list[tuple[str, int]] = []
+        self.root.watch = Watch([m.module for m in self.members], self.rewatch)
+        watch(self)  # calls made by a capture or check elsewhere are not counted
         self.dropped_structures = len(dropped)
         # copies and torch.jit.script see a plain model (``observation.copies``)
         self.entries = [Entries(m) for m in path_modules(root, [m.name for m in self.members])]
         for e in self.entries:
             e.install()
+
+    # -- another tool setting a member's forward anew -------------------------
+    def rewatch(self, during: bool = False, *, final: bool = False) -> None:
+        """Members whose ``forward`` another tool set anew, so that calls no
+        longer go through their wrapper, are wrapped again around what is
+        there now (``final``: at detach, only counted).  The calls recorded
+        before ran another forward than the one capture will trace, unless
+        the tool put back the same one: those are ``lost``; so is a member
+        whose forward was set anew ``during`` a model call (the rest of its
+        calls in that model call went unobserved)."""
+        with self.rewatching:  # two threads' model calls may both find it
+            self._rewatch(final, during)
+
+    def _rewatch(self, final: bool, during: bool) -> None:
+        if self.closed and not final:
+            return  # a model call that began before detach: never wrap again
+        root = self.root
+        if final and root is not None and \
+                not reaches(root.module.__dict__.get("forward", ABSENT), root):
+            # the root's own forward was set anew too: model calls since went
+            # unchecked, so a member's calls may have gone unobserved
+            during = True
+        for i, m in enumerate(list(self.members)):
+            current = m.module.__dict__.get("forward", ABSENT)
+            if reaches(current, m):
+                continue
+            calls = sum(mv.calls for _, mv in m.all_variants())
+            if _same_forward(m.module, m.user_forward(), current):
+                calls = 0  # what they ran is what capture traces
+            if calls or during:
+                self.lost.append((m.name or m.scope.name, calls))
+            if final:
+                continue
+            new = _successor(m)
+            self.members[i] = new
+            states = m.scope.member_states
+            states[states.index(m)] = new
+            self.replaced.append(m)
+            wrap(new)
+        if self.root is not None and self.root.watch is not None:
+            self.root.watch.update(m.module for m in self.members)
+
+    def quiet(self) -> None:
+        """A capture or check starts (``isolate.isolating()``): drop the
+        members' memos, whose hits count without asking."""
+        for m in self.members:
+            m.memo = None
 
     # -- reading ------------------------------------------------------------
     def dropped(self) -> dict[str, int]:
@@ -107,26 +173,68 @@ class Observation:
             per_index: dict[int, list[tuple[_Member, MemberVariant]]] = {}
             for m in self._of(scope):
                 for _, mv in m.all_variants():
-                    per_index.setdefault(mv.index, []).append((m, mv))
+                    if not mv.empty:  # every call raised: nothing to reproduce
+                        per_index.setdefault(mv.index, []).append((m, mv))
             for index in sorted(per_index):
-                pairs = per_index[index]
+                # members that still have the identity the variant ran under
+                # first: the first completed one is traced (one whose forward
+                # another tool set anew since traces another function)
+                pairs = sorted(per_index[index], key=lambda p: p[0].identity != p[1].identity)
                 first = pairs[0][1]
                 recorded = next((mv for _, mv in pairs if mv.completed), first)
                 identity = scope.identities[first.identity] if first.identity >= 0 else ()
                 out.append(VariantRequest(
                     scope.name, index, first.snapshot, recorded.inputs,
-                    tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed, mv.retained)
+                    tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed,
+                                     mv.retained.calls() if mv.retained else ())
                           for m, mv in pairs),
-                    training_of(identity), identity_digest(identity) if identity else ""))
+                    training_of(identity), identity_digest(identity) if identity else "",
+                    self._state_back(scope, identity, [m for m, _ in pairs],
+                                     first.identity)))
         return out
+
+    def _state_back(self, scope: Scope, identity: Any, members: list[_Member],
+                    number: int) -> tuple[tuple[str, str, Any], ...]:
+        """The recorded attribute values a capture of ``identity``'s variant
+        must put back on the views of ``members``: those that differ now (an
+        attribute toggled after the variant ran).  A member whose structure
+        changed gets an ``Unrestorable`` marker (capture then fails)."""
+        if number < 0 or not identity:
+            return ()
+        wanted: set[tuple[str, str]] = set()
+        for m in members:
+            try:
+                now = identity_of(m.module, m.ignore)
+            except Exception:
+                now = None
+            diff = None if now is None else changed_attributes(identity, now)
+            if diff is None:
+                return (("", "<structure>", Unrestorable("submodules or shapes")),)
+            wanted |= diff
+        if not wanted:
+            return ()
+        recorded = scope.states[number]
+        out = tuple(e for e in recorded if (e[0], e[1]) in wanted)
+        missing = wanted - {(e[0], e[1]) for e in out}
+        held = {(entry[0], k) for entry in identity for k, _ in entry[5]}
+        # an attribute the identity did not hold was added since: taken off
+        # the view; one it held but could not record cannot be put back
+        return out + tuple((path, name, Unrestorable("not recorded") if (path, name) in held
+                            else REMOVED) for path, name in sorted(missing))
 
     def changed_members(self) -> list[tuple[Scope, _Member, str]]:
         """Members whose identity now differs from the one their calls were
-        recorded under (an attribute changed while observed)."""
+        recorded under, changed in a way no assignment showed (an item of a
+        dict it holds, changed in place): calls may have been keyed under a
+        state they did not run in.  A change by assignment (``watch``) made
+        the next call recheck its identity, and one after the last call ran
+        with no call, so neither is a problem: every call was keyed as it ran."""
         out = []
+        lost = {name for name, _ in self.lost}  # their forward changed: said there
         for scope in self.scopes:
             for m in self._of(scope):
-                if m.identity_value is None or not m.tables:
+                if m.identity_value is None or not m.tables or m.dirty or \
+                        (m.name or scope.name) in lost:
                     continue
                 try:
                     now = identity_of(m.module, m.ignore)
@@ -140,6 +248,16 @@ class Observation:
         """Members whose forward wrote Python state they hold."""
         return [(m.scope, m.name or m.scope.name, tuple(sorted(m.stateful)))
                 for m in self.members if m.stateful]
+
+    def raised_members(self) -> list[tuple[Scope, str, int]]:
+        """Members whose forward raised in some calls (the caller handled it),
+        with how many: those calls are left out of every variant."""
+        out = []
+        for m in self.members:
+            n = m.raised()
+            if n:
+                out.append((m.scope, m.name or m.scope.name, n))
+        return out
 
     def compiled_calls(self) -> tuple[dict[str, int], list[str]]:
         """Calls of each compiled entry point counted, and the members that
@@ -172,8 +290,14 @@ class Observation:
         """Stop observing and put back what each wrapped attribute held
         (``wrapping.unwrap``).  A wrapper another tool wrapped on top of
         stays in its chain as a pass-through holding no session state."""
+        unwatch(self)
+        self.closed = True
+        self.rewatch(final=True)
+        if self.root is not None:
+            self.root.watch = None  # it holds the members' __dict__
         for e in reversed(self.entries):
             e.remove()
+        self.setattr_watch.remove()
         self.left = unwrap(self._wrappers())
         # the counters went on before the wrappers (one may be what the
         # root wrapped: an ``OptimizedModule``'s forward), so they come off after
@@ -188,13 +312,54 @@ class Observation:
             c.owner = None  # type: ignore[assignment]
             c.orig = None
         let_go(self._wrappers(), self.left)
-        self.left = []
+        let_go(self.replaced, self.replaced)  # they may still be in another tool's chain
+        self.left, self.replaced = [], []
         for m in self.members:
             m.memo = None
             for table in m.tables.values():
                 for mv in table.values():
                     mv.retained = None
                     mv.retained_inputs = None
+
+
+def _successor(old: _Member) -> _Member:
+    """A wrapper around what ``old``'s module holds in ``forward`` now,
+    carrying on ``old``'s variants and state; ``old`` only passes calls
+    through from now on (it may still be in another tool's chain)."""
+    new = _Member(old.module, old.name, old.scope, old.shared, old.ignore)
+    # its own: the wrapper's, and the identity (the forward is part of it),
+    # so the calls from now on are variants of their own
+    keep = {"module", "orig", "prev", "off", "memo", "__weakref__", "identity",
+            "identity_value", "table", "training", "lazy"}
+    for cls in type(old).__mro__:
+        for slot in getattr(cls, "__slots__", ()):
+            if slot not in keep and hasattr(old, slot):
+                setattr(new, slot, getattr(old, slot))
+    new.table = new.tables.setdefault(new.identity, {})
+    old.stop()
+    return new
+
+
+def _same_forward(module: nn.Module, before: Any, now: Any) -> bool:
+    """Whether ``now`` (what ``forward`` holds, ctxreplay's wrappers skipped)
+    is the forward ``before`` was (``None``: the class's)."""
+    now = before_ctxreplay(now)
+
+    def plain(fn: Any) -> Any:
+        if isinstance(fn, types.MethodType) and fn.__self__ is module and \
+                fn.__func__ is getattr(type(module).forward, "__func__", type(module).forward):
+            return None
+        return fn
+
+    a, b = plain(before), plain(now)
+    return a is b or (a is not None and b is not None and _equal(a, b))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _inside(member: str, qualified: str) -> bool:

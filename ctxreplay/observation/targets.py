@@ -3,21 +3,27 @@ identity that decides which members may share a capture."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 import enum
+import functools
 import hashlib
 import re
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..capture.options import Unrestorable
+from .copies import is_ours
+
 # torch's lazy modules hold these until their first forward
 _Uninitialized: type = getattr(nn.parameter, "UninitializedTensorMixin", type(None))
 
-__all__ = ["describe_identity_change", "identity_digest", "identity_of", "resolve_targets",
-           "structure_key", "training_of"]
+__all__ = ["changed_attributes", "describe_identity_change", "held_objects", "identity_digest",
+           "identity_of", "resolve_targets", "state_of", "structure_key", "training_of"]
 
 #: an object's address in a repr: never part of what is compared across processes
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -71,11 +77,71 @@ def _plain(value: Any, budget: list[int]) -> Any:
             return ("<too large>",)
         items = [(k, _plain(v, budget)) for k, v in value.items() if isinstance(k, _PLAIN)]
         return ("dict", tuple((k, v) for k, v in items if v is not _SKIP))
-    if isinstance(value, (nn.Module, type)) or callable(value):
-        return _SKIP
+    if isinstance(value, nn.Module):
+        return _SKIP  # a submodule: ``identity_of`` walks it as one
+    if isinstance(value, type) or callable(value):
+        return _callable(value, budget)
     if getattr(type(value), "__eq__", object.__eq__) is not object.__eq__:
-        return value  # a value-comparable config object: compared with ==
+        # a value-comparable config object: by its attributes as they are now
+        # (the object itself would compare equal to itself after a change in
+        # place), or with == where it keeps no ``__dict__``
+        state = getattr(value, "__dict__", None)
+        if type(state) is not dict:
+            return value
+        if len(state) > _MAX_ITEMS:
+            return ("<too large>",)
+        return ("object", type(value).__module__, type(value).__qualname__,
+                tuple((k, p) for k, v in state.items() if isinstance(k, str)
+                      for p in (_plain(v, budget),) if p is not _SKIP))
     return _SKIP
+
+
+def _callable(value: Any, budget: list[int]) -> Any:
+    """A callable held as an attribute (an attention processor swapped by
+    ``set_processor``, an activation function): its class or function by
+    name, and an object's own plain attributes -- never its address, so
+    members holding equal processors of one class still share a capture."""
+    if isinstance(value, type):
+        return ("class", value.__module__, value.__qualname__)
+    if isinstance(value, functools.partial):
+        return ("partial", _callable(value.func, budget), _plain(value.args, budget),
+                _plain(value.keywords, budget))
+    func = getattr(value, "__func__", None)
+    if func is not None:  # a bound method: its function and its owner's class
+        owner = type(getattr(value, "__self__", None))
+        return ("method", _callable(func, budget), owner.__qualname__)
+    code = getattr(value, "__code__", None)
+    if code is not None:
+        return ("function", getattr(value, "__module__", None),
+                getattr(value, "__qualname__", None), code.co_firstlineno)
+    if isinstance(value, types.BuiltinFunctionType):
+        return ("builtin", getattr(value, "__module__", None), value.__name__)
+    state = getattr(value, "__dict__", None)
+    own: tuple[Any, ...] = ()
+    if type(state) is dict and len(state) <= _MAX_ITEMS:
+        own = tuple((k, p) for k, v in state.items() if isinstance(k, str)
+                    for p in (_plain(v, budget),) if p is not _SKIP)
+    return ("callable", type(value).__module__, type(value).__qualname__, own)
+
+
+def _own_forward(module: nn.Module) -> tuple[str, ...] | None:
+    """The function an instance ``forward`` runs (ctxreplay's wrappers
+    skipped), by name; ``None`` for the class's own ``forward``.  Members
+    whose forwards differ (one a user or a tool set anew) trace to
+    different graphs."""
+    fn: Any = module.__dict__.get("forward")
+    if is_ours(fn):
+        fn = fn.__self__.user_forward()
+    if fn is None:
+        return None
+    if isinstance(fn, types.MethodType) and fn.__self__ is module:
+        if fn.__func__ is getattr(type(module), "forward", None):
+            return None
+        fn = fn.__func__
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return (str(getattr(fn, "__module__", None) or type(fn).__module__), str(name))
 
 
 def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...]:
@@ -95,6 +161,9 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
             p = _plain(v, budget)
             if p is not _SKIP:
                 attrs_.append((k, p))
+        own = _own_forward(m)
+        if own is not None:  # another forward than the class's runs this module
+            attrs_.append(("forward", own))
         out.append((path, type(m).__qualname__, bool(m.training),
                     tuple((n, *_tensor_key(t)) for n, t in m._parameters.items()
                           if t is not None),
@@ -135,6 +204,28 @@ def describe_identity_change(before: tuple[Any, ...], after: tuple[Any, ...]) ->
             if da.get(k, _SKIP) != db.get(k, _SKIP):
                 return f"{where}.{k}" if a[0] else str(k)
     return "none"
+
+
+def changed_attributes(before: tuple[Any, ...], after: tuple[Any, ...]
+                       ) -> set[tuple[str, str]] | None:
+    """``(submodule path, attribute)`` of every plain attribute that differs
+    between two identities of one member (``None``: the submodules, classes
+    or shapes differ, so no attribute values can make one the other)."""
+    if len(before) != len(after):
+        return None
+    out: set[tuple[str, str]] = set()
+    for a, b in zip(before, after):
+        if a[0] != b[0] or a[1] != b[1] or a[3] != b[3] or a[4] != b[4]:
+            return None
+        da, db = dict(a[5]), dict(b[5])
+        for k in set(da) | set(db):
+            try:
+                same = k in da and k in db and bool(da[k] == db[k])
+            except Exception:  # a config object whose __eq__ fails: not equal
+                same = False
+            if not same:
+                out.add((a[0], k))
+    return out
 
 
 def _is_stack(mod: nn.Module) -> bool:
@@ -225,3 +316,46 @@ def _resolve(root: nn.Module, targets: object) -> list[tuple[str, nn.Module]]:
         out.append((n, named[n]))
     return out
 
+
+
+def held_objects(module: nn.Module, ignore: Iterable[str] = ()) -> list[object]:
+    """The objects the module tree holds as attributes whose own attributes
+    ``identity_of`` compares (config objects, processors and other callable
+    objects), for ``watch`` to see assignments to them."""
+    skip = _INTERNALS | set(ignore)
+    out: list[object] = []
+    for m in module.modules():
+        for k, v in m.__dict__.items():
+            if k in skip or isinstance(v, (*_PLAIN, enum.Enum, type, nn.Module, torch.Tensor,
+                                           tuple, list, dict, set, frozenset)):
+                continue
+            compared = callable(v) or \
+                getattr(type(v), "__eq__", object.__eq__) is not object.__eq__
+            if compared and type(getattr(v, "__dict__", None)) is dict \
+                    and len(out) < _MAX_ITEMS:
+                out.append(v)
+    return out
+
+
+def state_of(module: nn.Module, ignore: Iterable[str] = ()
+             ) -> tuple[tuple[str, str, Any], ...]:
+    """``(submodule path, attribute, value)`` of every plain attribute
+    ``identity_of`` looks at, as capture can put it back on an isolated view
+    of the member: immutable values and callables as they are, containers
+    and config objects copied now (so a later change in place does not reach
+    them), an ``Unrestorable`` for one that cannot be copied."""
+    skip = _INTERNALS | set(ignore)
+    out: list[tuple[str, str, Any]] = []
+    for path, m in module.named_modules(remove_duplicate=False):
+        budget = [4 * _MAX_ITEMS]
+        for k, v in m.__dict__.items():
+            if k in skip or isinstance(v, torch.Tensor) or _plain(v, budget) is _SKIP:
+                continue
+            if isinstance(v, (*_PLAIN, enum.Enum, type)) or callable(v):
+                out.append((path, k, v))
+                continue
+            try:
+                out.append((path, k, copy.deepcopy(v)))
+            except Exception:
+                out.append((path, k, Unrestorable(type(v).__qualname__)))
+    return tuple(out)

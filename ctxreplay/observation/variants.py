@@ -4,15 +4,16 @@ group members of one structure."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
 import torch
 from torch import nn
 
-from ..capture.options import RetainedCall
 from ..core.snapshots import ContextSnapshot
 from ..specs.signature import CallSpec, Spec
+from .retained import Kept
 
 
 class _MemberLike(Protocol):
@@ -42,15 +43,25 @@ class MemberVariant:
     outputs: Spec | None = None
     completed: bool = False
     counter: Any = attrs.field(factory=itertools.count)
-    retained: RetainedCall | None = None
+    #: ``verify="values"``: the calls retained (first, last, a sample between)
+    retained: Kept | None = None
+    #: copies of the inputs of the call in progress that is to be retained
     retained_inputs: tuple[torch.Tensor, ...] | None = None
+    #: calls counted that raised in the user's forward (the caller handled
+    #: it): never calls to reproduce, so ``calls`` leaves them out
+    raised: int = 0
 
     @property
     def calls(self) -> int:
         # itertools.count increments atomically under the GIL (a plain
         # ``+= 1`` loses updates between threads); its repr, "count(N)",
         # gives the next value without consuming it.
-        return int(repr(self.counter)[6:-1])
+        return int(repr(self.counter)[6:-1]) - self.raised
+
+    @property
+    def empty(self) -> bool:
+        """No call of it returned: every one raised (or is still running)."""
+        return not self.completed and self.calls == 0
 
 
 @attrs.frozen(eq=False)
@@ -76,6 +87,8 @@ class Scope:
     key: tuple[Any, ...]
     members: list[str]
     identities: list[Any] = attrs.field(factory=list)
+    #: per identity, ``targets.state_of`` when it was first seen
+    states: list[Any] = attrs.field(factory=list, repr=False)
     index: dict[Any, int] = attrs.field(factory=dict)  # (identity, snap, sig) -> variant
     #: hashes of the keys of variants past max_variants (exact up to MAX_DROPPED)
     dropped: set[int] = attrs.field(factory=set)
@@ -106,7 +119,8 @@ class Scope:
         out: dict[Any, list[tuple[str, MemberVariant]]] = {}
         for m in self.member_states:
             for key, mv in m.all_variants():
-                out.setdefault(key, []).append((m.name, mv))
+                if not mv.empty:
+                    out.setdefault(key, []).append((m.name, mv))
         views = {}
         for key, pairs in sorted(out.items(), key=lambda kv: kv[1][0][1].index):
             first = pairs[0][1]
@@ -117,7 +131,10 @@ class Scope:
                                      tuple(n for n, _ in pairs), holder.module)
         return views
 
-    def identity_id(self, identity: Any) -> int:
+    def identity_id(self, identity: Any, state: Callable[[], Any] = tuple) -> int:
+        """The number of ``identity`` in this scope; a new one is recorded
+        with ``state()`` (``targets.state_of``: its attribute values, which
+        capture puts back on a view of a member that changed since)."""
         for i, known in enumerate(self.identities):
             try:
                 if known == identity:
@@ -125,4 +142,8 @@ class Scope:
             except Exception:  # a config object whose __eq__ fails: not equal
                 continue
         self.identities.append(identity)
+        try:
+            self.states.append(state())
+        except Exception:  # not restorable: capture then finds no values to put back
+            self.states.append(())
         return len(self.identities) - 1

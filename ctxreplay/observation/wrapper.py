@@ -37,13 +37,14 @@ from torch import nn
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import dynamo_exporting as _dynamo_exporting
 from .._base.torchcaps import tensor_guard
+from ..capture.isolate import isolating
 from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
-from .retained import Retention
-from .targets import identity_of
+from .retained import Kept, Retention
+from .targets import identity_of, state_of
 from .variants import MemberVariant, Scope
 from .wrapping import Wrapper
 
@@ -113,8 +114,8 @@ class _Shared:
 class _Member(Wrapper):
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
-    __slots__ = ("compiled", "identity", "identity_value", "ignore", "lazy", "memo", "name",
-                 "scope", "shared", "stateful", "table", "tables", "training")
+    __slots__ = ("compiled", "dirty", "identity", "identity_value", "ignore", "lazy", "memo",
+                 "name", "scope", "shared", "stateful", "table", "tables", "training")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
@@ -132,6 +133,7 @@ class _Member(Wrapper):
         self.identity = -1
         self.training = module.training
         self.table: dict[Any, MemberVariant] = {}
+        self.dirty = False  # an attribute of the member's tree was assigned (``watch``)
         if not self.lazy:
             self.refresh_identity()
 
@@ -157,12 +159,19 @@ class _Member(Wrapper):
                         hit = False
                     if hit:
                         next(counter)
-                        return orig(*args)
+                        try:  # (free in CPython >= 3.11 until something raises)
+                            return orig(*args)
+                        except BaseException:
+                            self._raised(counter)
+                            raise
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Every call the memo does not answer."""
-        if self.off or _dynamo_compiling() or _is_tracing():
+        if self.off or _dynamo_compiling() or _is_tracing() or isolating():
+            # (``isolating()``: ctxreplay's own capture or check of a module
+            # in this thread, e.g. another session's finalize(): not a live
+            # call; ``isolate.watch`` drops the memo while it runs.)
             # Under torch.compile the check is a constant and orig is
             # inlined: compiled regions are not observed and get no graph
             # break.  The store below is a side effect Dynamo replays on every
@@ -203,11 +212,32 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         if mv is not None:
             next(mv.counter)
-            if shared.profile:
-                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
-                    return self.orig(*args, **kwargs)
-            return self.orig(*args, **kwargs)
+            try:
+                if shared.retention.limit is not None:
+                    return self._retaining(mv, args, kwargs)
+                if shared.profile:
+                    with torch.profiler.record_function(
+                            f"ctxreplay:{self.scope.name}#{mv.index}"):
+                        return self.orig(*args, **kwargs)
+                return self.orig(*args, **kwargs)
+            except BaseException:
+                self._raised(mv.counter)
+                raise
         return self._first(snap, args, kwargs)
+
+    def _raised(self, counter: Any) -> None:
+        """The call just counted on ``counter`` raised in the user's forward:
+        not a call to reproduce (the caller may well handle it), so it leaves
+        its variant's calls; the member counts it for a notice."""
+        try:
+            with self.shared.lock:
+                for table in self.tables.values():
+                    for mv in table.values():
+                        if mv.counter is counter:
+                            mv.raised += 1
+                            return
+        except Exception:  # never in the way of the user's exception
+            return
 
     def _memoize(self, snap: ContextSnapshot, args: tuple[Any, ...], sig: Any,
                  mv: MemberVariant) -> None:
@@ -218,7 +248,10 @@ class _Member(Wrapper):
         shared = self.shared
         obs = shared.observer
         cache = obs.cache
-        if cache is None or cache.snapshot is not snap or shared.profile or self.off:
+        # (while values are retained every call takes the slow path, which
+        # copies it: the memo stays empty)
+        if cache is None or cache.snapshot is not snap or shared.profile or self.off \
+                or shared.retention.limit is not None:
             return
         check = _memo_check(args, sig)
         # a TensorGuards check of at least one tensor sees the dispatch keys
@@ -235,8 +268,8 @@ class _Member(Wrapper):
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> MemberVariant | None:
         sig = call_key(args, kwargs)
-        if self.lazy or self.module.training is not self.training:
-            self.refresh_identity()
+        if self.dirty or self.lazy or self.module.training is not self.training:
+            self._recheck()
         mv = self.table.get((snap, sig))
         if mv is None or not mv.completed:
             return None
@@ -262,11 +295,15 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         next(mv.counter)
         held = held_state(self.module, self.ignore)
-        if self.shared.profile:
-            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+        try:
+            if self.shared.profile:
+                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                    out = self.orig(*args, **kwargs)
+            else:
                 out = self.orig(*args, **kwargs)
-        else:
-            out = self.orig(*args, **kwargs)
+        except BaseException:
+            self._raised(mv.counter)
+            raise
         try:
             changed = held_changes(held)
             if self.lazy:  # a lazy module materialises in its first call
@@ -275,7 +312,9 @@ class _Member(Wrapper):
             changed = []
         if changed:
             self.stateful.update(changed)
-        if not mv.completed:
+        if mv.completed and mv.retained_inputs is not None:  # another thread completed it
+            self._keep(mv, out)
+        elif not mv.completed:
             try:
                 self._complete(mv, snap, args, kwargs, out)
             except Exception as exc:
@@ -323,23 +362,88 @@ class _Member(Wrapper):
     def _complete(self, mv: MemberVariant, snap: ContextSnapshot, args: tuple[Any, ...],
                   kwargs: dict[str, Any], out: Any) -> None:
         mv.outputs = spec_of(out)
-        if mv.retained_inputs is not None:
-            mv.retained = self.shared.retention.call(mv.retained_inputs, out)
-            mv.retained_inputs = None
+        self._keep(mv, out)
         mv.completed = True
         if not kwargs:
             sig = call_key(args, kwargs)
             if self.table.get((snap, sig)) is mv:  # the forward left its inputs as they were
                 self._memoize(snap, args, sig, mv)
 
-    def refresh_identity(self) -> None:
-        """Recompute the member's identity (after ``train()``/``eval()``, or on
-        a lazy module's first call) and switch to that identity's table."""
-        self.training = self.module.training
-        self.identity_value = identity_of(self.module, self.ignore)
-        self.lazy = uninitialized(self.module)
+    def _retaining(self, mv: MemberVariant, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        """A call of a completed variant while ``verify="values"`` retains
+        calls: copied before and after the forward (``retained.Kept``)."""
+        failed: BaseException | None = None
+        inputs = None  # local: other threads may be in a call of ``mv`` too
+        try:
+            inputs = self.shared.retention.inputs(args, kwargs, mv.retained)
+        except Exception as exc:
+            failed = exc
+        if failed is not None:
+            self.shared.error("retain", failed)
+            del failed
+        try:
+            if self.shared.profile:
+                with torch.profiler.record_function(
+                        f"ctxreplay:{self.scope.name}#{mv.index}"):
+                    out = self.orig(*args, **kwargs)
+            else:
+                out = self.orig(*args, **kwargs)
+        except BaseException:
+            if inputs is not None:  # a call that raised is not kept: its budget back
+                self.shared.retention.release(inputs)
+            raise
+        try:
+            if inputs is not None:
+                self._keep(mv, out, inputs)
+        except Exception as exc:
+            failed = exc
+        if failed is not None:
+            self.shared.error("retain", failed)
+        return out
+
+    def _keep(self, mv: MemberVariant, out: Any,
+              inputs: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Retain the call that took ``inputs`` (default: the first call's,
+        ``mv.retained_inputs``) and returned ``out``."""
+        if inputs is None:
+            inputs, mv.retained_inputs = mv.retained_inputs, None
+        if inputs is None:
+            return
         with self.shared.lock:
-            self.identity = self.scope.identity_id(self.identity_value)
+            if mv.retained is None:
+                mv.retained = Kept()
+        self.shared.retention.keep(mv.retained, inputs, out)
+
+    def changed(self) -> None:
+        """An attribute of the member or a submodule was assigned
+        (``watch.Watch`` calls this): the next call rechecks the identity."""
+        self.memo = None
+        self.dirty = True
+
+    def _recheck(self) -> None:
+        """The identity may have changed: calls go to the table of the
+        identity the member has now (a toggled attribute, a swapped
+        processor, ``train()`` -- and back -- each its own variants)."""
+        self.dirty = False
+        if self.lazy or self.module.training is not self.training:
+            self.refresh_identity()
+            return
+        value = identity_of(self.module, self.ignore)
+        if value != self.identity_value:
+            self.refresh_identity(value)
+
+    def refresh_identity(self, value: Any = None) -> None:
+        """Recompute the member's identity (after ``train()``/``eval()``, an
+        attribute assigned, or on a lazy module's first call) and switch to
+        that identity's table."""
+        self.training = self.module.training
+        self.identity_value = identity_of(self.module, self.ignore) if value is None else value
+        self.lazy = uninitialized(self.module)
+        module, ignore = self.module, self.ignore
+        with self.shared.lock:
+            self.identity = self.scope.identity_id(self.identity_value,
+                                                   lambda: state_of(module, ignore))
         self.table = self.tables.setdefault(self.identity, {})
         self.memo = None
 
@@ -352,7 +456,8 @@ class _Member(Wrapper):
         value = identity_of(self.module, self.ignore)
         scope = self.scope
         with self.shared.lock:
-            old, new = self.identity, scope.identity_id(value)
+            module, ignore = self.module, self.ignore
+            old, new = self.identity, scope.identity_id(value, lambda: state_of(module, ignore))
             self.identity_value, self.training = value, self.module.training
             if new == old:
                 return
@@ -375,6 +480,11 @@ class _Member(Wrapper):
     def stop(self) -> None:
         self.off = True
         self.memo = None  # the memo's hit path does not read ``off``
+
+    def raised(self) -> int:
+        """Calls of this member that raised in its forward."""
+        return sum(mv.raised for table in list(self.tables.values())
+                   for mv in list(table.values()))
 
     def all_variants(self) -> Iterator[tuple[Any, MemberVariant]]:
         for identity, table in list(self.tables.items()):

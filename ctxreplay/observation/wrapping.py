@@ -19,6 +19,7 @@ then (``orig``); ``wrap`` sets it; ``unwrap`` takes it out exactly:
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -32,7 +33,7 @@ from ..core.observer import Observer
 from .copies import signed
 from .modules import ABSENT, Holder
 
-__all__ = ["Root", "Wrapper", "let_go", "unwrap", "wrap"]
+__all__ = ["Root", "Watch", "Wrapper", "let_go", "reaches", "unwrap", "wrap"]
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
 
@@ -130,6 +131,72 @@ class _WeakForward:
         return self.function(module, *args, **kwargs)
 
 
+def reaches(fn: Any, wrapper: Wrapper, budget: int = 64) -> bool:
+    """Whether calling ``fn`` (what a module's ``forward`` holds now) still
+    goes through ``wrapper``: another tool wrapped on top of it, and its
+    wrapper says what it calls the usual ways -- ``__wrapped__``
+    (``functools.wraps``, accelerate's hooks), a ``functools.partial``'s
+    function and arguments, a function's closure cells and default
+    arguments, ctxreplay's own wrappers' ``orig``.  Bounded; a chain
+    hidden elsewhere reads as not reaching it."""
+    stack, seen = [fn], set()
+    while stack and budget > 0:
+        f = stack.pop()
+        budget -= 1
+        if f is None or f is ABSENT or isinstance(f, nn.Module) or id(f) in seen:
+            continue
+        seen.add(id(f))
+        holder = getattr(f, "__self__", None)
+        if holder is wrapper:
+            return True
+        if isinstance(holder, Wrapper):
+            stack.append(holder.orig)
+            continue
+        if isinstance(f, functools.partial):
+            stack += [f.func, *f.args, *f.keywords.values()]
+        for name in ("__wrapped__", "__func__"):
+            inner = getattr(f, name, None)
+            if inner is not None:
+                stack.append(inner)
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                stack.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        stack += [*(getattr(f, "__defaults__", None) or ()),
+                  *(getattr(f, "__kwdefaults__", None) or {}).values()]
+    return False
+
+
+
+class Watch:
+    """Whether each watched module's ``forward`` is still what was last seen
+    there: another tool may set it anew while a session is open
+    (accelerate's ``remove_hook_from_module`` puts back the forward it
+    saved), and then calls go round ctxreplay's wrapper.  ``intact()`` is
+    one dict lookup a module (measured about 0.05 us a module, a thirtieth
+    of a block call's observation); ``repair(during)`` is called when it
+    fails and must ``update`` what is seen: ``during`` when it failed at the
+    end of a model call (the forward was set anew inside it, so calls of
+    that call may have gone unobserved)."""
+
+    __slots__ = ("pairs", "repair")
+
+    def __init__(self, modules: Iterable[nn.Module], repair: Callable[[bool], None]) -> None:
+        self.repair = repair
+        self.pairs: tuple[tuple[dict[str, Any], Any], ...] = ()
+        self.update(modules)
+
+    def update(self, modules: Iterable[nn.Module]) -> None:
+        self.pairs = tuple((m.__dict__, m.__dict__.get("forward")) for m in modules)
+
+    def intact(self) -> bool:
+        for d, seen in self.pairs:
+            if d.get("forward") is not seen:
+                return False
+        return True
+
+
 class Counts(Protocol):
     """Where a root counts the model calls in progress (``active``): its
     members read the numerics-only flags themselves when it is zero."""
@@ -143,9 +210,11 @@ class Root(Wrapper):
     checked once, by each of ``observers``, not on every block call (a
     change of one inside a forward counts from the next model call); calls
     in progress are counted in ``counts.active``; an observer that raises is
-    told to ``errors`` (``None``: ignored -- the members observe it again)."""
+    told to ``errors`` (``None``: ignored -- the members observe it again).
+    ``watch``: members whose ``forward`` is checked before and after each
+    model call, wrapped again when another tool set it anew."""
 
-    __slots__ = ("counts", "errors", "observers")
+    __slots__ = ("counts", "errors", "observers", "watch")
 
     def __init__(self, module: nn.Module, observers: tuple[Observer, ...], counts: Counts,
                  errors: Callable[[str, BaseException], None] | None = None) -> None:
@@ -153,10 +222,14 @@ class Root(Wrapper):
         self.observers = observers
         self.counts = counts
         self.errors = errors
+        self.watch: Watch | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.off or _dynamo_compiling() or _is_tracing():
             return self.orig(*args, **kwargs)
+        watch = self.watch
+        if watch is not None and not watch.intact():
+            self._repair(watch, False)
         try:
             for obs in self.observers:
                 obs.forward_changed()
@@ -169,3 +242,12 @@ class Root(Wrapper):
             return self.orig(*args, **kwargs)
         finally:
             counts.active -= 1
+            if watch is not None and not self.off and not watch.intact():
+                self._repair(watch, True)
+
+    def _repair(self, watch: Watch, during: bool) -> None:
+        try:
+            watch.repair(during)
+        except Exception as exc:  # the calls it would observe are not covered
+            if self.errors is not None:
+                self.errors("rewrap", exc)

@@ -43,12 +43,13 @@ __all__ = [
     "PytreeSpec",
     "SeqSpec",
     "Spec",
-        "TensorSpec",
+    "TensorSpec",
     "call_key",
     "call_spec",
     "children",
     "flatten_spec",
     "is_native",
+    "layout_of",
     "spec_of",
     "tensor_leaves",
     "tensor_values",
@@ -63,18 +64,36 @@ _DEEP_BUDGET = 4096  # nodes looked at to decide whether an object holds tensors
 
 @attrs.frozen(cache_hash=True)
 class TensorSpec:
-    """Shape, stride, dtype, device and ``requires_grad`` of a tensor: never its data."""
+    """Shape, stride, dtype, device, ``requires_grad`` and layout of a tensor:
+    never its data.  ``layout`` is ``"strided"`` for a plain tensor, else
+    torch's layout name (``"sparse_coo"``, ``"sparse_csr"``, ...) or
+    ``"nested"`` (a nested tensor: ``shape`` holds its dimension count only,
+    as ``-1`` entries, since a nested tensor has no single size)."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: str
     requires_grad: bool = False
+    layout: str = "strided"
 
     @classmethod
     def of(cls, t: Tensor) -> TensorSpec:
-        return cls(tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else (),
-                   t.dtype, str(t.device), bool(t.requires_grad))
+        if t.layout == torch.strided and not t.is_nested:
+            return cls(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
+                       bool(t.requires_grad))
+        layout = layout_of(t)
+        shape = (-1,) * t.dim() if layout == "nested" else tuple(t.shape)
+        return cls(shape, (), t.dtype, str(t.device), bool(t.requires_grad), layout)
+
+
+def layout_of(t: Tensor) -> str:
+    """``"strided"``, ``"nested"`` or torch's name of another layout
+    (``"sparse_coo"``, ``"sparse_csr"``, ...): what a graph traced for one
+    layout cannot take in place of another."""
+    if t.is_nested:
+        return "nested"
+    return str(t.layout).removeprefix("torch.")
 
 
 @attrs.frozen
@@ -337,40 +356,70 @@ def tensor_values(value: object, _depth: int = 0) -> Iterator[Tensor]:
         yield from tensor_values(child, _depth + 1)
 
 
-def _attr_key(value: object) -> Any:
-    t = type(value)
-    if t in PRIMITIVES:
-        return (t, value)
-    if isinstance(value, enum.Enum):
-        return (t, value.name)
-    if t in (tuple, list, dict):
-        return (t, len(value))  # type: ignore[arg-type]
-    return (t,)
+_CONTENT_BUDGET = 256  # values looked at to key one constant by content
+_MAX_ATTRS = 64
 
 
 def _const_key(value: object) -> Any:
-    """Equality key of a constant argument.
+    """Equality key of a constant argument, made from its content at this call.
 
-    A plain object that compares by identity (the default ``__eq__``) is
-    keyed by its class and its own scalar attributes instead (nested objects
-    and containers count by type and length only), so a framework that builds
-    a fresh metadata object every step does not make every call a new
-    variant.
+    Containers (dict subclasses too) and plain objects -- a ``SimpleNamespace``,
+    a metadata object a framework fills anew every step or reuses and
+    mutates -- are keyed by what they hold now, recursively (nested dicts
+    and lists by their items); callables, classes and modules by identity;
+    value-comparable hashable objects by ``==``.  Only an object too large
+    to look through is keyed by ``id()`` (its content not seen).
     """
+    key = _content(value, [_CONTENT_BUDGET], 0)
+    return key if key is not _TOO_LARGE else (type(value), "id", id(value))
+
+
+_TOO_LARGE = ("<too large>",)
+
+
+def _content(value: object, budget: list[int], depth: int) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 16:
+        return _TOO_LARGE
     t = type(value)
     if t in PRIMITIVES:
         return (t, value)
     if isinstance(value, enum.Enum):
         return (t, value.name)
-    if getattr(t, "__eq__", None) is object.__eq__ and not isinstance(value, _BY_IDENTITY):
-        state = getattr(value, "__dict__", None)
-        if isinstance(state, dict) and len(state) <= 64:
-            return (t, tuple((k, _attr_key(v)) for k, v in state.items()))
-    try:
-        hash(value)
-        return (t, value)
-    except TypeError:
-        return (t, id(value))
+    if isinstance(value, Tensor):  # a tensor beyond what the walk looks into
+        return (t, "tensor", value.dtype, tuple(value.shape), str(value.device))
+    if isinstance(value, _BY_IDENTITY):
+        return (t, "id", id(value))
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = [_content(v, budget, depth + 1) for v in value]
+        if isinstance(value, (set, frozenset)):
+            items.sort(key=repr)
+        return _TOO_LARGE if any(i is _TOO_LARGE for i in items) else (t, tuple(items))
+    if isinstance(value, dict):
+        pairs = [(_content(k, budget, depth + 1), _content(v, budget, depth + 1))
+                 for k, v in value.items()]
+        return _TOO_LARGE if any(k is _TOO_LARGE or v is _TOO_LARGE for k, v in pairs) \
+            else (t, tuple(pairs))
+    return _object_content(value, t, budget, depth)
+
+
+def _object_content(value: object, t: type, budget: list[int], depth: int) -> Any:
+    """A plain object by its attributes; a callable object (a processor) by
+    identity; a hashable value-comparable one (a frozen config) by ``==``."""
+    state = getattr(value, "__dict__", None)
+    custom_eq = getattr(t, "__eq__", None) is not object.__eq__
+    if custom_eq and getattr(t, "__hash__", None) is not None:
+        try:
+            hash(value)
+            return (t, value)
+        except TypeError:  # a mutable value class: keyed by content below
+            pass
+    if callable(value) or type(state) is not dict:
+        return (t, "id", id(value))
+    if len(state) > _MAX_ATTRS:
+        return _TOO_LARGE
+    items = [(k, _content(v, budget, depth + 1)) for k, v in state.items()]
+    return _TOO_LARGE if any(v is _TOO_LARGE for _, v in items) else (t, tuple(items))
 
 
 # -- the per-call key -------------------------------------------------------------
@@ -383,8 +432,9 @@ def _key(x: object) -> Any:
             _check_real(x)
         elif _functorch_wrapped is not None and _functorch_wrapped(x):
             raise NotRealError("functorch wrapper")
-        return (x.dtype, x.shape, x.stride() if x.layout == torch.strided else (), x.device,
-                x.requires_grad)
+        if x.layout != torch.strided or x.is_nested:
+            return TensorSpec.of(x)  # sparse or nested: the layout is part of the key
+        return (x.dtype, x.shape, x.stride(), x.device, x.requires_grad)
     t = type(x)
     if t is tuple or t is list:
         return (t, *[_key(v) for v in x])  # type: ignore[attr-defined]
@@ -398,7 +448,8 @@ def _key(x: object) -> Any:
 def call_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A hashable key of a call's input signature.
 
-    Tensors contribute dtype, shape, stride, device and ``requires_grad``;
+    Tensors contribute dtype, shape, stride, device, ``requires_grad`` and
+    layout (a sparse or nested tensor is never keyed like a dense one);
     tensors inside containers and plain objects count the same way (the walk
     ``spec_of`` makes).  Python scalars contribute their value, since tracing
     specialises on them.  Raises ``NotRealError`` for a tracer's stand-ins.

@@ -42,6 +42,9 @@ __all__ = ["Opaque", "call_to_json", "resolve_opaque", "spec_from_json", "spec_t
            "tensor_from_json"]
 
 _MAX_NESTING = 64
+#: the layouts a tensor spec records (``signature.layout_of``)
+LAYOUTS = ("strided", "nested", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr",
+           "sparse_bsc", "_mkldnn")
 
 
 def _dims(dims: tuple[Any, ...]) -> list[int | str]:
@@ -53,9 +56,12 @@ def spec_to_json(spec: Spec) -> Any:
     """Metadata only: shapes, dtypes, devices and type names; never values of
     tensors, and never string contents."""
     if isinstance(spec, TensorSpec):
-        return {"tensor": {"shape": _dims(spec.shape), "stride": _dims(spec.stride),
-                           "dtype": dtype_name(spec.dtype), "device": spec.device,
-                           "requires_grad": spec.requires_grad}}
+        node: dict[str, Any] = {"shape": _dims(spec.shape), "stride": _dims(spec.stride),
+                "dtype": dtype_name(spec.dtype), "device": spec.device,
+                "requires_grad": spec.requires_grad}
+        if spec.layout != "strided":
+            node["layout"] = spec.layout
+        return {"tensor": node}
     if isinstance(spec, ConstSpec):
         v = spec.value
         if v is None or type(v) in (bool, int, float):
@@ -95,9 +101,14 @@ def tensor_from_json(value: object, path: str) -> TensorSpec:
     outer = read_mapping(value, path, keys={"tensor"}, required={"tensor"})
     where = f"{path}.tensor"
     t = read_mapping(outer["tensor"], where,
-                     keys={"shape", "stride", "dtype", "device", "requires_grad"},
+                     keys={"shape", "stride", "dtype", "device", "requires_grad", "layout"},
                      required={"shape", "stride", "dtype", "device", "requires_grad"})
-    shape = tuple(read_int(d, f"{where}.shape[{i}]", lo=0, hi=2**40)
+    layout = t.get("layout", "strided")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{where}.layout: expected one of {', '.join(LAYOUTS)}, got "
+                         f"{layout!r}")
+    shape = tuple(read_int(d, f"{where}.shape[{i}]", lo=-1 if layout == "nested" else 0,
+                           hi=2**40)
                   for i, d in enumerate(read_list(t["shape"], f"{where}.shape", max_len=64)))
     stride = tuple(read_int(d, f"{where}.stride[{i}]", lo=0, hi=2**48)
                    for i, d in enumerate(read_list(t["stride"], f"{where}.stride", max_len=64)))
@@ -105,7 +116,7 @@ def tensor_from_json(value: object, path: str) -> TensorSpec:
         raise ValueError(f"{where}.stride: {len(stride)} strides for {len(shape)} dimensions")
     return TensorSpec(shape, stride, read_dtype(t["dtype"], f"{where}.dtype"),
                       read_device(t["device"], f"{where}.device"),
-                      read_bool(t["requires_grad"], f"{where}.requires_grad"))
+                      read_bool(t["requires_grad"], f"{where}.requires_grad"), layout)
 
 
 _CONST_TYPES: dict[str, tuple[type, ...]] = {
