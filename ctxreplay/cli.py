@@ -173,8 +173,17 @@ def _checked(c: Mapping[str, Any]) -> str:
 def _capture_rows(caps: list[tuple[Mapping[str, Any], str, str]]) -> list[tuple[str, ...]]:
     return [(f"{c.get('scope')}#{c.get('variant')}", _members(c.get("members", [])),
              str(c.get("weights_from") or "-"), _signature(c.get("inputs")),
-             _fidelity(c.get("fidelity")), _checked(c), saved, where)
-            for c, saved, where in caps]
+             _fidelity(c.get("fidelity")) + (" [cache]" if c.get("from_cache") is True else ""),
+             _checked(c), saved, where) for c, saved, where in caps]
+
+
+def _cache_line(data: Mapping[str, Any]) -> list[str]:
+    """The report's capture cache summary, where it used one."""
+    cache = data.get("cache")
+    if not isinstance(cache, Mapping):
+        return []
+    return [f"capture cache {cache.get('directory')}: {cache.get('from_cache')} captures "
+            f"loaded from it and checked ([cache]), {cache.get('traced')} traced"]
 
 
 _HEAD = ("capture", "members", "weights", "inputs", "fidelity", "checked", "saved", "file")
@@ -205,6 +214,7 @@ def _inspect(ns: argparse.Namespace) -> int:
         print(f"manifest {target} ({len(doc.entries)} captures; report "
               f"{'ok' if doc.ok else 'not ok'}; {_environment(doc.environment)})")
         extra = _failure_lines(data.get("failures"), data.get("problems"))
+        extra += _cache_line(data)
     elif kind == "report":
         for c in data.get("captures", []) if isinstance(data.get("captures"), list) else []:
             if isinstance(c, Mapping):
@@ -212,7 +222,8 @@ def _inspect(ns: argparse.Namespace) -> int:
         print(f"report {target} ({len(caps)} captures; "
               f"{'ok' if data.get('ok') is True else 'not ok'}; "
               f"{_environment(data.get('environment'))})")
-        extra = _failure_lines(data.get("failures"), data.get("problems"))
+        extra = _failure_lines(data.get("failures"), data.get("problems")) + \
+            _cache_line(data)
     else:
         side = read_sidecar(target)
         doc_ = side.document
@@ -275,6 +286,38 @@ def _check(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cache(ns: argparse.Namespace) -> int:
+    """``ctxreplay cache list|size|clear [DIR]``."""
+    import os
+    from pathlib import Path
+
+    from .cache.store import CacheDir
+
+    where = ns.dir or os.environ.get("CTXREPLAY_CACHE")
+    if not where:
+        raise ValueError("cache: give a directory, or set CTXREPLAY_CACHE")
+    store = CacheDir(Path(where))
+    if ns.action == "clear":
+        print(f"removed {store.clear() if store.root.is_dir() else 0} entries from {where}")
+        return 0
+    n, size = store.size()
+    if ns.action == "size":
+        print(f"{where}: {n} entries, {size / 1e6:.1f} MB")
+        return 0
+    rows: list[tuple[str, ...]] = []
+    for key, rec, nbytes in store.entries():
+        about = rec.get("about", {}) if rec is not None else {}
+        rows.append((key[:16], f"{about.get('class', '?')} {about.get('scope', '?')}"
+                     f"#{about.get('variant', '?')}", _signature(about.get("inputs")),
+                     f"{about.get('backend', '?')}/{about.get('replay', '?')}",
+                     str(about.get("verify", "unreadable")), str(about.get("torch", "?")),
+                     f"{nbytes / 1e3:.0f} kB"))
+    print(_table(("key", "captured from", "inputs", "backend/replay", "verified", "torch",
+                  "size"), rows))
+    print(f"{where}: {n} entries, {size / 1e6:.1f} MB")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ctxreplay", description="Faithful deferred graph capture for PyTorch.")
@@ -310,6 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ignore", action="append", default=[], metavar="PROBE",
                    help="a probe not to check (you vouch for it); repeatable")
     p.set_defaults(func=_check)
+    p = sub.add_parser("cache", help="list, size or clear a capture cache directory")
+    p.add_argument("action", choices=("list", "size", "clear"))
+    p.add_argument("dir", metavar="DIR", nargs="?", help="the cache directory (default: "
+                   "$CTXREPLAY_CACHE)")
+    p.set_defaults(func=_cache)
     try:
         ns = parser.parse_args(argv)
     except SystemExit as exc:  # --version, --help, or a usage error (already printed)

@@ -434,7 +434,9 @@ class CachingBlock(nn.Module):
         return out
 
 
-def test_why_object_arguments_are_eager_by_default() -> None:
+def test_a_capture_whose_forward_updates_an_argument_object_is_never_dispatched() -> None:
+    # CachingBlock assigns cache.keys a longer tensor: a Python-level update
+    # no graph records.  Dispatched, the live cache would never see it.
     torch.manual_seed(0)
     model = nn.Sequential()
     model.blocks = nn.ModuleList(CachingBlock() for _ in range(2))
@@ -444,21 +446,22 @@ def test_why_object_arguments_are_eager_by_default() -> None:
         for b in model.blocks:
             b(x, Cache())
     report = session.finalize()
-    assert report.ok
+    assert not report.ok
+    [found] = [m for c in report.captures for m in c.fidelity.mismatches]
+    assert (found.field, found.path) == ("argument", "args[1].keys")
+    assert found.live.startswith("Cache.keys: assigned")
     eager_cache = Cache()
     with torch.no_grad():
-        model.blocks[0](x, eager_cache)
-    with ctxreplay.install(model, report) as handle, torch.no_grad():
-        cache = Cache()
-        model.blocks[0](x, cache)
-        assert handle.stats().reasons == {"object_arguments": 1}
-        assert cache.keys.shape == eager_cache.keys.shape == (1, 8)
-    with ctxreplay.install(model, report, object_args="dispatch") as handle, torch.no_grad():
-        cache = Cache()
-        model.blocks[0](x, cache)
-        assert handle.stats().total_hits == 1
-        # dispatched, the live cache never saw the update: silently wrong later
-        assert cache.keys.shape == (0, 8)
+        eager_out = model.blocks[0](x, eager_cache)
+    for policy in ("eager", "dispatch"):
+        with ctxreplay.install(model, report, object_args=policy) as handle, torch.no_grad():
+            cache = Cache()
+            out = model.blocks[0](x, cache)
+            assert handle.stats().reasons == {"mutates_argument": 1}
+            assert handle.stats().total_hits == 0
+            # eager ran: the live cache got its update, as without install
+            assert cache.keys.shape == eager_cache.keys.shape == (1, 8)
+            assert torch.equal(out, eager_out)
 
 
 def test_train_mode_batchnorm_updates_the_members_buffers() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +68,64 @@ def test_a_bar_on_a_terminal(caplog: pytest.LogCaptureFixture,
     assert report.ok
     assert "ctxreplay finalize" in term.getvalue()  # the bar drew itself there
     assert [r for r in caplog.records if r.name == "ctxreplay"] == []  # instead of lines
+
+
+# -- save_all, load and install ------------------------------------------------------
+
+def _report(variants: int) -> ctxreplay.CaptureReport:
+    return _session(variants).finalize()
+
+
+def test_save_all_hears_every_capture_and_sums_up(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _report(4)
+    seen: list[tuple[int, int, str]] = []
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal
+    with caplog.at_level(logging.INFO, logger="ctxreplay"):
+        written = report.save_all(tmp_path, progress=lambda d, t, label: seen.append((d, t, label)))
+    assert written.ok and len(written.saved) == 4
+    assert seen == [(i + 1, 4, f"blocks.0#{i}") for i in range(4)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ctxreplay"]
+    assert lines[:4] == [f"save_all: saved {i}/4 (blocks.0#{i - 1})" for i in range(1, 5)]
+    # finalize() checked the signature only: each file ran once
+    assert lines[4].startswith(f"save_all: 4 of 4 captures written to {tmp_path} in ")
+    assert lines[4].endswith("(0 checked by their graph, 4 run, 0 unchecked, 0 not ok, "
+                             "0 not saved)")
+    assert len(lines) == 5
+
+
+def test_save_all_draws_a_bar_on_a_terminal(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tqdm")
+    report = _report(4)
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    with caplog.at_level(logging.INFO, logger="ctxreplay"):
+        assert report.save_all(tmp_path).ok
+    assert "ctxreplay save_all" in term.getvalue()
+    lines = [r.getMessage() for r in caplog.records if r.name == "ctxreplay"]
+    assert len(lines) == 1 and lines[0].startswith("save_all: 4 of 4 captures written")
+
+
+def test_load_and_install_say_what_they_bound(tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    report = _session(2).finalize()
+    report.save_all(tmp_path)
+    with caplog.at_level(logging.INFO, logger="ctxreplay"):
+        loaded = ctxreplay.load(tmp_path)
+        one = ctxreplay.load(tmp_path / "000-blocks.0-v0.pt2")
+    lines = [r.getMessage() for r in caplog.records if r.name == "ctxreplay"]
+    assert lines == [f"load: {tmp_path}: 2 captures (2 ok) for 1 members",
+                     f"load: {tmp_path / '000-blocks.0-v0.pt2'}: blocks.0#0 (ok) for blocks.0"]
+    assert isinstance(loaded, ctxreplay.LoadedManifest) and len(loaded) == 2
+    assert isinstance(one, ctxreplay.LoadedCapture)
+    caplog.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    model.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    with caplog.at_level(logging.INFO, logger="ctxreplay"):
+        handle = ctxreplay.install(model, loaded)
+    handle.remove()
+    lines = [r.getMessage() for r in caplog.records if r.name == "ctxreplay"]
+    assert lines == ["install: 2 captures bound to 1 members of Sequential (blocks.0)"]

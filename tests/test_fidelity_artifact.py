@@ -74,8 +74,12 @@ def test_saved_demo_captures_run_bfloat16_in_a_fresh_process(
         saved = c.save(tmp_path / f"{c.scope}-{c.variant}.pt2")
         assert saved.path.is_file() and saved.sidecar == Path(f"{saved.path}.json")
         assert saved.sidecar.is_file()
-        assert saved.lowered  # the wrap_with_autocast HOP cannot be serialised as is
-        assert saved.fidelity.ok and saved.fidelity.checked == ("saved",)
+        # torch 2.13 serialises the wrap_with_autocast wrapper: the file holds
+        # the program finalize() traced, and where finalize ran it, that check
+        # stands for the file (its graph is compared, nothing runs again)
+        assert not saved.lowered
+        ran = c.fidelity.ok and "execute" in c.fidelity.checked
+        assert saved.fidelity.ok and saved.fidelity.checked == (("graph",) if ran else ("saved",))
         paths.append(str(saved.path))
     proc = subprocess.run([sys.executable, "-c", _FRESH, *paths], capture_output=True,
                           text=True, timeout=300, check=False)
@@ -269,6 +273,6 @@ def test_save_keeps_the_wrappers_where_lowering_loses_a_cast(
     (c,) = session.finalize().captures
     saved = c.save(tmp_path / "m.pt2")
     assert saved.fidelity.ok, saved.fidelity
-    assert not saved.lowered  # the lowered program disagreed, so the wrappers stay
+    assert not saved.lowered  # the wrappers stay: the lowered program loses the cast
     assert torch.export.load(saved.path).module()(*inputs()).dtype == live_dtype
     assert not ctxreplay.load_sidecar(saved.path).lowered

@@ -36,12 +36,18 @@ def _capture_live(model: nn.Module, calls: Callable[[nn.Module], list[Any]]
     return outs, session.finalize()
 
 
-def _assert_faithful(report: ctxreplay.CaptureReport, *, min_captures: int) -> None:
+def _assert_faithful(report: ctxreplay.CaptureReport, *, min_captures: int,
+                     cache_grows: bool = False) -> None:
+    """Every capture reproduces its calls; with ``cache_grows`` (a
+    ``DynamicCache`` argument the forward grows in Python, which no graph
+    does) each is not ok for that alone: only ``argument`` mismatches."""
     assert not report.failures, [(f.scope, f.variant, f.reason) for f in report.failures]
     assert len(report.captures) >= min_captures
+    assert report.ok is not cache_grows
     for c in report.captures:
         where = f"{c.scope}#{c.variant}"
-        assert c.fidelity.ok, (where, c.fidelity.mismatches)
+        fields = {m.field for m in c.fidelity.mismatches}
+        assert fields == ({"argument"} if cache_grows else set()), (where, fields)
         assert c.fidelity.checked == ("signature", "execute"), where
         assert c.backend == "export", where
         assert "autocast" in c.embedded, where
@@ -80,7 +86,7 @@ def _check_lm(model: nn.Module, vocab: int, tmp_path: Path) -> None:
     torch.manual_seed(0)
     outs, report = _capture_live(model.eval(), _prefill_and_decode(vocab))
     assert [o.dtype for o in outs] == [torch.bfloat16, torch.bfloat16]
-    _assert_faithful(report, min_captures=2)
+    _assert_faithful(report, min_captures=2, cache_grows=True)
     assert len({c.scope for c in report.captures}) == 1  # one structure: the decoder layer
     # Each layer's calls are its own variants: the layers differ in layer_idx,
     # and the cache a layer receives already holds the layers before it.

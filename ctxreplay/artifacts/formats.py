@@ -88,6 +88,14 @@ class ArtifactFormat(ABC):
         as captured."""
         return ((False, lambda: artifact),)
 
+    def same_program(self, written: Any, loaded: Any) -> bool:
+        """Whether ``loaded`` (read back from the file) computes what
+        ``written`` does, known without running either; ``False`` (the
+        default) when the format cannot tell.  Where it is true, a file
+        written from the program ``finalize()`` already ran and checked
+        needs no run of its own."""
+        return False
+
     def to_bytes(self, artifact: Any) -> bytes:
         """``artifact`` as bytes (by default, the file ``save`` writes)."""
         with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +109,19 @@ class ArtifactFormat(ABC):
             path = Path(tmp) / f"artifact{self.suffix}"
             path.write_bytes(data)
             return self.load(path)
+
+    def program_bytes(self, artifact: Any) -> bytes | None:
+        """``artifact`` as bytes *without* the module's weights and buffers
+        (what the capture cache keeps; ``program_from_bytes`` is given them
+        again); ``None``: this format cannot leave them out, and such
+        artifacts are not cached.  By default ``None``."""
+        return None
+
+    def program_from_bytes(self, data: bytes, weights: Mapping[str, Any]) -> Any:
+        """The artifact ``program_bytes`` made ``data`` of, holding the
+        tensors of ``weights`` (by qualified name) -- the same objects, not
+        copies; a name it needs and ``weights`` lacks raises ``KeyError``."""
+        raise NotImplementedError(f"{self.name}: artifacts are not kept without their weights")
 
 
 _lock = threading.RLock()

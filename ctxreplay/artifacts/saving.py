@@ -20,6 +20,7 @@ import torch
 from .._base.environment import full_environment
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.compare import SpecMismatch, compare_specs
+from ..fidelity.levels import level, level_names
 from ..fidelity.verify import Fidelity, Mismatch, flat_tensor_spec, neutral_replay
 from ..specs.materialize import inputs_for
 from ..specs.signature import CallSpec, Spec, spec_of
@@ -118,7 +119,7 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
             errors.append(exc)
             continue
         written = program
-        fidelity = _check_saved(capture, fmt, target) if verify else \
+        fidelity = _check_saved(capture, fmt, target, program, lowered) if verify else \
             Fidelity("off", True, (), ())
         if result is None or fidelity.ok:
             result = (lowered, program, fidelity)
@@ -144,33 +145,63 @@ def artifact_inputs(capture: SavableCapture) -> tuple[tuple[Any, ...], dict[str,
     return inputs_for(capture.signature, capture.binding)
 
 
-def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path) -> Fidelity:
-    """Run the file as a consumer would: loaded fresh, on fresh inputs, from a
-    neutral state plus only what no artifact can carry (``neutral_replay``)."""
+def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path, written: Any,
+                 lowered: bool) -> Fidelity:
+    """The file against the live call, at the least cost that still proves it.
+
+    The file is loaded back.  Where it holds the program ``finalize()``
+    already ran and checked (the form as captured, and the format sees the
+    same program in the file: ``ArtifactFormat.same_program``), that check
+    stands for the file (``checked == ("graph",)``) and nothing runs.
+    Otherwise the file runs on fresh inputs with the live call's strides
+    (``materialize.tensor``) from a neutral state plus only what no artifact
+    can carry (``neutral_replay``), as a consumer in another process runs
+    it; and a file whose program is not the one ``finalize()`` traced (a
+    lowered one) runs again inside the live call's whole context, as
+    ``install`` runs it: which kernel a composite op picks can hang on that
+    context (on CPU ``scaled_dot_product_attention`` runs its flash kernel
+    under ``no_grad``, its math kernel with grad enabled, and their outputs
+    have different strides), so a re-traced file can run in one and fail
+    in the other."""
     if capture.outputs is None:  # no live outputs to hold the file to
         return Fidelity("off", True, (), ())
     try:
-        program = fmt.load(target)
+        loaded = fmt.load(target)
+        same = not lowered and fmt.same_program(written, loaded)
+        if same and capture.fidelity.ok and _ran(capture.fidelity):
+            return Fidelity("saved", True, (), ("graph",))
+        module = fmt.module(loaded)
     except Exception as exc:
         return Fidelity("saved", False, (Mismatch("out", "execution", "loaded",
                                                   type(exc).__name__, "saved"),), ("saved",))
-    found = _run_saved(capture, fmt, program, ())
+    found = _run_saved(capture, module, ())
+    live_context = not found and not same
+    if live_context:
+        found = _run_saved(capture, module, (), full=True)
     with_needs = None
-    if found and capture.ambient_only:
-        with_needs = not _run_saved(capture, fmt, program, capture.ambient_only)
     hint = None
-    if found and capture.ambient_only:
+    if found and live_context:
+        hint = "in the live call's context (where install runs it)"
+    elif found and capture.ambient_only:
+        with_needs = not _run_saved(capture, module, capture.ambient_only)
         hint = "not carried by the artifact: " + ", ".join(capture.ambient_only)
     return Fidelity("saved", not found, tuple(Mismatch.of(m, "saved", hint) for m in found),
                     ("saved",), ok_with_needs=with_needs)
 
 
-def _run_saved(capture: SavableCapture, fmt: ArtifactFormat, program: Any,
-               needs: tuple[str, ...]) -> list[SpecMismatch]:
+def _ran(fidelity: Fidelity) -> bool:
+    """Whether a check that ran the artifact (``execute``, ``values``) stands
+    behind ``fidelity``."""
+    known = set(level_names())
+    return any(level(c).executes for c in fidelity.checked if c in known)
+
+
+def _run_saved(capture: SavableCapture, module: Any, needs: tuple[str, ...], *,
+               full: bool = False) -> list[SpecMismatch]:
     try:
         args, kwargs = artifact_inputs(capture)
-        with neutral_replay(capture.snapshot, needs=needs):
-            produced = spec_of(fmt.module(program)(*args, **kwargs))
+        with neutral_replay(capture.snapshot, needs=needs, full=full):
+            produced = spec_of(module(*args, **kwargs))
     except Exception as exc:
         return [SpecMismatch("out", "execution", "ran", type(exc).__name__)]
     assert capture.outputs is not None

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["WRAPPER_HOPS", "graph_code", "graph_nodes", "graph_op_args", "graph_ops",
-           "has_collectives",
-           "has_wrapper_hops", "lower_wrappers", "pin_factory_defaults"]
+__all__ = ["WRAPPER_HOPS", "drop_empty_wrappers", "graph_code", "graph_form", "graph_nodes",
+           "graph_op_args", "graph_ops", "has_collectives",
+           "has_wrapper_hops", "lower_wrappers", "pin_factory_defaults", "relax_views"]
 
 #: higher-order ops export records for contexts entered inside the traced
 #: callable; torch.export.save rejected them on older torch (its verifier did)
@@ -99,10 +99,104 @@ def lower_wrappers(ep: Any) -> Any:
     if has_wrapper_hops(ep.graph_module):
         # an empty table decomposes no op: it only re-traces, which turns
         # the context wrappers into explicit casts
-        return ep.run_decompositions({})
+        lowered = ep.run_decompositions({})
+        relax_views(lowered.graph_module)
+        return lowered
     return ep
 
+
+def relax_views(gm: torch.fx.GraphModule) -> int:
+    """Turn every ``aten.view`` of ``gm`` (and its nested graphs) into
+    ``aten.reshape``; returns how many.
+
+    A re-trace decomposes ``reshape`` into ``view`` where the traced
+    (fake) strides allow a view.  Fake kernels of some composite ops report
+    strides their real kernel does not return: on CPU the fake
+    ``scaled_dot_product_attention`` gives its output the layout of the
+    flash kernel, while the math kernel returns it contiguous, so a
+    ``transpose`` + ``reshape`` after attention (T5, most transformers)
+    became a ``view`` that fails on the real tensor ("view size is not
+    compatible with input tensor's size and stride").  ``reshape`` is a view
+    wherever one is possible and a copy elsewhere; the graph is functional
+    after lowering, so no write goes through the alias either way.  Mutates
+    ``gm`` in place."""
+    changed = 0
+    for mod in gm.modules():
+        if not isinstance(mod, torch.fx.GraphModule):
+            continue
+        count = 0
+        for node in mod.graph.nodes:
+            if node.op == "call_function" and node.target is _aten.view.default:
+                node.target = _aten.reshape.default
+                count += 1
+        if count:
+            mod.recompile()
+        changed += count
+    return changed
+
 _aten = torch.ops.aten
+
+
+def drop_empty_wrappers(gm: torch.fx.GraphModule) -> int:
+    """Remove the context-wrapper calls of ``gm`` whose body computes nothing
+    (export records ``with torch.no_grad():`` around no op as a wrapper over
+    an empty graph); returns how many.  They change nothing when run, and a
+    ``.pt2`` cannot hold them: ``torch.export.save`` writes such a call
+    without its (empty) result, and ``torch.export.load`` then refuses the
+    program ("missing val field").  Mutates ``gm`` in place."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.users or \
+                getattr(node.target, "__name__", "") not in WRAPPER_HOPS:
+            continue
+        bodies = [a for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+        if len(bodies) != 1:
+            continue
+        body = getattr(gm, str(bodies[0].target), None)
+        if not isinstance(body, torch.fx.GraphModule) or any(
+                n.op not in ("placeholder", "output") for n in body.graph.nodes):
+            continue
+        gm.graph.erase_node(node)
+        if not bodies[0].users:
+            gm.graph.erase_node(bodies[0])
+        dropped += 1
+    if dropped:
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return dropped
+
+
+def graph_form(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
+    """``gm``'s computation with every name left out: per node its kind, op
+    and arguments (nodes as positions, keyword arguments sorted, nested
+    graphs by their own form).  Two graphs of one form compute the same
+    thing from the same inputs, whatever their node and submodule names
+    (``torch.export.load`` gives back a program's graph renamed)."""
+    index: dict[torch.fx.Node, int] = {}
+    out: list[Any] = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        if node.op == "get_attr":
+            held = getattr(gm, str(node.target), None)
+            out.append(("get_attr", graph_form(held) if isinstance(held, torch.fx.GraphModule)
+                        else str(node.target)))
+        elif node.op == "placeholder":
+            out.append(("placeholder",))
+        else:
+            out.append((node.op, _op_name(node.target), _form(node.args, index),
+                        _form(dict(node.kwargs), index)))
+    return tuple(out)
+
+
+def _form(a: Any, index: dict[torch.fx.Node, int]) -> Any:
+    if isinstance(a, torch.fx.Node):
+        return ("%", index.get(a, -1))
+    if isinstance(a, (list, tuple)):
+        return tuple(_form(x, index) for x in a)
+    if isinstance(a, dict):
+        return tuple(sorted((str(k), _form(v, index)) for k, v in a.items()))
+    return repr(a)
+
 
 
 def _schema_names(target: Any) -> set[str]:

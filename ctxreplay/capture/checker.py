@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -37,6 +38,7 @@ from ..fidelity.verify import (
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
 from .isolate import isolated, rng_guard
+from .mutation import Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 
@@ -65,6 +67,9 @@ class Checker:
         self.ambient_only = ambient_only
         self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
         self.by_value = 0  # live calls run and compared by value in this pass
+        #: what the reference runs changed in their arguments
+        self.watch = Watch()
+        self._fresh: tuple[Any, dict[str, str] | None] | None = None
 
     def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
         name = self.options.verify
@@ -115,13 +120,20 @@ class Checker:
         """The artifact as a module running with ``view``'s tensors; for a
         backend that only runs artifacts its own way, ``backend.run`` for the
         member whose weights the artifact holds (``None`` for the others)."""
-        fresh = self.backend.module(self.artifact)
-        if fresh is None:
+        if self._fresh is None:
+            # made once per check (unlifting a program recompiles its
+            # graphs), rebound to each member's tensors by name
+            fresh = self.backend.module(self.artifact)
+            self._fresh = (fresh, None if fresh is None else _names_of(fresh, self.traced))
+        fresh, names = self._fresh
+        if fresh is None or names is None:
             if member is not self.request.traced:
                 return None
             backend, artifact = self.backend, self.artifact
             return lambda *args, **kwargs: backend.run(artifact, args, kwargs)
-        _rebind(fresh, self.traced, view)
+        mine = dict(_tensors(view))
+        fresh.load_state_dict({n: mine[src] for n, src in names.items() if src in mine},
+                              strict=False, assign=True)
         return fresh
 
     def _execute(self, m: MemberCall, module: nn.Module | None,
@@ -134,8 +146,9 @@ class Checker:
                 return [_mismatch("execution", "member weights",
                                   f"not possible: backend {self.backend.name!r}", "execute",
                                   None, name)]
+            ran = _clone(leaves)  # the inputs the artifact updates in place, if it does
             try:
-                produced = self._call(program, leaves)
+                produced = self._call(program, ran)
             except Exception as exc:
                 # e.g. a bfloat16 input meeting float32 weights once autocast
                 # is gone: the probes the artifact did not carry are the
@@ -148,13 +161,33 @@ class Checker:
                                   member=name)
             if found:
                 return found
+        updated = _clone(leaves)
         with self._isolated(module) as ref:
             try:  # the member itself, on the same inputs, under the live context
-                reference = self._eager(ref, leaves)
+                reference = self._eager(ref, updated)
             except Exception as exc:
                 return [_mismatch("execution", "reference run", exception_message(exc)[0],
                                   "execute", None, name)]
-        return compare_values(reference, produced, "execute", hint=self.hint, member=name)
+        if _fake(reference):
+            # values a trace left in Python state that the copy still shares
+            # with the model: comparing them would guard on symbols
+            return [_mismatch("execution", "reference run",
+                              "FakeTensor left by trace", "execute", None, name)]
+        return compare_values(reference, produced, "execute", hint=self.hint, member=name) + \
+            self._updates(updated, ran, name)
+
+    def _updates(self, want: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...],
+                 name: str | None) -> list[Mismatch]:
+        """The input tensors after the reference run against those after the
+        artifact's run: an in-place update of an input (a static KV cache's
+        ``index_copy_``) is part of what the program must reproduce -- it
+        writes it into the live tensors when installed."""
+        found: list[Mismatch] = []
+        for (path, _), a, b in zip(self.request.inputs.leaves(), want, got):
+            found += [attrs.evolve(m, path=path)
+                      for m in compare_values((a,), (b,), "execute", hint=self.hint,
+                                              member=name)]
+        return found
 
     def _values(self, m: MemberCall, module: nn.Module | None,
                 name: str | None) -> list[Mismatch]:
@@ -174,7 +207,7 @@ class Checker:
                 if program is None:
                     return []  # reported by the execute check
                 try:
-                    produced = self._call(program, leaves)
+                    produced = self._call(program, _clone(leaves))
                 except Exception as exc:
                     found.append(_mismatch("execution", "ran", exception_message(exc)[0],
                                            "values", self.hint, name))
@@ -198,19 +231,21 @@ class Checker:
         return live
 
     def _call(self, program: Callable[..., Any], leaves: tuple[torch.Tensor, ...]) -> Any:
-        args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=_clone(leaves))
+        """``program`` on ``leaves`` (the caller's copies: it may update them)."""
+        args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=leaves)
         with rng_guard(), neutral_replay(self.request.snapshot, self.baseline,
                                          needs=self.needs):
             return program(*args, **kwargs)
 
     def _eager(self, view: nn.Module, leaves: tuple[torch.Tensor, ...]) -> Any:
-        args, kwargs = bind_call(self.request.inputs, _taker(_clone(leaves)))
+        """The member's forward on ``leaves`` (the caller's copies)."""
+        args, kwargs = bind_call(self.request.inputs, _taker(leaves))
         with rng_guard(), neutral_replay(self.request.snapshot, self.baseline, full=True):
             # ``forward`` alone, as observation saw the live call: the hooks
             # ``nn.Module.__call__`` runs at the member's own level ran
             # around it (``isolate.forward_alone``), those of its
             # submodules inside it
-            out = view.forward(*args, **kwargs)
+            out = self.watch.call(view.forward, args, kwargs)
         return tuple(tensor_values(out)) if self.flatten_out else out
 
 
@@ -241,6 +276,12 @@ def _mismatch(field: str, live: str, captured: str, level: str, hint: str | None
                     () if member is None else (member,))
 
 
+def _fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, FakeTensor) for t in tensor_values(value))
+
+
 def _placed(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     out = t.to(spec.device)
     if spec.requires_grad and (out.dtype.is_floating_point or out.dtype.is_complex):
@@ -264,18 +305,11 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _rebind(fresh: nn.Module, traced: nn.Module, view: nn.Module) -> None:
-    """Point ``fresh``'s parameters and buffers at ``view``'s, matching each
-    to the traced module's tensor it was made from (by identity)."""
+def _names_of(fresh: nn.Module, traced: nn.Module) -> dict[str, str]:
+    """For each of ``fresh``'s parameters and buffers, the name of the traced
+    module's tensor it was made from (matched by identity): what points it
+    at another member's tensors of the same names."""
     names: dict[int, str] = {}
     for n, t in _tensors(traced):
         names.setdefault(id(t), n)
-    if view is traced:
-        return
-    mine = dict(_tensors(view))
-    state: dict[str, torch.Tensor] = {}
-    for n, t in _tensors(fresh):
-        src = names.get(id(t))
-        if src is not None and src in mine:
-            state[n] = mine[src]
-    fresh.load_state_dict(state, strict=False, assign=True)
+    return {n: names[id(t)] for n, t in _tensors(fresh) if id(t) in names}

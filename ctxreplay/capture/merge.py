@@ -25,6 +25,8 @@ __all__ = ["merge_identical"]
 
 
 def _program_key(c: Capture) -> Any:
+    if not c.artifact_loaded:  # a cached program stays on disk until it is used
+        return None
     ep = c.artifact
     if not isinstance(ep, torch.export.ExportedProgram) or not c.fidelity.ok:
         return None

@@ -43,6 +43,8 @@ class CaptureOptions:
     watch: str = attrs.field(default="forward", validator=attrs.validators.in_(WATCH_MODES))
     retain_bytes: int = 256 << 20
     ignore_attributes: tuple[str, ...] = ()
+    #: the capture cache directory (``None``: no cache)
+    cache: str | None = None
     #: a ``torch.distributed`` process group (``None``: the default group
     #: when one is initialised); ``finalize()`` is then a collective over it
     group: Any = attrs.field(default=None, eq=False, repr=False)
@@ -71,7 +73,7 @@ class CaptureOptions:
                 "backend": self.backend.name, "pin_factories": self.pin_factories,
                 "watch": self.watch, "retain_bytes": self.retain_bytes,
                 "capture_timeout": self.capture_timeout,
-                "ignore_attributes": list(self.ignore_attributes)}
+                "ignore_attributes": list(self.ignore_attributes), "cache": self.cache}
 
 
 @attrs.frozen(eq=False)

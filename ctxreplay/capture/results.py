@@ -23,8 +23,8 @@ from ..specs.materialize import BINDINGS
 from ..specs.signature import CallSpec, Spec
 from ..specs.specjson import call_to_json, spec_to_json
 
-__all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure", "Notice",
-           "Problem"]
+__all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure", "Deferred",
+           "Notice", "Problem"]
 
 #: every ``CaptureFailure.reason`` the package gives: a built-in backend's
 #: codes, then the engine's own (a custom backend may add its
@@ -51,6 +51,14 @@ PROBLEMS = {
     "stateful_member": "a block's forward writes Python state it keeps, so a later capture "
                        "may take another path than its calls did",
 }
+
+
+class Deferred:
+    """A program not loaded yet: ``load()`` returns it (the capture cache's
+    entries are these until first used)."""
+
+    def load(self) -> Any:
+        raise NotImplementedError
 
 
 @attrs.frozen(eq=False)
@@ -86,10 +94,9 @@ class Capture:
     backend: str
     """The backend that produced the artifact (``"export"``, ``"dynamo"``,
     ``"symbolic"`` or a custom backend's name)."""
-    artifact: Any = attrs.field(repr=False)
-    """The captured program: a ``torch.export.ExportedProgram`` for the
-    export backend, a ``GraphModule`` for the others; ``None`` on a rank that
-    did not capture it."""
+    _artifact: Any = attrs.field(repr=False, alias="artifact")
+    # the field behind ``artifact``: a capture the capture cache answered
+    # holds a ``Deferred`` here until its program is first used
     fidelity: Fidelity
     """How it was checked against the live calls, and what disagreed."""
     fingerprint: str
@@ -143,6 +150,27 @@ class Capture:
     ignore_attributes: tuple[str, ...] = ()
     """Attributes left out of the members' identities (``capture_with(...,
     ignore_attributes=...)``)."""
+    from_cache: bool = False
+    """It came from the capture cache (``capture_with(..., cache=...)``):
+    loaded instead of traced, and checked at the session's verify level."""
+
+    @property
+    def artifact(self) -> Any:
+        """The captured program: a ``torch.export.ExportedProgram`` for the
+        export backend, a ``GraphModule`` for the others; ``None`` on a rank
+        that did not capture it.  A capture from the cache loads it here, the
+        first time it is asked for."""
+        held = self._artifact
+        if isinstance(held, Deferred):
+            held = held.load()
+            object.__setattr__(self, "_artifact", held)
+        return held
+
+    @property
+    def artifact_loaded(self) -> bool:
+        """Whether the program is in memory (a cached capture's is loaded on
+        first use of ``artifact``)."""
+        return not isinstance(self._artifact, Deferred)
 
     @property
     def checked(self) -> int:
@@ -210,6 +238,7 @@ class Capture:
             "attempts": [list(a) for a in self.attempts],
             "fingerprint": self.fingerprint,
             "seconds": round(self.seconds, 6),
+            "from_cache": self.from_cache,
             "inputs": call_to_json(self.signature),
             "outputs": None if self.outputs is None else spec_to_json(self.outputs),
             "graph_outputs": None if self.graph_outputs is None

@@ -48,11 +48,18 @@ from ..specs.signature import (
 from ..specs.specjson import call_to_json
 from .checker import Checker
 from .isolate import forward_alone, isolated, rng_guard
+from .mutation import Watch, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 from .results import Capture, CaptureFailure
 
-__all__ = ["CaptureFailed", "capture_variant", "recapture"]
+__all__ = ["CaptureFailed", "Source", "capture_variant", "recapture"]
+
+
+#: an artifact from elsewhere than a trace (the capture cache): given the
+#: isolated view of the traced member and the binding (``"flattened"``: the
+#: view sits under ``inner.``), ``(artifact, graph output spec, backend)``
+Source = Callable[[nn.Module, str], tuple[Any, "Spec | None", Backend]]
 
 
 class CaptureFailed(Error):
@@ -90,6 +97,8 @@ class _Plan:
     binding: str
     flatten_out: bool
     faults: list[BaseException]
+    #: what the traced forward changed in its arguments
+    watch: Watch = attrs.field(factory=Watch)
 
     @classmethod
     def make(cls, request: VariantRequest, options: CaptureOptions,
@@ -115,7 +124,7 @@ class _Plan:
 def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                     options: CaptureOptions, *,
                     baseline: tuple[ContextProbe[Any], ...] = (),
-                    defer_collectives: bool = False) -> Capture:
+                    defer_collectives: bool = False, source: Source | None = None) -> Capture:
     """See ``_capture_variant``; it runs from the state a fresh process has
     (inputs made under the caller's ``inference_mode`` would be inference
     tensors), whatever the caller of ``finalize()`` has active."""
@@ -126,7 +135,7 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         raise _failure(request, options.backend, "replay_failed", exc) from None
     try:
         return _capture_variant(request, modules, options, baseline=baseline,
-                                defer_collectives=defer_collectives)
+                                defer_collectives=defer_collectives, source=source)
     finally:
         neutral.__exit__(None, None, None)
 
@@ -134,9 +143,11 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
 def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                      options: CaptureOptions, *,
                      baseline: tuple[ContextProbe[Any], ...] = (),
-                     defer_collectives: bool = False) -> Capture:
+                     defer_collectives: bool = False, source: Source | None = None) -> Capture:
     """Capture ``request``; ``modules`` maps member names to the live modules
     (never changed: every trace and run uses an isolated view).
+    ``source``: where the artifact comes from instead of a trace (the
+    capture cache); it is checked exactly as a traced one.
     ``baseline``: probes whose neutral state execution checks start from,
     beside the snapshot's own.  ``defer_collectives``: a graph holding
     collectives is only checked at the signature level here (running it
@@ -156,19 +167,9 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         plan = _Plan.make(request, options, backend)
     except Exception as exc:
         raise fail("replay_failed", exc) from None
-    try:
-        view_cm = isolated(module, request.training)
-        view = view_cm.__enter__()
-    except Exception as exc:
-        raise fail("isolation_failed", exc) from None
-    try:
-        restore_state(view, request.state)
-    except Exception as exc:
-        view_cm.__exit__(None, None, None)
-        raise _with_context(fail("state_not_restorable", exc), {"attribute": str(exc)}) \
-            from None
-    try:
-        artifact, graph_outputs, real = _trace(request, plan, view, options, fail, baseline)
+    with _view(module, request, fail) as view:
+        artifact, graph_outputs, real = _artifact(request, plan, view, options, fail,
+                                                  baseline, source)
         embedded, carried, ambient_only = _context_split(request, plan, options, real)
         gm = real.graph_module(artifact)
         collective = gm is not None and has_collectives(gm)
@@ -182,8 +183,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
             fidelity = checker.run(modules)
         except Exception as exc:
             raise fail("verify_failed", exc) from None
-    finally:
-        view_cm.__exit__(None, None, None)
+        fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
     try:
         ops, op_args, digest, fingerprint = _graph_summary(request, real, artifact)
     except Exception as exc:
@@ -200,8 +200,42 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         weights_from=traced.name, collective=collective, graph_digest=digest,
         op_args=op_args, identities=tuple((m.name, request.identity) for m in request.members
                                           if request.identity),
-        ignore_attributes=options.ignore_attributes,
+        ignore_attributes=options.ignore_attributes, from_cache=source is not None,
     )
+
+
+@contextmanager
+def _view(module: nn.Module, request: VariantRequest,
+          fail: Callable[..., CaptureFailed]) -> Iterator[nn.Module]:
+    """The isolated view of ``module`` every trace and run of the variant
+    uses, holding the attribute values its calls ran with."""
+    try:
+        view_cm = isolated(module, request.training)
+        view = view_cm.__enter__()
+    except Exception as exc:
+        raise fail("isolation_failed", exc) from None
+    try:
+        try:
+            restore_state(view, request.state)
+        except Exception as exc:
+            raise _with_context(fail("state_not_restorable", exc),
+                                {"attribute": str(exc)}) from None
+        yield view
+    finally:
+        view_cm.__exit__(None, None, None)
+
+
+def _artifact(request: VariantRequest, plan: _Plan, view: nn.Module, options: CaptureOptions,
+              fail: Callable[..., CaptureFailed],
+              baseline: tuple[ContextProbe[Any], ...], source: Source | None
+              ) -> tuple[Any, Spec | None, Backend]:
+    """The variant's artifact: traced from ``view``, or taken from ``source``."""
+    if source is None:
+        return _trace(request, plan, view, options, fail, baseline)
+    try:
+        return source(view, plan.binding)
+    except Exception as exc:
+        raise fail("bad_artifact", exc) from None
 
 
 def _context_split(request: VariantRequest, plan: _Plan, options: CaptureOptions,
@@ -330,8 +364,9 @@ def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
             stack.enter_context(plan.around)
         except Exception as exc:
             raise _ReplayFault() from exc
+        inside = plan.inside if plan.binding == "native" else None
         with rng_guard(watch_generators=False), forward_alone(view), \
-                _swapped_forward(target, plan.inside if plan.binding == "native" else None):
+                watched(view, plan.watch), _swapped_forward(target, inside):
             raw = options.backend.capture(target, args, kwargs)
             traced = _resolve(raw, plan, options, args, kwargs)
         try:  # a replay that fails while restoring is a replay fault too

@@ -20,6 +20,7 @@ key (``signature.call_key``) and one dictionary lookup.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -40,6 +41,8 @@ from ..report.capture_report import CaptureReport
 from ..specs.signature import NotRealError, call_key, call_spec
 from .programs import Compiler, Entry, Programs, Target, entry, sources
 
+_log = logging.getLogger("ctxreplay")
+
 __all__ = ["MISS_REASONS", "OBJECT_POLICIES", "DispatchStats", "InstallHandle", "install"]
 
 #: ``object_args``: calls whose arguments hold Python objects (a KV cache, a
@@ -49,8 +52,8 @@ OBJECT_POLICIES = ("eager", "dispatch")
 
 #: every key of ``DispatchStats.reasons``: why a call ran eagerly
 MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
-                "environment", "fidelity", "unknown_probe", "live_state", "structure",
-                "not_rebuildable", "backend_not_dispatchable", "compile_failed",
+                "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
+                "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
                 "observe_error")
 
 _is_tracing = torch._C._is_tracing
@@ -66,8 +69,11 @@ class DispatchStats:
     reason code (``signature``: no capture of this member has the call's
     input signature; ``context``: one has, but under another context;
     ``training``: the member's ``training`` flag changed since install;
-    ``identity``: the member's class, shapes, training flags or plain
-    attributes differ from those it had when it ran the variant;
+    ``mutates_argument``: the matching capture's forward changes an
+    argument object in Python (a ``DynamicCache`` growing), which no run of
+    its graph repeats, so it is never dispatched; ``identity``: the
+    member's class, shapes, training flags or plain attributes differ from
+    those it had when it ran the variant;
     ``object_arguments``, ``environment``, ``fidelity``, ``unknown_probe``,
     ``live_state``, ``structure``, ``not_rebuildable``,
     ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``:
@@ -397,4 +403,12 @@ def install(model: nn.Module,
     handle._copies = [Entries(m) for m in path_modules(model, list(modules))]
     for c in handle._copies:
         c.install()
+    _log.info("install: %d captures bound to %d members of %s (%s)", len(entries), len(modules),
+              type(model).__name__, _names(list(modules)))
     return handle
+
+
+def _names(names: list[str], shown: int = 4) -> str:
+    """The first few names and how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")

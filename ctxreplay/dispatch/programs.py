@@ -21,6 +21,7 @@ import attrs
 import torch
 from torch import nn
 
+from ..capture.mutation import ARGUMENT_FIELD
 from ..capture.results import Capture
 from ..core.snapshots import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
 from ..loading.load import LoadedCapture, LoadedManifest
@@ -28,9 +29,11 @@ from ..loading.needs import Needs, needs_of, static_differences
 from ..loading.weights import WeightsError, bind_weights
 from ..observation.targets import identity_digest, identity_of
 from ..report.capture_report import CaptureReport
+from ..specs.frozen import is_object
 from ..specs.materialize import build
 from ..specs.signature import (
     CallSpec,
+    ConstSpec,
     DataclassSpec,
     ObjectSpec,
     PytreeSpec,
@@ -67,6 +70,10 @@ class Entry:
 def _has_objects(spec: Spec) -> bool:
     if isinstance(spec, (DataclassSpec, ObjectSpec, PytreeSpec)):
         return True
+    if isinstance(spec, ConstSpec):
+        # a plain object kept as a constant (a cache that holds no tensor
+        # yet) is an object all the same: the forward may fill it
+        return is_object(spec.value)
     return any(_has_objects(c) for _, c in children(spec) or ())
 
 
@@ -88,9 +95,19 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
     unusable = _unusable(needs, snap, signature, outputs, flatten_out, backend_ok, ignore,
                          object_args)
+    if _mutates_argument(source):  # whatever the policy
+        unusable = "mutates_argument"
     return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
                   flatten_out, snap, unusable, dict(source.identities),
                   tuple(source.ignore_attributes))
+
+
+def _mutates_argument(source: Capture | LoadedCapture) -> bool:
+    """Whether the capture's forward changes an argument object where no
+    run of its graph does (its check found a ``Mismatch`` of that field)."""
+    if isinstance(source, LoadedCapture):
+        return source.mutates_argument
+    return any(m.field == ARGUMENT_FIELD for m in source.fidelity.mismatches)
 
 
 def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,

@@ -20,7 +20,7 @@ __all__ = ["from_wire", "portable", "to_wire"]
 
 def to_wire(c: Capture) -> dict[str, Any]:
     """A capture without its artifact; its snapshot as names and states."""
-    fields = {f.name: getattr(c, f.name) for f in attrs.fields(Capture)}
+    fields = {f.alias or f.name: getattr(c, f.name) for f in attrs.fields(Capture)}
     fields["artifact"] = None
     snap = fields.pop("snapshot")
     fields["snapshot_names"], fields["snapshot_states"] = snap.names, snap.states

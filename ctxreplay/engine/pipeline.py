@@ -15,10 +15,11 @@ from typing import Any
 import attrs
 from torch import nn
 
+from ..cache.use import CaptureCache
 from ..capture.merge import merge_identical
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
-from ..capture.variant import CaptureFailed, capture_variant
+from ..capture.variant import CaptureFailed, Source, capture_variant
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
@@ -119,6 +120,7 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
     """Capture this rank's variants (those an interrupted finalize already
     captured are kept), each as the merged report names it."""
     out: list[Result] = []
+    cache = None if job.options.cache is None else CaptureCache.at(job.options.cache)
     try:
         for key, request in mine:
             where = (request.scope, request.variant)
@@ -129,7 +131,8 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
                                                       "interrupted", "-")]
                 else:
                     job.done[where] = capture_one(request, modules, job.options, baseline, net,
-                                                  distributed=len(exchange.ranks) > 1)
+                                                  distributed=len(exchange.ranks) > 1,
+                                                  cache=cache)
                     bar.step(f"{request.scope}#{plan.variant[key]}")
             out += [exchange.relabel(r, key, plan) for r in job.done[where]]
     finally:
@@ -139,13 +142,20 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
 
 def capture_one(request: VariantRequest, modules: dict[str, nn.Module],
                 options: CaptureOptions, baseline: tuple[ContextProbe[Any], ...],
-                net: Baseline, *, distributed: bool) -> list[Result]:
-    """One variant's capture, or why it failed; and a ``state_leak`` failure
-    when it left the ambient state changed (the safety net put it back)."""
+                net: Baseline, *, distributed: bool,
+                cache: CaptureCache | None = None) -> list[Result]:
+    """One variant's capture (through ``cache`` when given), or why it
+    failed; and a ``state_leak`` failure when it left the ambient state
+    changed (the safety net put it back)."""
     failure: CaptureFailure | None = None
+
+    def run(source: Source | None) -> Capture:
+        return capture_variant(request, modules, options, baseline=baseline,
+                               defer_collectives=distributed, source=source)
+
     try:
-        result: Result = capture_variant(request, modules, options, baseline=baseline,
-                                         defer_collectives=distributed)
+        result: Result = run(None) if cache is None else \
+            cache.capture(request, modules, options, baseline, run)
     except CaptureFailed as f:
         result = failure = f.failure
     except Exception as exc:  # an engine bug must not cost the other variants

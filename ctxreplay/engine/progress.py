@@ -3,49 +3,17 @@ terminal when tqdm is installed, else one ``logging`` line per variant."""
 
 from __future__ import annotations
 
-import logging
-import sys
 from collections.abc import Callable
-from typing import Any
+
+from .._base import progress
 
 __all__ = ["Progress"]
 
-_log = logging.getLogger("ctxreplay")
-_QUIET_BELOW = 4  # a finalize of a few variants says nothing
 
-
-class Progress:
-    """``step(label)`` after each variant; ``close()`` at the end."""
+class Progress(progress.Progress):
+    """``step(label)`` after each variant captured; ``close()`` at the end."""
 
     def __init__(self, total: int, done: int,
                  callback: Callable[[int, int, str], None] | None) -> None:
-        self.total, self.done, self.callback = total, done, callback
-        self.bar: Any = None
-        self.log = total - done >= _QUIET_BELOW
-        if self.log and sys.stderr is not None and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                self.bar = tqdm(total=total, initial=done, desc="ctxreplay finalize",
-                                unit="variant", leave=False)
-                self.log = False
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(label, refresh=False)
-            self.bar.update(1)
-        elif self.log:
-            _log.info("finalize: captured %d/%d (%s)", self.done, self.total, label)
-        if self.callback is not None:
-            try:
-                self.callback(self.done, self.total, label)
-            except Exception:  # a tool's callback must not cost the captures
-                _log.debug("progress callback failed", exc_info=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        super().__init__(total, done, callback, task="finalize", verb="captured",
+                         unit="variant")

@@ -6,6 +6,8 @@ The engine never names a concrete probe: it only calls the probe contract.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -163,9 +165,33 @@ class CaptureSession:
             net.restore()
         self._state = "finalized"
         self._report = report
+        if report.cache_summary:
+            logging.getLogger("ctxreplay").info("finalize: %s", report.cache_summary)
         if strict and not report.ok:
             raise FidelityError(report)
         return report
+
+
+#: the environment variable a job sets to use a capture cache without code changes
+CACHE_ENV = "CTXREPLAY_CACHE"
+
+
+def _cache_dir(cache: object) -> str | None:
+    """``capture_with(cache=...)`` as a directory, or ``None``."""
+    if cache is None:
+        cache = os.environ.get(CACHE_ENV) or None
+        if cache is None:
+            return None
+    if cache is False:
+        return None
+    if isinstance(cache, (str, os.PathLike)) and os.fspath(cache):
+        path = os.fspath(cache)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"cache: {path!r} exists and is not a directory; expected a "
+                             "directory path, None (the CTXREPLAY_CACHE variable) or False")
+        return str(path)
+    raise ValueError(f"cache: expected a directory path, None (the {CACHE_ENV} variable) or "
+                     f"False, got {cache!r}")
 
 
 def _describe_targets(targets: object) -> str:
@@ -183,7 +209,8 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
                  max_scopes: int = 64, profile_ranges: bool = False,
                  capture_timeout: float | None = None, pin_factories: bool = True,
                  watch: str = "forward", retain_bytes: int = 256 << 20,
-                 ignore_attributes: Sequence[str] = (), group: Any = None) -> CaptureSession:
+                 ignore_attributes: Sequence[str] = (), group: Any = None,
+                 cache: str | os.PathLike[str] | bool | None = None) -> CaptureSession:
     """Observe ``module`` (or the chosen ``targets`` inside it) from now on,
     and capture each observed variant on ``finalize()``.
 
@@ -233,6 +260,12 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             captured once across the ranks, and every rank gets the same
             merged report.  ``capture_timeout`` (else the group's timeout)
             also bounds how long it waits for the other ranks.
+        cache: a directory for the capture cache: ``finalize()`` loads each
+            variant whose key matches an entry (checked at ``verify``'s
+            level before use) instead of tracing it, and stores each new
+            capture that passed its check -- the program only, never
+            weights.  ``None``: the directory in the environment variable
+            ``CTXREPLAY_CACHE``, if set; ``False``: no cache either way.
 
     Returns:
         The open :class:`CaptureSession`: use it as a context manager, then
@@ -259,6 +292,7 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         targets=_describe_targets(targets), replay=replay, verify=verify,
         max_variants=max_variants, max_scopes=max_scopes, profile_ranges=profile_ranges,
         capture_timeout=capture_timeout, pin_factories=pin_factories, watch=watch,
-        retain_bytes=retain_bytes, ignore_attributes=tuple(ignore_attributes), group=group)
+        retain_bytes=retain_bytes, ignore_attributes=tuple(ignore_attributes), group=group,
+        cache=_cache_dir(cache))
     return CaptureSession(module, options, targets)
 

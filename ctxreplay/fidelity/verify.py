@@ -40,7 +40,7 @@ class Mismatch:
     """A captured output that disagrees with a live one.
 
     ``level`` is the check that found it (``signature``, ``execute``,
-    ``values`` or ``saved``); ``members`` the blocks whose calls show it
+    ``values``, ``saved`` or ``argument``); ``members`` the blocks whose calls show it
     (empty for a capture of a single module); ``hint`` names probes whose
     state the artifact does not carry."""
 
@@ -49,14 +49,16 @@ class Mismatch:
     leaf."""
     field: str
     """What disagrees: ``dtype``, ``shape``, ``stride``, ``device``, ``requires_grad``,
-    ``structure``, ``values``, ``graph`` (no output metadata) or ``execution`` (the artifact did not
-    run)."""
+    ``structure``, ``values``, ``graph`` (no output metadata), ``execution`` (the artifact did not
+    run) or ``argument`` (the forward changed an argument object in Python, which no graph op does;
+    ``path`` names the argument, ``live`` its type and the change)."""
     live: str
     """What the live call had, in words."""
     captured: str
     """What the capture has, in words."""
     level: str
-    """The check that found it: ``signature``, ``execute``, ``values`` or ``saved``."""
+    """The check that found it: ``signature``, ``execute``, ``values``, ``saved``, or ``argument``
+    (the comparison of the arguments around the traced and reference runs)."""
     hint: str | None = None
     """Probes whose non-neutral state the artifact does not carry, when one of them may explain it
     (``None``: no such probe)."""

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -15,6 +16,7 @@ import attrs
 from torch import nn
 
 from ..artifacts.sidecar import ArtifactError, ArtifactSidecar, read_sidecar, warn_unknown
+from ..capture.mutation import ARGUMENT_FIELD
 from ..core.snapshots import ContextSnapshot, Unresolved
 from ..fidelity.verify import combined_status
 from ..report.manifest import ManifestEntry, read_manifest
@@ -33,6 +35,8 @@ from .needs import (
     probe_map,
 )
 from .weights import Weights, bind_weights
+
+_log = logging.getLogger("ctxreplay")
 
 __all__ = ["LoadedCapture", "LoadedManifest", "load"]
 
@@ -115,6 +119,16 @@ class LoadedCapture:
     def ignore_attributes(self) -> tuple[str, ...]:
         """Attributes left out of the members' identities."""
         return self.sidecar.ignore_attributes
+
+    @property
+    def mutates_argument(self) -> bool:
+        """Whether its check found the forward changing an argument object
+        in Python (a ``Mismatch`` of field ``argument``: a cache growing),
+        which no run of the program repeats."""
+        fid = self.sidecar.document.get("fidelity")
+        found = fid.get("mismatches") if isinstance(fid, Mapping) else None
+        return isinstance(found, list) and any(
+            isinstance(m, Mapping) and m.get("field") == ARGUMENT_FIELD for m in found)
 
     @property
     def needs(self) -> Needs:
@@ -352,6 +366,14 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
 
 
 
+def _statuses(captures: Iterable[LoadedCapture]) -> str:
+    """``"7 ok, 1 failed"``: how many captures have each fidelity status."""
+    counts: dict[str, int] = {}
+    for c in captures:
+        counts[c.fidelity] = counts.get(c.fidelity, 0) + 1
+    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "none"
+
+
 def load(path: str | os.PathLike[str], *,
          probes: Probes = None) -> LoadedManifest | LoadedCapture:
     """Open a directory written by ``report.save_all`` (or its
@@ -382,8 +404,16 @@ def load(path: str | os.PathLike[str], *,
     """
     kind, target, data = detect(path)
     if kind == "manifest":
-        return _load_manifest(target, data, probes)
+        loaded = _load_manifest(target, data, probes)
+        _log.info("load: %s: %d captures (%s) for %d members%s", loaded.directory,
+                  len(loaded.captures), _statuses(loaded.captures),
+                  len({m for c in loaded.captures for m in c.members}),
+                  f"; {len(loaded.not_saved)} not saved" if loaded.not_saved else "")
+        return loaded
     if kind in ("artifact", "sidecar"):
-        return _load_single(target, probes)
+        one = _load_single(target, probes)
+        _log.info("load: %s: %s (%s) for %s", one.path, one.label, one.fidelity,
+                  ", ".join(one.members))
+        return one
     raise ValueError(f"$.schema: a report holds no artifacts; write them with "
                      f"report.save_all(directory) and load that directory (in {target})")

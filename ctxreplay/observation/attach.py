@@ -49,6 +49,13 @@ def _compiled_entry_points(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return out
 
 
+def _unrecorded(name: str) -> Unrestorable:
+    """Why an attribute the calls saw cannot be put back for their capture."""
+    if name == "forward":  # its function is keyed by name only, never kept
+        return Unrestorable("forward_replaced")
+    return Unrestorable("not recorded")
+
+
 class Observation:
     """Every member of one session, attached; ``detach()`` restores exactly."""
 
@@ -219,7 +226,7 @@ class Observation:
         held = {(entry[0], k) for entry in identity for k, _ in entry[5]}
         # an attribute the identity did not hold was added since: taken off
         # the view; one it held but could not record cannot be put back
-        return out + tuple((path, name, Unrestorable("not recorded") if (path, name) in held
+        return out + tuple((path, name, _unrecorded(name) if (path, name) in held
                             else REMOVED) for path, name in sorted(missing))
 
     def changed_members(self) -> list[tuple[Scope, _Member, str]]:

@@ -31,9 +31,10 @@ ctxreplay, or ``None``.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -49,6 +50,40 @@ def is_ours(value: Any) -> bool:
     """Whether ``value`` is a bound method of one of ctxreplay's holders."""
     holder = getattr(value, "__self__", None)
     return bool(getattr(type(holder), "ctxreplay_holder", False))
+
+
+def callees(fn: Any, budget: int = 64) -> Iterator[Any]:
+    """``fn`` and what calling it calls, as far as wrappers say so the usual
+    ways: ``__wrapped__`` (``functools.wraps``, accelerate's hooks), a
+    bound method's function, a ``functools.partial``'s function and
+    arguments, a function's closure cells and default arguments, and the
+    ``orig`` of ctxreplay's own wrappers.  At most ``budget`` callables;
+    modules are not looked into."""
+    stack, seen = [fn], set()
+    while stack and budget > 0:
+        f = stack.pop()
+        budget -= 1
+        if f is None or isinstance(f, nn.Module) or id(f) in seen:
+            continue
+        seen.add(id(f))
+        yield f
+        holder = getattr(f, "__self__", None)
+        if getattr(type(holder), "ctxreplay_holder", False):
+            stack.append(getattr(holder, "orig", None))
+            continue
+        if isinstance(f, functools.partial):
+            stack += [f.func, *f.args, *f.keywords.values()]
+        for name in ("__wrapped__", "__func__"):
+            inner = getattr(f, name, None)
+            if inner is not None:
+                stack.append(inner)
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                stack.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        stack += [*(getattr(f, "__defaults__", None) or ()),
+                  *(getattr(f, "__kwdefaults__", None) or {}).values()]
 
 
 def plain_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..capture.options import Unrestorable
-from .copies import is_ours
+from .copies import callees, is_ours
 
 # torch's lazy modules hold these until their first forward
 _Uninitialized: type = getattr(nn.parameter, "UninitializedTensorMixin", type(None))
@@ -130,8 +130,9 @@ def _own_forward(module: nn.Module) -> tuple[str, ...] | None:
     whose forwards differ (one a user or a tool set anew) trace to
     different graphs."""
     fn: Any = module.__dict__.get("forward")
-    if is_ours(fn):
-        fn = fn.__self__.user_forward()
+    ours = next((f for f in callees(fn) if is_ours(f)), None)
+    if ours is not None:  # ours, or another tool's wrapper on top of ours: the
+        fn = ours.__self__.user_forward()  # observed call is what ours runs
     if fn is None:
         return None
     if isinstance(fn, types.MethodType) and fn.__self__ is module:

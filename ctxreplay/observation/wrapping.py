@@ -19,7 +19,6 @@ then (``orig``); ``wrap`` sets it; ``unwrap`` takes it out exactly:
 
 from __future__ import annotations
 
-import functools
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -30,7 +29,7 @@ from torch import nn
 
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from ..core.observer import Observer
-from .copies import signed
+from .copies import callees, signed
 from .modules import ABSENT, Holder
 
 __all__ = ["Root", "Watch", "Wrapper", "let_go", "reaches", "unwrap", "wrap"]
@@ -134,39 +133,9 @@ class _WeakForward:
 def reaches(fn: Any, wrapper: Wrapper, budget: int = 64) -> bool:
     """Whether calling ``fn`` (what a module's ``forward`` holds now) still
     goes through ``wrapper``: another tool wrapped on top of it, and its
-    wrapper says what it calls the usual ways -- ``__wrapped__``
-    (``functools.wraps``, accelerate's hooks), a ``functools.partial``'s
-    function and arguments, a function's closure cells and default
-    arguments, ctxreplay's own wrappers' ``orig``.  Bounded; a chain
-    hidden elsewhere reads as not reaching it."""
-    stack, seen = [fn], set()
-    while stack and budget > 0:
-        f = stack.pop()
-        budget -= 1
-        if f is None or f is ABSENT or isinstance(f, nn.Module) or id(f) in seen:
-            continue
-        seen.add(id(f))
-        holder = getattr(f, "__self__", None)
-        if holder is wrapper:
-            return True
-        if isinstance(holder, Wrapper):
-            stack.append(holder.orig)
-            continue
-        if isinstance(f, functools.partial):
-            stack += [f.func, *f.args, *f.keywords.values()]
-        for name in ("__wrapped__", "__func__"):
-            inner = getattr(f, name, None)
-            if inner is not None:
-                stack.append(inner)
-        for cell in getattr(f, "__closure__", None) or ():
-            try:
-                stack.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        stack += [*(getattr(f, "__defaults__", None) or ()),
-                  *(getattr(f, "__kwdefaults__", None) or {}).values()]
-    return False
-
+    wrapper says what it calls the usual ways (``copies.callees``).
+    Bounded; a chain hidden elsewhere reads as not reaching it."""
+    return any(getattr(f, "__self__", None) is wrapper for f in callees(fn, budget))
 
 
 class Watch:

@@ -4,7 +4,7 @@ from being ok; metadata-only JSON."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,27 @@ class CaptureReport:
         """``(scope, variant)`` -> probe effects, once computed."""
         return dict(self._explanations)
 
+    @property
+    def cache(self) -> dict[str, Any] | None:
+        """The capture cache's share (``capture_with(..., cache=...)``): its
+        ``directory``, the captures loaded ``from_cache`` and those
+        ``traced``; ``None`` when the session used no cache."""
+        where = self.settings.get("cache")
+        if where is None:
+            return None
+        hits = sum(1 for c in self.captures if c.from_cache)
+        return {"directory": where, "from_cache": hits, "traced": len(self.captures) - hits}
+
+    @property
+    def cache_summary(self) -> str | None:
+        """``cache`` in one line (``None`` without a cache)."""
+        cache = self.cache
+        if cache is None:
+            return None
+        return (f"capture cache {cache['directory']}: {cache['from_cache']} of "
+                f"{len(self.captures)} captures loaded from it and checked, "
+                f"{cache['traced']} traced")
+
     def mismatches(self) -> Iterator[tuple[Capture, Mismatch]]:
         """Every ``(capture, mismatch)`` pair of the report, in capture order."""
         for c in self.captures:
@@ -143,6 +164,7 @@ class CaptureReport:
             "notices": [n.to_json() for n in self.notices],
             "retained": None if self.retained is None else dict(self.retained),
             "distributed": None if self.distributed is None else dict(self.distributed),
+            "cache": self.cache,
             "captures": [self._capture_json(c) for c in self.captures],
             "failures": [f.to_json() for f in self.failures],
         }
@@ -158,7 +180,9 @@ class CaptureReport:
         """Write ``to_json()`` to ``path`` (what ``ctxreplay explain`` reads)."""
         Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True))
 
-    def save_all(self, directory: str | Path, *, verify: bool = True) -> _manifest.SavedManifest:
+    def save_all(self, directory: str | Path, *, verify: bool = True,
+                 progress: Callable[[int, int, str], None] | None = None
+                 ) -> _manifest.SavedManifest:
         """Write every capture into ``directory`` (created if missing): per
         capture its artifact file (named with its format's suffix: ``.pt2``
         for a torch.export program) and metadata-only sidecar (``Capture.save``,
@@ -170,8 +194,16 @@ class CaptureReport:
         autocast op policy).  A capture no registered artifact format can
         hold (for the ``.pt2``, another backend than ``torch.export``) is
         recorded as not saved, with its reason code.  Open the directory
-        with :func:`ctxreplay.load`."""
-        return _manifest.save_all(self, directory, verify=verify)
+        with :func:`ctxreplay.load`.
+
+        Each written file is loaded back and checked (``SavedArtifact.fidelity``):
+        one that holds the very program ``finalize()`` already ran and
+        checked is compared by its graph and not run again.  ``progress(done,
+        total, capture)`` is called after each capture; with many captures a
+        tqdm bar shows on a terminal (when tqdm is installed), else one
+        ``logging`` line per capture (logger ``"ctxreplay"``), and one summary
+        line at the end."""
+        return _manifest.save_all(self, directory, verify=verify, progress=progress)
 
 
 class FidelityError(Error, AssertionError):

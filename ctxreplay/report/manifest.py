@@ -15,9 +15,11 @@ a malformed one raises ``ValueError`` naming its JSON path.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +27,7 @@ import attrs
 
 from .._base.environment import full_environment
 from .._base.jsonread import loads, read_bool, read_int, read_list, read_mapping, read_str
+from .._base.progress import Progress
 from .._base.version import __version__
 from ..artifacts.formats import format_for
 from ..artifacts.saving import SavedArtifact
@@ -34,6 +37,8 @@ from ..fidelity.verify import fidelity_status
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_SCHEMA", "NOT_SAVED_REASONS", "ManifestDoc", "ManifestEntry",
            "SavedManifest", "read_manifest", "save_all"]
+
+_log = logging.getLogger("ctxreplay")
 
 MANIFEST_SCHEMA = "ctxreplay.manifest/1"
 MANIFEST_NAME = "manifest.json"
@@ -108,7 +113,8 @@ def _file_stem(index: int, scope: str, variant: int) -> str:
 
 
 def save_all(report: _Report, directory: str | os.PathLike[str], *,
-             verify: bool = True) -> SavedManifest:
+             verify: bool = True,
+             progress: Callable[[int, int, str], None] | None = None) -> SavedManifest:
     """Write every capture of ``report`` and ``manifest.json`` into ``directory``
     (created if missing).  See :meth:`ctxreplay.CaptureReport.save_all`.
 
@@ -120,8 +126,9 @@ def save_all(report: _Report, directory: str | os.PathLike[str], *,
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"save_all: {str(root)!r} exists and is not a directory")
     root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     group = _Group.of(report)
-    entries, saved = _save_here(report, root, group, verify)
+    entries, saved = _save_here(report, root, group, verify, progress)
     elsewhere = _gather(report, group, entries)
     not_saved = [(c.scope, c.variant, entries[i]["not_saved"] or "not_on_this_rank")
                  for i, c in enumerate(report.captures)
@@ -131,7 +138,19 @@ def save_all(report: _Report, directory: str | os.PathLike[str], *,
         write_manifest(target, _manifest_doc(report, entries))
     if group is not None:
         group.gather(None)  # no rank returns before the manifest is there
-    return SavedManifest(root, target, tuple(saved), tuple(not_saved), tuple(elsewhere))
+    result = SavedManifest(root, target, tuple(saved), tuple(not_saved), tuple(elsewhere))
+    _summary(result, len(report.captures), time.perf_counter() - t0)
+    return result
+
+
+def _summary(result: SavedManifest, total: int, seconds: float) -> None:
+    """One logging line: what was written and how each file was checked."""
+    checks = [s.fidelity.checked for s in result.saved]
+    _log.info("save_all: %d of %d captures written to %s in %.1f s (%d checked by their graph, "
+              "%d run, %d unchecked, %d not ok, %d not saved)",
+              len(result.saved), total, result.directory, seconds,
+              checks.count(("graph",)), checks.count(("saved",)), checks.count(()),
+              sum(not s.fidelity.ok for s in result.saved), len(result.not_saved))
 
 
 #: a manifest entry before the capture is written (or for a capture not written)
@@ -139,33 +158,45 @@ _NO_FILES: dict[str, Any] = {"artifact": None, "sidecar": None, "lowered": None,
                              "saved_fidelity": None, "not_saved": None}
 
 
-def _save_here(report: _Report, root: Path, group: _Group | None, verify: bool
+def _save_here(report: _Report, root: Path, group: _Group | None, verify: bool,
+               callback: Callable[[int, int, str], None] | None
                ) -> tuple[dict[int, dict[str, Any]], list[SavedArtifact]]:
     """Write the captures this process holds: ``(report index -> manifest
     entry, what was written)``."""
     entries: dict[int, dict[str, Any]] = {}
     saved: list[SavedArtifact] = []
-    for i, c in enumerate(report.captures):
-        if group is not None and c.rank is not None and c.rank != group.rank:
-            continue  # the rank that holds it writes it
-        if report.distributed and c.rank is not None and group is None and c.artifact is None:
-            entries[i] = {**_NO_FILES, "not_saved": "not_on_this_rank"}
-            continue
-        # the file takes the suffix of the format that will hold it; where
-        # none can, Capture.save refuses it with the reason
-        fmt, _ = format_for(c.artifact)
-        path = root / f"{_file_stem(i, c.scope, c.variant)}{fmt.suffix if fmt else ''}"
-        try:
-            # Capture.save, so whatever wraps it (an audit) applies here too
-            result = c.save(path, verify=verify)
-        except ArtifactError as exc:
-            entries[i] = {**_NO_FILES, "not_saved": exc.reason}
-            continue
-        saved.append(result)
-        entries[i] = {**_NO_FILES, "artifact": result.path.name,
-                      "sidecar": result.sidecar.name, "lowered": result.lowered,
-                      "saved_fidelity": result.fidelity.to_json()}
+    mine = [i for i, c in enumerate(report.captures)
+            # the rank that holds a capture writes it
+            if group is None or c.rank is None or c.rank == group.rank]
+    progress = Progress(len(mine), 0, callback, task="save_all", verb="saved", unit="capture")
+    try:
+        for i in mine:
+            c = report.captures[i]
+            entries[i] = _save_one(report, root, i, c, verify, group is None, saved)
+            progress.step(f"{c.scope}#{c.variant}")
+    finally:
+        progress.close()
     return entries, saved
+
+
+def _save_one(report: _Report, root: Path, i: int, c: Capture, verify: bool, alone: bool,
+              saved: list[SavedArtifact]) -> dict[str, Any]:
+    """Write capture ``i`` (``alone``: no process group is up); its manifest
+    entry (``saved`` gains what was written)."""
+    if report.distributed and c.rank is not None and alone and c.artifact is None:
+        return {**_NO_FILES, "not_saved": "not_on_this_rank"}
+    # the file takes the suffix of the format that will hold it; where
+    # none can, Capture.save refuses it with the reason
+    fmt, _ = format_for(c.artifact)
+    path = root / f"{_file_stem(i, c.scope, c.variant)}{fmt.suffix if fmt else ''}"
+    try:
+        # Capture.save, so whatever wraps it (an audit) applies here too
+        result = c.save(path, verify=verify)
+    except ArtifactError as exc:
+        return {**_NO_FILES, "not_saved": exc.reason}
+    saved.append(result)
+    return {**_NO_FILES, "artifact": result.path.name, "sidecar": result.sidecar.name,
+            "lowered": result.lowered, "saved_fidelity": result.fidelity.to_json()}
 
 
 def _gather(report: _Report, group: _Group | None, entries: dict[int, dict[str, Any]]

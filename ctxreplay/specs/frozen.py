@@ -36,7 +36,7 @@ from .signature import (
     Spec,
 )
 
-__all__ = ["copy_generator", "freeze_constants"]
+__all__ = ["copy_generator", "freeze_constants", "is_object"]
 
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
               torch.layout, torch.memory_format, torch.Size, frozenset, range, slice)
@@ -84,6 +84,13 @@ def _mutable(value: Any) -> bool:
         return False
     return isinstance(value, (list, dict, set)) or isinstance(
         getattr(value, "__dict__", None), dict)
+
+
+def is_object(value: Any) -> bool:
+    """Whether a constant is a Python object a forward can change in place
+    (its attributes, a container's items): not a scalar, a callable, a
+    module, a tensor, an enum or a generator."""
+    return not isinstance(value, torch.Generator) and not callable(value) and _mutable(value)
 
 
 def _copy(spec: ConstSpec) -> Spec:

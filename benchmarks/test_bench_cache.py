@@ -1,0 +1,90 @@
+"""The capture cache: a second ``finalize()`` of an unchanged model, in a new
+process with a warm cache, against the first (which traced every variant
+and filled the cache), both at the same verify level.  Targets: >= 10x at
+``verify="signature"``, >= 3x at ``verify="execute"``.
+
+Each side runs in a fresh interpreter -- what a re-run job pays -- and is
+timed around ``finalize()`` alone, after torch's own imports (torch,
+``torch.export`` and its serialiser) and the live forward; one thread
+(``OMP_NUM_THREADS=1``) on both sides.  Rounds alternate first / second so
+drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from benchutil import fast, report
+
+WORKER = """
+import json, sys, time, warnings
+warnings.filterwarnings("ignore", category=FutureWarning)
+import torch
+import torch.export
+import torch._export.serde.serialize  # torch's own imports, outside the timing
+import ctxreplay
+from ctxreplay.demo import TinyDiT
+
+cache, verify, variants = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(0)
+dim = 64
+model = TinyDiT(dim, depth=4).eval()
+session = ctxreplay.capture_with(model, targets="repeated", backend="export", verify=verify,
+                                 cache=cache)
+with session, torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+    for t in range(variants):
+        model(torch.rand(1, 4 + t, dim), torch.full((1,), 500.0))
+t0 = time.perf_counter()
+report = session.finalize()
+seconds = time.perf_counter() - t0
+print(json.dumps({"seconds": seconds, "ok": report.ok, "captures": len(report.captures),
+                  "from_cache": sum(c.from_cache for c in report.captures)}))
+"""
+
+
+def _finalize(script: Path, cache: Path, verify: str, variants: int) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.pop("CTXREPLAY_CACHE", None)
+    out = subprocess.run([sys.executable, str(script), str(cache), verify, str(variants)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return doc
+
+
+@pytest.mark.parametrize("verify", ["signature", "execute"])
+def test_warm_cache_vs_first_finalize(benchmark: Any, request: pytest.FixtureRequest,
+                                      tmp_path: Path, verify: str) -> None:
+    quick = fast(request.config)
+    variants, rounds = (2, 1) if quick else (8, 3)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cache = tmp_path / "cache"
+
+    def measure() -> tuple[float, float]:
+        first, second = [], []
+        for _ in range(rounds):
+            shutil.rmtree(cache, ignore_errors=True)
+            cold = _finalize(script, cache, verify, variants)
+            warm = _finalize(script, cache, verify, variants)
+            assert cold["ok"] and cold["from_cache"] == 0
+            assert warm["ok"] and warm["from_cache"] == warm["captures"] == cold["captures"]
+            first.append(cold["seconds"])
+            second.append(warm["seconds"])
+        return statistics.median(first), statistics.median(second)
+
+    first, second = benchmark.pedantic(measure, rounds=1, iterations=1)
+    ratio = first / second
+    benchmark.extra_info["first_to_warm_ratio"] = ratio
+    target = ">= 10" if verify == "signature" else ">= 3"
+    report(f"first/warm-cache finalize ratio [verify={verify}, {variants} variants]", ratio,
+           target, f"first {first * 1e3:.0f} ms, warm cache {second * 1e3:.0f} ms")
