@@ -309,18 +309,17 @@ def _attention_or_mlp(name: str, _m: nn.Module) -> bool:
     return name.endswith(".mlp") or name.endswith("self_attn")
 
 
-# Cases that fail today, and why (each an ``ok`` the recorded calls contradict;
-# they are left failing on purpose, never skipped, until the engine is fixed):
-#
-# CACHE_APPENDED -- every decoder layer call given a cache: the layer's
-#   forward appends its keys and values to the cache object it was passed
-#   (``DynamicCache`` / ``EncoderDecoderCache`` Python lists; a
-#   ``StaticCache`` layer creates its tensors on its first update), the
-#   graph holds the cache as a constant and never updates it, and fidelity
-#   never compares the argument objects around the call: the capture is
-#   ok although a run of it leaves the cache as it found it.  A model that
-#   makes its own cache (``model(ids)`` with the defaults, ``generate()``)
-#   passes one to every layer the same way.
+# CACHE_APPENDED marks the cases whose decoder layers are given a cache:
+# the layer's forward appends its keys and values to the cache object it was
+# passed (``DynamicCache`` / ``EncoderDecoderCache`` Python lists; a
+# ``StaticCache`` layer creates its tensors on its first update), which no
+# graph op reproduces.  A capture that holds the cache as a constant must
+# not be ok over such a call (``mutates_argument``); the oracle compares the
+# cache a run of the capture leaves with the one the live call left.  These
+# cases failed (ok over every such call) until argument objects were
+# compared around the checked runs.  A model that makes its own cache
+# (``model(ids)`` with the defaults, ``generate()``) passes one to every
+# layer the same way.
 CASES: dict[str, Case] = {
     # transformers decoder-only LMs
     "llama-mixed": Case(real_models.llama, lm_mixed),
@@ -331,29 +330,29 @@ CASES: dict[str, Case] = {
     "llama-small-default-verify": Case(real_models.llama, lm_small, verify="signature"),
     "llama-train-step-checkpointing": Case(real_models.llama, lm_train_step),
     "llama-decode-bf16-inference": Case(real_models.llama, lm_decode("bf16_inference"),
-                                        verify="execute"),  # fails today: CACHE_APPENDED
+                                        verify="execute"),  # CACHE_APPENDED
     # the whole model: its own cache is made inside, no layer is observed
     "llama-whole-bf16-weights-default-call": Case(_bf16(real_models.llama), lm_default,
                                                   targets=None),
     "qwen2-small": Case(real_models.qwen2, lm_small),
     "qwen2-bf16-weights-default-call": Case(_bf16(real_models.qwen2),
-                                            lm_default),  # fails today: CACHE_APPENDED
+                                            lm_default),  # CACHE_APPENDED
     "qwen2-decode-dynamic-fp32": Case(real_models.qwen2, lm_decode("fp32_no_grad", "dynamic")
-                                      ),  # fails today: CACHE_APPENDED
+                                      ),  # CACHE_APPENDED
     "qwen2-generate-bf16-inference": Case(real_models.qwen2,
-                                          lm_generate),  # fails today: CACHE_APPENDED
+                                          lm_generate),  # CACHE_APPENDED
     # the steps' in-place index_copy_ is reproduced; the prompt's lazy
     # creation of each layer's tensors is not
     "qwen3-decode-static-bf16": Case(lambda: real_models.qwen3()[0],
                                      lm_decode("bf16_inference", "static")
-                                     ),  # fails today: CACHE_APPENDED
+                                     ),  # CACHE_APPENDED
     # its train call runs dropout: reproduced given the generator's state
     "gpt2-mixed": Case(real_models.gpt2, lm_mixed, verify="execute"),
     "gpt2-decode-bf16-no_grad": Case(real_models.gpt2, lm_decode("bf16_no_grad")
-                                     ),  # fails today: CACHE_APPENDED
+                                     ),  # CACHE_APPENDED
     # transformers encoder-decoders
     "t5-mixed": Case(real_models.t5, t5_mixed),
-    "whisper-decode": Case(real_models.whisper, whisper_decode),  # fails today: CACHE_APPENDED
+    "whisper-decode": Case(real_models.whisper, whisper_decode),  # CACHE_APPENDED
     # diffusers
     "wan-mixed": Case(real_models.wan, wan_mixed),
     "flux-mixed": Case(real_models.flux, flux_mixed),
