@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import real_models
 import torch
 from test_artifacts_manifest import manifests_are_metadata_only  # noqa: F401
 from torch import nn
@@ -33,24 +34,14 @@ pytestmark = [pytest.mark.models,
 
 
 def _llama() -> tuple[nn.Module, list[dict[str, Any]], list[dict[str, Any]]]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = real_models.llama()
     live = [{"input_ids": torch.randint(0, 128, (1, n)), "use_cache": False} for n in (8, 5)]
     new = [{"input_ids": torch.randint(0, 128, (1, 3)), "use_cache": False}]
     return model, live, new
 
 
 def _wan() -> tuple[nn.Module, list[dict[str, Any]], list[dict[str, Any]]]:
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
-        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+    model = real_models.wan()
 
     def call(frames: int, size: int) -> dict[str, Any]:
         return {"hidden_states": torch.rand(1, 4, frames, size, size),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import real_models
 import torch
 from torch import nn
 
@@ -110,30 +111,17 @@ def _check_lm(model: nn.Module, vocab: int, tmp_path: Path) -> None:
 
 
 def test_llama_decoder(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    _check_lm(transformers.LlamaForCausalLM(config), 128, tmp_path)
+    _check_lm(real_models.llama(), real_models.VOCAB, tmp_path)
 
 
 def test_gpt2_decoder(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2,
-                                     n_head=4, bos_token_id=0, eos_token_id=0)
-    _check_lm(transformers.GPT2LMHeadModel(config), 128, tmp_path)
+    _check_lm(real_models.gpt2(), real_models.VOCAB, tmp_path)
 
 
 # -- diffusers: a UNet and two transformers ------------------------------------------
 
 def test_diffusers_unet2d_condition(tmp_path: Path) -> None:
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    unet = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-        attention_head_dim=8, norm_num_groups=8)
+    unet = real_models.unet2d_condition()
 
     def calls(model: nn.Module) -> list[Any]:
         return [model(torch.rand(1, 4, 8, 8), torch.tensor([10]),
@@ -149,12 +137,7 @@ def test_diffusers_unet2d_condition(tmp_path: Path) -> None:
 
 
 def test_diffusers_flux_transformer(tmp_path: Path) -> None:
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    flux = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
-        guidance_embeds=False, axes_dims_rope=(2, 2, 4))
+    flux = real_models.flux()
     seq, txt = 16, 4
 
     def calls(model: nn.Module) -> list[Any]:
@@ -173,11 +156,7 @@ def test_diffusers_flux_transformer(tmp_path: Path) -> None:
 
 
 def test_diffusers_dit_transformer() -> None:
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    dit = diffusers.DiTTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=2,
-        sample_size=8, patch_size=2, num_embeds_ada_norm=10, norm_num_groups=2)
+    dit = real_models.dit()
 
     def calls(model: nn.Module) -> list[Any]:
         return [model(torch.rand(1, 4, 8, 8), timestep=torch.tensor([3]),

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import real_models
 import torch
 from torch import nn
 from trust_oracle import Call, members_of, record, replay_failure, unreproduced
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.models,
               pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
-VOCAB = 128
+VOCAB = real_models.VOCAB
 
 
 def _cache_kw(model: nn.Module) -> str:
@@ -94,14 +95,7 @@ def _assert_every_call_reproduced(report: ctxreplay.CaptureReport, calls: list[C
 # -- Qwen3 decode ------------------------------------------------------------------
 
 def _qwen3() -> tuple[nn.Module, Any]:
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Qwen3ForCausalLM"):
-        pytest.skip("this transformers has no Qwen3")
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(config).eval(), config
+    return real_models.qwen3()
 
 
 def _decode(kind: str, config: Any, steps: int = 2) -> Callable[[nn.Module], None]:
@@ -183,14 +177,7 @@ def test_qwen3_decode_without_replay_is_caught_and_not_ok(kind: str) -> None:
 # -- Whisper cached decode -------------------------------------------------------
 
 def _whisper() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.WhisperConfig(
-        vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
-    torch.manual_seed(0)
-    return transformers.WhisperForConditionalGeneration(config).eval()
+    return real_models.whisper()
 
 
 def _whisper_decode(model: nn.Module) -> None:

@@ -11,6 +11,12 @@ a ``"flattened"`` capture takes the call's tensor leaves positionally, in
 ``Capture.signature.leaves()`` order (``ctxreplay.specs.signature.tensor_values``
 walks a value in that order); the shapes of those leaves are checked against
 the signature before anything runs.
+
+A call is run from the CPU generator's state it began with (a dropout in
+training draws the same mask), and with ``arguments=True`` the state it
+leaves in the inputs it was given counts too (a cache the live forward
+appended to must end the same).  ``false_oks`` turns all of it into the
+list of ``ok`` verdicts a report gives that the recorded calls contradict.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ class Call:
     out: tuple[torch.Tensor, ...]
     snapshot: ctxreplay.ContextSnapshot
     training: bool
+    rng: torch.Tensor | None = None
+    """The CPU generator's state when the call began: a random op (dropout
+    in training) drew from it, so a faithful program given it draws alike."""
+    after: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    """Copies of the same arguments once the forward returned: what it left
+    in the objects it was given (a cache it appended to, a tensor it wrote)."""
 
     def leaves(self) -> tuple[torch.Tensor, ...]:
         """The input tensors in capture order: positional, then keyword arguments."""
@@ -92,13 +104,15 @@ def record(model: nn.Module, members: Iterable[str] | None = None,
         def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 _name: str = name) -> None:
             a, k = _copy_call(args, kwargs)
-            call = Call(_name, m, a, k, (), ctxreplay.snapshot(bound), m.training)
+            call = Call(_name, m, a, k, (), ctxreplay.snapshot(bound), m.training,
+                        rng=torch.random.get_rng_state())
             pending.setdefault(id(m), []).append(call)
 
         def post(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  out: Any) -> None:
             call = pending[id(m)].pop()
             call.out = _clone_out(out)
+            call.after = _copy_call(args, kwargs)
             calls.append(call)
 
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
@@ -142,8 +156,16 @@ def program_for(capture: ctxreplay.Capture, member: nn.Module) -> nn.Module:
     # a flattened capture traced a wrapper holding the member as ``inner``
     prefix = "inner." if names and all(n.startswith("inner.") for n in names) else ""
     state = {prefix + k: v for k, v in own.items()}
+    # non-persistent buffers (a rotary embedding's inv_freq) are not in a
+    # state dict: the program holds them as buffers, set one by one
+    loose = {k: state.pop(k) for k in [k for k in state if k not in gm.state_dict()]}
     _, unexpected = gm.load_state_dict(state, strict=False, assign=True)
     assert not unexpected, unexpected
+    held = dict(gm.named_buffers())
+    for k, v in loose.items():
+        assert k in held, f"{k!r}: not a parameter or buffer of the program"
+        owner, _, leaf = k.rpartition(".")
+        setattr(gm.get_submodule(owner), leaf, v)
     not_mine = [n for n in names if n not in state]
     assert not not_mine, f"parameters not loaded from {capture.weights_from!r}: {not_mine}"
     return gm
@@ -166,6 +188,15 @@ def run_call(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = Tru
     what ``ambient_only`` says must surround it (``ambient=False``: nothing
     but ``no_grad``, as a self-contained program).  ``programs`` keeps each
     (capture, member) program for the next call (``ep.module()`` is slow)."""
+    return _run(capture, call, check_shapes=check_shapes, ambient=ambient,
+                programs=programs)[0]
+
+
+def _run(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool, ambient: bool,
+         programs: dict[Any, nn.Module] | None
+         ) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The outputs, and the copies of the inputs the program was given (as
+    it left them)."""
     key = (id(capture), id(call.module))
     gm = None if programs is None else programs.get(key)
     if gm is None:
@@ -173,7 +204,10 @@ def run_call(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = Tru
         if programs is not None:
             programs[key] = gm
     args, kwargs = call.fresh_inputs()
-    with ambient_of(capture) if ambient else torch.no_grad():
+    with torch.random.fork_rng(devices=[]), \
+            ambient_of(capture) if ambient else torch.no_grad():
+        if call.rng is not None:
+            torch.random.set_rng_state(call.rng)
         if capture.binding == "native":
             out = gm(*args, **kwargs)
         else:
@@ -182,13 +216,13 @@ def run_call(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = Tru
             if check_shapes:
                 assert _leaf_key(leaves) == _leaf_key(s for _, s in capture.signature.leaves())
             out = gm(*leaves)
-    return tuple(tensor_values(out))
+    return tuple(tensor_values(out)), (args, kwargs)
 
 
 def differs(live: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> str | None:
     """``None`` when ``got`` equals ``live`` by value (per-dtype tolerance)."""
     if len(live) != len(got):
-        return f"{len(live)} live outputs, {len(got)} replayed"
+        return f"{len(live)} live tensors, {len(got)} replayed"
     for i, (a, b) in enumerate(zip(live, got)):
         try:
             torch.testing.assert_close(b, a, **_TOL.get(a.dtype, {}))
@@ -198,15 +232,24 @@ def differs(live: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> st
 
 
 def replay_failure(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool = True,
-                   ambient: bool = True, programs: dict[Any, nn.Module] | None = None
-                   ) -> str | None:
-    """``None`` when ``capture`` reproduces ``call``; else what went wrong."""
+                   ambient: bool = True, programs: dict[Any, nn.Module] | None = None,
+                   arguments: bool = False) -> str | None:
+    """``None`` when ``capture`` reproduces ``call``; else what went wrong.
+    ``arguments``: the call's effects on its arguments count too -- the
+    inputs the program was given must end as the live call left its own
+    (a cache appended to, a tensor written in place)."""
     try:
-        got = run_call(capture, call, check_shapes=check_shapes, ambient=ambient,
-                       programs=programs)
+        got, given = _run(capture, call, check_shapes=check_shapes, ambient=ambient,
+                          programs=programs)
     except Exception as exc:
         return f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    return differs(call.out, got)
+    why = differs(call.out, got)
+    if why is None and arguments and call.after is not None:
+        live = tuple(tensor_values(call.after))
+        why = differs(live, tuple(tensor_values(given)))
+        if why is not None:
+            why = f"its arguments after the call: {why}"
+    return why
 
 
 def unreproduced(report: ctxreplay.CaptureReport, calls: list[Call],
@@ -229,3 +272,65 @@ def unreproduced(report: ctxreplay.CaptureReport, calls: list[Call],
         if why is not None:
             bad.append(f"{where} via {found[0].scope}#{found[0].variant}: {why}")
     return bad
+
+
+def _claims(capture: ctxreplay.Capture) -> list[tuple[str, int]]:
+    """``(member, calls)`` the capture says it stands for."""
+    if capture.member_calls:
+        return list(capture.member_calls)
+    assert len(capture.members) == 1, (capture.scope, capture.members)
+    return [(capture.members[0], capture.calls)]
+
+
+def false_oks(report: ctxreplay.CaptureReport, calls: list[Call], *,
+              ambient: bool = True) -> list[str]:
+    """Every ``ok`` the recorded calls contradict.  Empty means none.
+
+    * a capture whose fidelity is ok and that claims ``n`` calls of a member
+      must reproduce -- outputs by value and the state it leaves in its
+      arguments -- at least ``n`` of the recorded calls of that member it
+      can claim (same snapshot, same input shapes and dtypes);
+    * a report that is ok must have, for every recorded call, a capture
+      whose fidelity is ok that reproduces it, and must account for every
+      recorded call of each member.
+
+    ``ambient=False``: each capture runs as a self-contained program, with
+    nothing of its ``ambient_only`` states re-established.
+    """
+    programs: dict[Any, nn.Module] = {}
+    seen: dict[tuple[int, int], str | None] = {}
+    claimable = [candidates(report, call) for call in calls]
+
+    def failure(capture: ctxreplay.Capture, i: int) -> str | None:
+        if (id(capture), i) not in seen:
+            seen[id(capture), i] = replay_failure(capture, calls[i], programs=programs,
+                                                  ambient=ambient, arguments=True)
+        return seen[id(capture), i]
+
+    found = []
+    for c in (c for c in report.captures if c.fidelity.ok):
+        for member, n in _claims(c):
+            mine = [i for i, call in enumerate(calls)
+                    if call.member == member and any(x is c for x in claimable[i])]
+            why = {i: failure(c, i) for i in mine}
+            good = sum(w is None for w in why.values())
+            if good < n:
+                first = next((f"call {i}: {w}" for i, w in why.items() if w), "none recorded")
+                found.append(f"{c.scope}#{c.variant} fidelity ok over {n} call(s) of {member!r}"
+                             f" reproduces {good} of the {len(mine)} it can claim ({first})")
+    if report.ok:
+        for i, call in enumerate(calls):
+            ok = [c for c in claimable[i] if c.fidelity.ok]
+            if not any(failure(c, i) is None for c in ok):
+                found.append(f"report ok but call {i} of {call.member!r} is reproduced by none "
+                             f"of the {len(ok)} ok capture(s) that can claim it")
+        recorded: dict[str, int] = {}
+        for call in calls:
+            recorded[call.member] = recorded.get(call.member, 0) + 1
+        claimed: dict[str, int] = {}
+        for c in report.captures:
+            for member, n in _claims(c):
+                claimed[member] = claimed.get(member, 0) + n
+        if claimed != recorded:
+            found.append(f"report ok but captures claim {claimed} calls, recorded {recorded}")
+    return found
