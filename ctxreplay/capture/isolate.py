@@ -317,6 +317,26 @@ def _has_hooks(module: nn.Module) -> bool:
 
 
 @contextmanager
+def forward_wrapped(module: nn.Module,
+                    wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Inside, the (isolated) module's instance ``forward`` is ``wrap`` of
+    the forward it runs now; swapping the instance's forward, rather than
+    wrapping the module, keeps parameter names and the forward's signature.
+    What the instance held is put back exactly afterwards."""
+    had = "forward" in module.__dict__
+    prev = module.__dict__.get("forward")
+    orig = module.forward
+    module.forward = functools.wraps(orig)(wrap(orig))
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = prev  # type: ignore[assignment]
+        else:
+            del module.forward
+
+
+@contextmanager
 def forward_alone(module: nn.Module) -> Iterator[nn.Module]:
     """Inside, calling ``module`` runs ``module.forward`` alone.
 

@@ -22,7 +22,6 @@ graph's to reproduce.
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +33,7 @@ from torch import nn
 from .._base.torchcaps import dynamo_compiling
 from ..fidelity.verify import Fidelity, Mismatch
 from ..specs.signature import PRIMITIVES
+from .isolate import forward_wrapped
 
 __all__ = ["ARGUMENT_FIELD", "Mutation", "Watch", "changes", "state_of", "watched",
            "with_mutations"]
@@ -185,24 +185,15 @@ def watched(module: nn.Module, watch: Watch) -> Iterator[None]:
     is run through ``watch``; Dynamo tracing it sees the forward alone (it
     would graph-break on the walk, and the tracer's own arguments are not
     the call's)."""
-    had = "forward" in module.__dict__
-    prev = module.__dict__.get("forward")
-    orig = module.forward
+    def wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if dynamo_compiling():
+                return orig(*args, **kwargs)
+            return watch.call(orig, args, kwargs)
+        return forward
 
-    @functools.wraps(orig)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if dynamo_compiling():
-            return orig(*args, **kwargs)
-        return watch.call(orig, args, kwargs)
-
-    module.forward = forward
-    try:
+    with forward_wrapped(module, wrap):
         yield
-    finally:
-        if had:
-            module.forward = prev  # type: ignore[assignment]
-        else:
-            del module.forward
 
 
 def with_mutations(fidelity: Fidelity, found: list[Mutation]) -> Fidelity:

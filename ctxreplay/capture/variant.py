@@ -47,7 +47,7 @@ from ..specs.signature import (
 )
 from ..specs.specjson import call_to_json
 from .checker import Checker
-from .isolate import forward_alone, isolated, rng_guard
+from .isolate import forward_alone, forward_wrapped, isolated, rng_guard
 from .mutation import Watch, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
@@ -479,23 +479,14 @@ def _swapped_forward(module: nn.Module,
     if inside is None:
         yield
         return
-    had = "forward" in module.__dict__
-    prev = module.__dict__.get("forward")
-    orig = module.forward
+    def wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with inside():
+                return orig(*args, **kwargs)
+        return forward
 
-    @functools.wraps(orig)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with inside():
-            return orig(*args, **kwargs)
-
-    module.forward = forward
-    try:
+    with forward_wrapped(module, wrap):
         yield
-    finally:
-        if had:
-            module.forward = prev  # type: ignore[assignment]
-        else:
-            del module.forward
 
 
 class _Flattened(nn.Module):
