@@ -79,6 +79,7 @@ class DiffusersAttentionState:
     under that backend with it loaded."""
 
     backend: str
+    """The attention backend's name, as ``attention_backend()`` takes it."""
 
 
 @register_probe

@@ -56,6 +56,7 @@ class TransformersAttentionState:
     pairs of the bound model's configs, sorted (empty: no model bound)."""
 
     implementations: tuple[tuple[str, str], ...] = ()
+    """``(config class, attn_implementation)`` pairs, sorted."""
 
 
 @register_probe
