@@ -119,3 +119,39 @@ def test_a_worker_raises_what_the_job_raised_and_carries_isolation() -> None:
     with isolating_as(1):
         assert run_in_worker(isolating, None) is True
     assert not isolating()
+
+
+def test_an_interrupt_reaches_the_trace_which_unwinds_before_it_goes_on() -> None:
+    """Ctrl-C while a trace runs: raised in the worker too (as it was raised
+    inside a trace made in the caller's thread), and the caller goes on
+    only once the job unwound (its replay put the state back)."""
+    import signal
+    import time
+
+    started = threading.Event()
+    log: list[str] = []
+
+    def job() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # the caller gets it
+        started.set()
+        try:
+            for _ in range(1000):  # bounded: an interrupt never raised here ends it
+                time.sleep(0.01)
+            log.append("finished")
+        except KeyboardInterrupt:
+            log.append("interrupted")
+            raise
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            run_in_worker(job, None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    # the job saw the interrupt, and had unwound before the caller raised it
+    assert started.is_set() and log == ["interrupted"]
