@@ -1,10 +1,17 @@
 """Finalize overhead (target 3): total finalize time for N variants vs calling
 ``torch.export.export`` directly on the same N (module, inputs) pairs under
-the same contexts.  Target <= 1.05x."""
+the same contexts, from the same caller.  Target <= 1.05x.
+
+finalize() traces in a worker thread with a shallow stack (torch walks the
+whole Python stack at every traced node), so a direct export made from a
+deep stack (this test runner's) pays for frames finalize() does not.  The
+second figure printed holds finalize() to direct exports made on a fresh
+thread too, the same shallow stack: what ctxreplay itself adds."""
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 import warnings
 from typing import Any
@@ -40,6 +47,15 @@ def _direct(model: TinyDiT, dim: int) -> float:
     return time.perf_counter() - t0
 
 
+def _direct_shallow(model: TinyDiT, dim: int) -> float:
+    """The same, on a fresh thread: a stack as shallow as finalize()'s trace."""
+    box: list[float] = []
+    worker = threading.Thread(target=lambda: box.append(_direct(model, dim)))
+    worker.start()
+    worker.join()
+    return box[0]
+
+
 @pytest.mark.parametrize("replay", ["embedded", "ambient"])
 def test_finalize_vs_direct_export(benchmark: Any, request: pytest.FixtureRequest,
                                    replay: str) -> None:
@@ -49,8 +65,8 @@ def test_finalize_vs_direct_export(benchmark: Any, request: pytest.FixtureReques
     model = TinyDiT(dim, depth=4).eval()
     rounds = 1 if fast(request.config) else 7
 
-    def measure() -> tuple[float, float, int]:
-        ours, theirs = [], []
+    def measure() -> tuple[float, float, float, int]:
+        ours, theirs, shallow = [], [], []
         n = 0
         for _ in range(rounds):
             session = _live(model, dim, replay=replay, verify="signature")
@@ -58,12 +74,17 @@ def test_finalize_vs_direct_export(benchmark: Any, request: pytest.FixtureReques
             rep = session.finalize()
             ours.append(time.perf_counter() - t0)
             theirs.append(_direct(model, dim))
+            shallow.append(_direct_shallow(model, dim))
             assert rep.ok and len(rep.captures) == len(SHAPES)
             n = len(rep.captures)
-        return statistics.median(ours), statistics.median(theirs), n
+        return (statistics.median(ours), statistics.median(theirs),
+                statistics.median(shallow), n)
 
-    ours, theirs, n = benchmark.pedantic(measure, rounds=1, iterations=1)
+    ours, theirs, shallow, n = benchmark.pedantic(measure, rounds=1, iterations=1)
     ratio = ours / theirs
     benchmark.extra_info["finalize_to_export_ratio"] = ratio
+    benchmark.extra_info["finalize_to_shallow_export_ratio"] = ours / shallow
     report(f"finalize/direct torch.export ratio [{replay}, {n} variants]", ratio, "<= 1.05",
            f"finalize {ours * 1e3:.0f} ms, direct export {theirs * 1e3:.0f} ms")
+    report(f"finalize/direct torch.export on a fresh thread [{replay}, {n} variants]",
+           ours / shallow, "none, a reference", f"direct export {shallow * 1e3:.0f} ms")

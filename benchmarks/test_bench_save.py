@@ -61,8 +61,10 @@ def test_save_all_vs_finalize(benchmark: Any, request: pytest.FixtureRequest,
                 written = rep.save_all(tmp)
                 saves.append(time.perf_counter() - t0)
             assert written.ok and len(written.saved) == len(shapes)
-            graph = ("graph",) if verify == "execute" else ("saved",)
-            assert all(s.fidelity.checked == graph and not s.lowered for s in written.saved)
+            # the files hold the programs finalize() checked: compared graph
+            # to graph, at whichever level that check ran
+            assert all(s.fidelity.checked == ("graph",) and not s.lowered
+                       for s in written.saved)
             n = len(rep.captures)
         return statistics.median(saves), statistics.median(finals), n
 

@@ -180,7 +180,11 @@ def test_without_the_safety_net_the_same_session_leaks(monkeypatch: pytest.Monke
 
 def test_engine_reports_what_it_cannot_put_back() -> None:
     """A backend that changes a global no default probe covers (the thread
-    count): the guard names it in a ``state_leak`` failure; the caller is told."""
+    count): the guard names it in a ``state_leak`` failure; the caller is told.
+
+    The change is made where the artifact is run for the check, in the
+    caller's thread: the trace itself runs in a worker thread, whose thread
+    count (OpenMP's, per thread) ends with it."""
     threads = torch.get_num_threads()
 
     class ThreadsBackend(ctxreplay.backends.Backend):
@@ -189,12 +193,16 @@ def test_engine_reports_what_it_cannot_put_back() -> None:
 
         def capture(self, module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-            torch.set_num_threads(1 if threads != 1 else 2)
             return torch.fx.symbolic_trace(module)
+
+        def module(self, artifact: Any) -> nn.Module | None:
+            torch.set_num_threads(1 if threads != 1 else 2)
+            return super().module(artifact)
 
     model, xs = _workload()
     try:
-        with ctxreplay.capture_with(model, backend=ThreadsBackend()) as session:
+        with ctxreplay.capture_with(model, backend=ThreadsBackend(),
+                                    verify="execute") as session:
             model(xs[0])
         report = session.finalize()
     finally:

@@ -18,6 +18,7 @@ by the check's own runs.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -270,14 +271,24 @@ def test_a_file_of_the_checked_program_is_not_run_again(tmp_path: Path,
     monkeypatch.setattr(Pt2Format, "module", lambda self, a: runs.append(1) or real(self, a))
     saved = capture.save(tmp_path / "a.pt2")
     assert saved.fidelity.ok and saved.fidelity.checked == ("graph",) and runs == []
-    # finalize() checked the signature only: the file runs once
-    saved = _captured("signature").save(tmp_path / "b.pt2")
+    # finalize() checked the signature only: the file is that same program,
+    # vouched for as far as the capture's own (signature) check goes
+    capture = _captured("signature")
+    assert capture.fidelity.checked == ("signature",)
+    saved = capture.save(tmp_path / "b.pt2")
+    assert saved.fidelity.ok and saved.fidelity.checked == ("graph",) and runs == []
+    side = json.loads(saved.sidecar.read_text())
+    assert side["fidelity"]["checked"] == ["signature"]  # a reader sees nothing ran
+    # no check stands behind a verify="off" capture: the file runs once
+    saved = _captured("off").save(tmp_path / "c.pt2")
     assert saved.fidelity.ok and saved.fidelity.checked == ("saved",) and runs == [1]
 
 
+@pytest.mark.parametrize("verify", ["execute", "signature"])
 def test_a_file_that_is_not_the_checked_program_is_run(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    capture = _captured("execute")
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       verify: str) -> None:
+    capture = _captured(verify)
     x = torch.rand(3, 4)
     other = torch.export.export(_Double(), (x,))  # returns float64 where the live call gave float32
     real = Pt2Format.save

@@ -20,7 +20,7 @@ import torch
 from .._base.environment import full_environment
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.compare import SpecMismatch, compare_specs
-from ..fidelity.levels import level, level_names
+from ..fidelity.levels import at_least, level_names
 from ..fidelity.verify import Fidelity, Mismatch, flat_tensor_spec, neutral_replay
 from ..specs.materialize import inputs_for
 from ..specs.signature import CallSpec, Spec, spec_of
@@ -67,9 +67,13 @@ class SavableCapture(Protocol):
 class SavedArtifact:
     """What ``Capture.save`` wrote.
 
-    ``fidelity`` is the check of the file itself: it is loaded back,
-    executed on fresh inputs outside any replay and compared with the live
-    call (level ``"saved"``; ``checked`` is empty when the check was skipped).
+    ``fidelity`` is the check of the file itself (level ``"saved"``): it is
+    loaded back and, where it holds the very program the capture's own check
+    stands behind, compared with it graph to graph and weight by weight
+    (``checked == ("graph",)``: the file is vouched for as far as
+    ``Capture.fidelity`` is, no further); otherwise executed on fresh inputs
+    outside any replay and compared with the live call (``checked ==
+    ("saved",)``); ``checked`` is empty when the check was skipped.
     """
 
     path: Path
@@ -96,9 +100,10 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
     (``backend_not_savable``) naming the backend.  The format's forms of the
     artifact (``ArtifactFormat.forms``: for a ``.pt2``, the program as
     captured and lowered) are written in order of preference; with
-    ``verify`` each written file is loaded back and run on fresh inputs, and
-    the first that agrees with the live call is kept -- or, where none
-    agrees, the first the format accepted.
+    ``verify`` each written file is loaded back and checked (``_check_saved``:
+    compared with the program the capture's check stands behind, else run on
+    fresh inputs), and the first that agrees with the live call is kept --
+    or, where none agrees, the first the format accepted.
     """
     target = Path(os.fspath(path))
     fmt, why = format_for(capture.artifact, target)
@@ -150,10 +155,15 @@ def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path, wri
     """The file against the live call, at the least cost that still proves it.
 
     The file is loaded back.  Where it holds the program ``finalize()``
-    already ran and checked (the form as captured, and the format sees the
-    same program in the file: ``ArtifactFormat.same_program``), that check
-    stands for the file (``checked == ("graph",)``) and nothing runs.
-    Otherwise the file runs on fresh inputs with the live call's strides
+    already checked (the form as captured, and the format sees the same
+    program in the file: ``ArtifactFormat.same_program``, graph and weights),
+    that check stands for the file (``checked == ("graph",)``) and nothing
+    runs: the file is vouched for exactly as far as the capture's own
+    fidelity is -- run on fresh inputs where its ``checked`` holds
+    ``execute`` or ``values``, its graph's output metadata held to the live
+    outputs where it holds ``signature`` only -- never further.  A capture
+    no check stands behind (``verify="off"``) or whose check failed, and a
+    file that is not that program, run instead: on fresh inputs with the live call's strides
     (``materialize.tensor``) from a neutral state plus only what no artifact
     can carry (``neutral_replay``), as a consumer in another process runs
     it; and a file whose program is not the one ``finalize()`` traced (a
@@ -168,7 +178,7 @@ def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path, wri
     try:
         loaded = fmt.load(target)
         same = not lowered and fmt.same_program(written, loaded)
-        if same and capture.fidelity.ok and _ran(capture.fidelity):
+        if same and capture.fidelity.ok and _checked(capture.fidelity):
             return Fidelity("saved", True, (), ("graph",))
         module = fmt.module(loaded)
     except Exception as exc:
@@ -189,11 +199,12 @@ def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path, wri
                     ("saved",), ok_with_needs=with_needs)
 
 
-def _ran(fidelity: Fidelity) -> bool:
-    """Whether a check that ran the artifact (``execute``, ``values``) stands
-    behind ``fidelity``."""
+def _checked(fidelity: Fidelity) -> bool:
+    """Whether a verification level (``signature``, ``execute``, ``values``)
+    stands behind ``fidelity`` -- not merely the argument walk the trace ran
+    (``verify="off"``)."""
     known = set(level_names())
-    return any(level(c).executes for c in fidelity.checked if c in known)
+    return any(at_least(c, "signature") for c in fidelity.checked if c in known)
 
 
 def _run_saved(capture: SavableCapture, module: Any, needs: tuple[str, ...], *,

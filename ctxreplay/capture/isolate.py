@@ -41,8 +41,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import Error
 
-__all__ = ["NotIsolable", "forward_alone", "isolated", "isolating", "rng_guard", "unwatch",
-           "watch"]
+__all__ = ["NotIsolable", "forward_alone", "isolated", "isolating", "isolating_as",
+           "isolation_depth", "rng_guard", "unwatch", "watch"]
 
 _MAX_OBJECTS = 4096
 
@@ -72,6 +72,25 @@ def watch(observation: Any) -> None:
 
 def unwatch(observation: Any) -> None:
     _watchers.discard(observation)
+
+
+@contextmanager
+def isolating_as(caller: int) -> Iterator[None]:
+    """Inside, this thread is ``isolating()`` as deep as a thread whose
+    ``isolation_depth()`` was ``caller``: a worker thread that traces for
+    a capture entered there (calls it makes are not live calls either)."""
+    before = _local.depth
+    _local.depth = before + caller
+    try:
+        yield
+    finally:
+        _local.depth = before
+
+
+def isolation_depth() -> int:
+    """How many captures or checks this thread is inside (see
+    ``isolating_as``)."""
+    return int(_local.depth)
 
 
 @contextmanager

@@ -171,12 +171,18 @@ class Watch:
         """``fn(*args, **kwargs)``, noting what it changed in its arguments."""
         before, held = state_of(args, kwargs)
         out = fn(*args, **kwargs)
+        self.note(before, args, kwargs)
+        del held
+        return out
+
+    def note(self, before: dict[Path, Token], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> None:
+        """Note what a run changed in its arguments since ``before`` (their
+        ``state_of`` walk, whose objects the caller kept alive)."""
         after, _ = state_of(args, kwargs)
         for m in changes(before, after):
             if m not in self.found:
                 self.found.append(m)
-        del held
-        return out
 
 
 @contextmanager
@@ -184,13 +190,22 @@ def watched(module: nn.Module, watch: Watch) -> Iterator[None]:
     """Inside, each call of ``module``'s ``forward`` (an isolated view's)
     is run through ``watch``; Dynamo tracing it sees the forward alone (it
     would graph-break on the walk, and the tracer's own arguments are not
-    the call's)."""
+    the call's).
+
+    The wrapper is one frame, and its code is not named ``forward``: torch
+    records each traced node's stack from the first frame named
+    ``forward`` (so the graph's stack traces start at the module's own, as
+    a direct export's do), walking every frame of the stack at every node."""
     def wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def watched_forward(*args: Any, **kwargs: Any) -> Any:
             if dynamo_compiling():
                 return orig(*args, **kwargs)
-            return watch.call(orig, args, kwargs)
-        return forward
+            before, held = state_of(args, kwargs)
+            out = orig(*args, **kwargs)
+            watch.note(before, args, kwargs)
+            del held
+            return out
+        return watched_forward
 
     with forward_wrapped(module, wrap):
         yield

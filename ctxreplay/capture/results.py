@@ -198,9 +198,13 @@ class Capture:
         adds others.  An artifact no format holds raises
         :class:`ctxreplay.ArtifactError` naming its backend.  Context wrappers
         the ``.pt2`` serialiser rejects are lowered to explicit casts first.
-        ``verify`` loads the file back, runs it on fresh inputs from a
-        neutral state and compares with the live call: the result is the
-        returned ``SavedArtifact.fidelity`` (also stored in the sidecar).
+        ``verify`` loads the file back and checks it: a file holding the very
+        program this capture's own check stands behind is compared with it
+        graph to graph and by its weights (vouched for as far as
+        ``fidelity.checked`` goes, no further); any other runs on fresh inputs
+        from a neutral state and is compared with the live call.  The result
+        is the returned ``SavedArtifact.fidelity`` (also stored in the
+        sidecar).
 
         Args:
             path: where to write the artifact (``x.pt2``); the sidecar goes beside it.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -52,6 +51,7 @@ from .mutation import Watch, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 from .results import Capture, CaptureFailure
+from .worker import WorkerTimeout, run_in_worker
 
 __all__ = ["CaptureFailed", "Source", "capture_variant", "recapture"]
 
@@ -80,10 +80,6 @@ class _ArtifactFault(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-class _Timeout(Exception):
-    pass
 
 
 @attrs.frozen(eq=False)
@@ -351,7 +347,7 @@ def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
                 args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> tuple[Any, Spec | None, Backend]:
     """One trace of ``target`` (``view`` or ``_Flattened`` around it) inside
-    the replay (in the thread ``_run`` picks), ``view`` called as its
+    the replay (in the worker thread ``run_in_worker`` starts), ``view`` called as its
     ``forward`` alone, as observation saw the live call; a replay that fails
     entering or restoring raises ``_ReplayFault``, an unusable result
     ``_ArtifactFault``."""
@@ -413,8 +409,17 @@ def _run_reported(job: Callable[[], tuple[Any, Spec | None, Backend]], plan: _Pl
     remembered wins over what the tracer made of it."""
     backend = options.backend
     try:
-        artifact, spec, real = _run(job, options.capture_timeout)
-    except _Timeout:
+        # in a worker thread (see ``worker``): the replay is entered inside
+        # ``job``, so thread-local state (grad mode, autocast) is
+        # established in the thread that traces.  A timed-out worker cannot
+        # be killed; it is abandoned as a daemon and its replay unwinds when
+        # the backend eventually returns.  Until then its process-global
+        # replays (default dtype, determinism, matmul precision) are in
+        # force, so finalize()'s safety net (``engine.baseline.Baseline``)
+        # puts back the state finalize began with before the next variant
+        # and before it returns.
+        artifact, spec, real = run_in_worker(job, options.capture_timeout)
+    except WorkerTimeout:
         raise fail("timeout", None, backend.last_attempts) from None
     except _ReplayFault as exc:
         raise fail("replay_failed", exc.__cause__) from None
@@ -479,11 +484,13 @@ def _swapped_forward(module: nn.Module,
     if inside is None:
         yield
         return
+    # not named ``forward``: the graph's stack traces start at the first
+    # frame of that name, the module's own (see ``mutation.watched``)
     def wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def replayed_forward(*args: Any, **kwargs: Any) -> Any:
             with inside():
                 return orig(*args, **kwargs)
-        return forward
+        return replayed_forward
 
     with forward_wrapped(module, wrap):
         yield
@@ -536,34 +543,3 @@ def _fingerprint(ops: tuple[tuple[str, str | None], ...], inputs: CallSpec,
     doc = {"ops": [list(o) for o in ops], "inputs": call_to_json(inputs),
            "snapshot": snapshot_json, "backend": backend, "graph": graph}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-def _run(job: Callable[[], Any], timeout: float | None) -> Any:
-    """Run ``job`` here, or in a worker thread bounded by ``timeout``.
-
-    The replay is entered inside ``job``, so thread-local state (grad mode,
-    autocast) is established in the thread that traces.  A timed-out worker
-    cannot be killed; it is abandoned as a daemon and its replay context
-    unwinds when the backend eventually returns.  Until then its
-    process-global replays (default dtype, determinism, matmul precision) are
-    in force, so ``finalize()``'s safety net (``engine.baseline.Baseline``) puts
-    back the state finalize began with before the next variant and before it
-    returns.  A ``KeyboardInterrupt`` raised in the worker is re-raised here."""
-    if timeout is None:
-        return job()
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = job()
-        except BaseException as exc:
-            box["error"] = exc
-
-    worker = threading.Thread(target=target, name="ctxreplay-capture", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise _Timeout()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]

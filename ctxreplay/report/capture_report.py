@@ -197,8 +197,9 @@ class CaptureReport:
         with :func:`ctxreplay.load`.
 
         Each written file is loaded back and checked (``SavedArtifact.fidelity``):
-        one that holds the very program ``finalize()`` already ran and
-        checked is compared by its graph and not run again.  ``progress(done,
+        one that holds the very program ``finalize()`` already checked is
+        compared by its graph and weights and not run (it is vouched for as
+        far as that capture's check went: ``Capture.fidelity.checked``).  ``progress(done,
         total, capture)`` is called after each capture; with many captures a
         tqdm bar shows on a terminal (when tqdm is installed), else one
         ``logging`` line per capture (logger ``"ctxreplay"``), and one summary
