@@ -541,7 +541,7 @@ class Scaler:
         return y * self.scale
 
 
-class Scaled(nn.Module):
+class ScalerHolder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(DIM, DIM)
@@ -554,14 +554,14 @@ class Scaled(nn.Module):
 
 def test_a_callable_changed_in_place_after_its_calls_is_traced_as_the_calls_saw_it() -> None:
     torch.manual_seed(0)
-    model = Scaled().eval()
+    model = ScalerHolder().eval()
     x = torch.randn(2, DIM)
-    with record(model, [""]) as calls:
-        with ctxreplay.capture_with(model, backend="export", verify="signature") as session, \
-                torch.no_grad():
-            model(x)
-            model.act.scale = 3.0  # after the call, before finalize: no call saw it
-            report = session.finalize()
+    with record(model, [""]) as calls, \
+            ctxreplay.capture_with(model, backend="export", verify="signature") as session, \
+            torch.no_grad():
+        model(x)
+        model.act.scale = 3.0  # after the call, before finalize: no call saw it
+        report = session.finalize()
     assert report.ok, report.to_json()
     assert unreproduced(report, calls) == []  # traced at 2.0, not the 3.0 finalize found
     # the oracle fails where the capture is traced under the changed setting
