@@ -93,7 +93,8 @@ class DiffusersAttentionState:
     ``_native_math``, ``flex``, ...); before diffusers' attention dispatch is
     imported, the one it will start with (``DIFFUSERS_ATTN_BACKEND``, default
     ``native``), so a process without diffusers loaded matches a capture made
-    under that backend with it loaded."""
+    under that backend with it loaded.  ``processors``: the backends the
+    bound model's attention processors name of their own, by module path."""
 
     backend: str
     """The attention backend's name, as ``attention_backend()`` takes it."""
