@@ -321,3 +321,119 @@ def test_a_probe_that_requires_a_module_is_default_only_once_it_is_imported(
         assert "test_needs_a_framework" not in ctxreplay.snapshot().names
     finally:
         unregister_probe("test_needs_a_framework")
+
+
+# -- a backend set on the attention processors alone ----------------------------------
+
+def _set_processors(model: nn.Module, backend: str | None) -> int:
+    """Set each attention processor's own backend directly (the global
+    backend stays as it is), as diffusers' ``set_attention_backend`` does
+    for its processors; the number of processors set."""
+    n = 0
+    for m in model.modules():
+        proc = getattr(m, "processor", None)
+        if proc is not None and hasattr(proc, "_attention_backend"):
+            proc._attention_backend = backend
+            n += 1
+    return n
+
+
+def _run_plain(model: nn.Module) -> torch.Tensor:
+    inputs = {k: v.to(next(model.parameters()).dtype) if v.is_floating_point() else v
+              for k, v in _inputs().items()}
+    with torch.no_grad():
+        out: torch.Tensor = model(**inputs).sample
+    return out
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def procs(request: pytest.FixtureRequest) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A Wan model in the dtype, and its eager outputs with every processor
+    naming ``_native_math`` and with none naming a backend."""
+    model = _wan().to(request.param)
+    assert _set_processors(model, "_native_math") == 2 * N_BLOCKS
+    math = _run_plain(model)
+    _set_processors(model, None)
+    native = _run_plain(model)
+    assert not torch.equal(math, native)  # else a graph of the wrong kernel could pass
+    return model, {"_native_math": math, "native": native}
+
+
+def test_a_processor_backend_is_replayed_into_the_graph_by_value(
+        procs: tuple[nn.Module, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    model, eager = procs
+    _set_processors(model, "_native_math")
+    try:
+        with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
+            _run_plain(model)
+            # changed in place before finalize: the capture traces the backend the calls ran
+            _set_processors(model, None)
+            report = session.finalize()
+    finally:
+        _set_processors(model, None)
+    assert report.ok, (report.failures, report.problems)
+    described = {c.snapshot.describe()["diffusers_attention"] for c in report.captures}
+    assert described == {"native; processors: _native_math x6"}, described
+    for source in (report, _saved(report, tmp_path)):
+        handle = ctxreplay.install(model, source)
+        try:
+            assert torch.equal(_run_plain(model), eager["native"])  # not the captured backend
+            assert handle.stats().total_hits == 0
+            assert handle.stats().reasons == {"context": N_BLOCKS}
+            _set_processors(model, "_native_math")
+            assert torch.equal(_run_plain(model), eager["_native_math"])  # the math kernel ran
+            assert handle.stats().total_hits == N_BLOCKS
+        finally:
+            handle.remove()
+            _set_processors(model, None)
+
+
+def _saved(report: ctxreplay.CaptureReport, where: Path) -> Any:
+    assert report.save_all(where).ok
+    manifest = json.loads((where / "manifest.json").read_text())
+    states = [c["capture"]["snapshot"]["probes"]["diffusers_attention"]["state"]
+              for c in manifest["captures"]]
+    assert states and all(s["backend"] == "native" and len(s["processors"]) == 2 * N_BLOCKS
+                          and {b for _, b in s["processors"]} == {"_native_math"}
+                          for s in states), states
+    return ctxreplay.load(where)
+
+
+def test_a_default_capture_never_runs_under_a_processor_backend(
+        procs: tuple[nn.Module, dict[str, torch.Tensor]]) -> None:
+    model, eager = procs
+    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
+        _run_plain(model)
+    report = session.finalize()
+    assert report.ok, (report.failures, report.problems)
+    handle = ctxreplay.install(model, report)
+    try:
+        assert torch.equal(_run_plain(model), eager["native"])
+        assert handle.stats().total_hits == N_BLOCKS
+        # set after install and after a dispatched call: the next call sees it
+        _set_processors(model, "_native_math")
+        assert torch.equal(_run_plain(model), eager["_native_math"])
+        assert handle.stats().total_hits == N_BLOCKS
+        assert handle.stats().reasons == {"context": N_BLOCKS}
+    finally:
+        handle.remove()
+        _set_processors(model, None)
+
+
+def test_the_bound_probe_reads_its_own_models_processors() -> None:
+    model, other = _wan(), _wan()
+    probe = get_probe("diffusers_attention")
+    mine, theirs = probe.bind(model), probe.bind(other)
+    _set_processors(other, "_native_math")
+    assert mine.observe() == probe.observe() == probe.neutral_state()
+    state = theirs.observe()
+    assert not theirs.neutral(state)
+    assert {b for _, b in state.processors} == {"_native_math"}
+    assert theirs.decode(theirs.encode(state), "$") == state
+    with pytest.raises(ValueError, match=r"\$\.processors\[0\]\[1\]"):
+        probe.decode({"backend": "native", "processors": [["blocks.0.attn1", "a b"]]}, "$")
+    # the once-per-model-call getters see a change the per-call ones do not
+    watched = theirs.watch_forward(state)
+    assert len(watched) == 2 * N_BLOCKS and all(get() == want for get, want in watched)
+    _set_processors(other, None)
+    assert not all(get() == want for get, want in watched)

@@ -202,3 +202,53 @@ def test_a_saved_default_capture_is_guarded_in_a_fresh_process(tmp_path: Path) -
             for t in result[name]["check"]), result[name]
     assert result["native"] == {"hits": 3, "equal": True, "check": []}
     assert result["reasons"] == {"context": 6}
+
+
+_PROCESSORS = _WAN + """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, ctxreplay
+    model = wan()
+
+    def set_processors(name):
+        for m in model.modules():
+            proc = getattr(m, "processor", None)
+            if proc is not None and hasattr(proc, "_attention_backend"):
+                proc._attention_backend = name
+
+    def run():
+        with torch.no_grad():
+            return model(**inputs()).sample
+
+    if sys.argv[2] == "save":
+        set_processors("_native_math")
+        with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
+            run()
+        report = session.finalize()
+        assert report.ok and report.save_all(sys.argv[1]).ok
+        print('{"saved": true}')
+    else:
+        eager = {"native": run()}
+        set_processors("_native_math")
+        eager["_native_math"] = run()
+        set_processors(None)
+        handle = ctxreplay.install(model, ctxreplay.load(sys.argv[1]))
+        result = {"differ": not torch.equal(eager["native"], eager["_native_math"])}
+        for name in ("native", "_native_math"):
+            set_processors(None if name == "native" else name)
+            before = handle.stats().total_hits
+            out = run()
+            result[name] = {"hits": handle.stats().total_hits - before,
+                            "equal": bool(torch.equal(out, eager[name]))}
+        result["reasons"] = handle.stats().reasons
+        print(json.dumps(result))
+"""
+
+
+def test_a_capture_under_a_processor_backend_runs_it_in_a_fresh_process(tmp_path: Path) -> None:
+    assert _child(_PROCESSORS, str(tmp_path), "save")["saved"]
+    result = _child(_PROCESSORS, str(tmp_path), "load")
+    assert result["differ"]  # else a graph of the wrong kernel could pass
+    assert result["native"] == {"hits": 0, "equal": True}
+    assert result["_native_math"] == {"hits": 3, "equal": True}
+    assert result["reasons"] == {"context": 3}

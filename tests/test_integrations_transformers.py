@@ -160,3 +160,44 @@ def test_a_fresh_process_follows_the_switch(report: ctxreplay.CaptureReport,
     assert result["check"] == []  # the graphs carry the implementation they were traced with
     assert result["steps"] == [["eager", N_LAYERS, True], ["sdpa", N_LAYERS, True],
                                ["eager", N_LAYERS, True]]
+
+
+# -- the cache implementation: an argument, not state a layer reads --------------------
+
+def _decode(model: nn.Module, kind: str) -> list[torch.Tensor]:
+    """A prompt and two steps with a cache of ``kind``, as ``generate()``
+    builds one from ``generation_config.cache_implementation``."""
+    config = model.config  # type: ignore[union-attr]
+    cache = transformers.DynamicCache(config=config) if kind == "dynamic" else \
+        transformers.StaticCache(config=config, max_cache_len=16)
+    outs = []
+    with torch.no_grad():
+        ids = torch.arange(6).view(1, 6) * 7 % 128
+        outs.append(model(input_ids=ids, use_cache=True, past_key_values=cache).logits)
+        for step in range(2):
+            outs.append(model(input_ids=torch.tensor([[step + 3]]), use_cache=True,
+                              past_key_values=cache).logits)
+    return outs
+
+
+def test_a_cache_implementation_reaches_the_layers_only_as_their_cache_argument() -> None:
+    # transformers (5.24) reads cache_implementation only where generate()
+    # builds the cache; the layers get the object it built, an argument the
+    # variant key holds -- so no probe is needed, and none could key more
+    model: nn.Module = llama()  # type: ignore[operator]
+    model.set_attn_implementation("sdpa")  # type: ignore[operator]
+    eager = {k: _decode(model, k) for k in ("static", "dynamic")}
+    model.generation_config.cache_implementation = "static"  # type: ignore[union-attr]
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model, "dynamic"), eager["dynamic"]))
+    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
+        _decode(model, "static")
+    report = session.finalize()
+    assert report.captures
+    handle = ctxreplay.install(model, report)
+    try:
+        out = _decode(model, "dynamic")
+        stats = handle.stats()
+        assert stats.total_hits == 0 and set(stats.reasons) == {"signature"}, stats
+        assert all(torch.equal(a, b) for a, b in zip(out, eager["dynamic"]))
+    finally:
+        handle.remove()

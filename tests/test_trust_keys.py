@@ -526,3 +526,47 @@ def test_checked_is_in_the_manifest_sidecar_and_inspect(tmp_path: Any,
     assert cli.main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert " 3/3 " in out and " 1/1 " in out
+
+
+# -- a callable object the block holds, changed in place after its calls ----------------
+
+class Scaler:
+    """A callable holding a setting of its own (as an attention processor
+    holds its backend): changed in place, not reassigned."""
+
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return y * self.scale
+
+
+class ScalerHolder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.act = Scaler()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.act(self.lin(x))
+        return out
+
+
+def test_a_callable_changed_in_place_after_its_calls_is_traced_as_the_calls_saw_it() -> None:
+    torch.manual_seed(0)
+    model = ScalerHolder().eval()
+    x = torch.randn(2, DIM)
+    with record(model, [""]) as calls, \
+            ctxreplay.capture_with(model, backend="export", verify="signature") as session, \
+            torch.no_grad():
+        model(x)
+        model.act.scale = 3.0  # after the call, before finalize: no call saw it
+        report = session.finalize()
+    assert report.ok, report.to_json()
+    assert unreproduced(report, calls) == []  # traced at 2.0, not the 3.0 finalize found
+    # the oracle fails where the capture is traced under the changed setting
+    with ctxreplay.capture_with(model, backend="export", verify="signature") as session, \
+            torch.no_grad():
+        model(x)
+        other = session.finalize()
+    assert unreproduced(other, calls) != []

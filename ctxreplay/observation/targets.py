@@ -338,13 +338,35 @@ def held_objects(module: nn.Module, ignore: Iterable[str] = ()) -> list[object]:
     return out
 
 
+def _as_now(value: Any) -> Any:
+    """A callable attribute as ``state_of`` records it: a callable object
+    whose own attributes are all immutable values (an attention processor
+    naming its backend, changed in place by a later
+    ``set_attention_backend``) as a shallow copy made now, so putting it back
+    restores the values the call ran with; functions, methods, partials and
+    objects holding anything else as they are."""
+    if isinstance(value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+                          functools.partial)):
+        return value
+    own = getattr(value, "__dict__", None)
+    if type(own) is not dict or not own \
+            or not all(isinstance(v, (*_PLAIN, enum.Enum)) for v in own.values()):
+        return value
+    try:
+        return copy.copy(value)
+    except Exception:
+        return value
+
+
 def state_of(module: nn.Module, ignore: Iterable[str] = ()
              ) -> tuple[tuple[str, str, Any], ...]:
     """``(submodule path, attribute, value)`` of every plain attribute
     ``identity_of`` looks at, as capture can put it back on an isolated view
     of the member: immutable values and callables as they are, containers
     and config objects copied now (so a later change in place does not reach
-    them), an ``Unrestorable`` for one that cannot be copied."""
+    them), a callable object holding only immutable values of its own
+    copied as well (``_as_now``), an ``Unrestorable`` for one that cannot
+    be copied."""
     skip = _INTERNALS | set(ignore)
     out: list[tuple[str, str, Any]] = []
     for path, m in module.named_modules(remove_duplicate=False):
@@ -352,8 +374,11 @@ def state_of(module: nn.Module, ignore: Iterable[str] = ()
         for k, v in m.__dict__.items():
             if k in skip or isinstance(v, torch.Tensor) or _plain(v, budget) is _SKIP:
                 continue
-            if isinstance(v, (*_PLAIN, enum.Enum, type)) or callable(v):
+            if isinstance(v, (*_PLAIN, enum.Enum, type)):
                 out.append((path, k, v))
+                continue
+            if callable(v):
+                out.append((path, k, _as_now(v)))
                 continue
             try:
                 out.append((path, k, copy.deepcopy(v)))
