@@ -108,6 +108,8 @@ class Observation:
         #: (member, calls) recorded under a forward another tool then replaced
         self.lost: list[tuple[str, int]] = []
         self.root.watch = Watch([m.module for m in self.members], self.rewatch)
+        # a forward set anew is an assignment: the root looks only after one
+        self.setattr_watch.add([m.module for m in self.members], self.root.watch.touched)
         watch(self)  # calls made by a capture or check elsewhere are not counted
         self.dropped_structures = len(dropped)
         # copies and torch.jit.script see a plain model (``observation.copies``)

@@ -142,26 +142,37 @@ class Watch:
     """Whether each watched module's ``forward`` is still what was last seen
     there: another tool may set it anew while a session is open
     (accelerate's ``remove_hook_from_module`` puts back the forward it
-    saved), and then calls go round ctxreplay's wrapper.  ``intact()`` is
-    one dict lookup a module (measured about 0.05 us a module, a thirtieth
-    of a block call's observation); ``repair(during)`` is called when it
-    fails and must ``update`` what is seen: ``during`` when it failed at the
-    end of a model call (the forward was set anew inside it, so calls of
-    that call may have gone unobserved)."""
+    saved), and then calls go round ctxreplay's wrapper.  ``intact()`` looks
+    only after ``touched()`` said an attribute of a watched module was
+    assigned (the session's ``__setattr__`` watch calls it), one dict lookup
+    a module then; a forward written into a module's ``__dict__`` without an
+    assignment is found when the session detaches.  ``repair(during)`` is
+    called when it fails and must ``update`` what is seen: ``during`` when
+    it failed at the end of a model call (the forward was set anew inside
+    it, so calls of that call may have gone unobserved)."""
 
-    __slots__ = ("pairs", "repair")
+    __slots__ = ("dirty", "pairs", "repair")
 
     def __init__(self, modules: Iterable[nn.Module], repair: Callable[[bool], None]) -> None:
         self.repair = repair
         self.pairs: tuple[tuple[dict[str, Any], Any], ...] = ()
+        self.dirty = True
         self.update(modules)
 
     def update(self, modules: Iterable[nn.Module]) -> None:
         self.pairs = tuple((m.__dict__, m.__dict__.get("forward")) for m in modules)
 
+    def touched(self) -> None:
+        """An attribute of a watched module was assigned: look at the next check."""
+        self.dirty = True
+
     def intact(self) -> bool:
+        if not self.dirty:
+            return True
+        self.dirty = False  # before looking: an assignment while we look sets it again
         for d, seen in self.pairs:
             if d.get("forward") is not seen:
+                self.dirty = True
                 return False
         return True
 
