@@ -224,6 +224,37 @@ def test_a_member_changed_before_install_is_an_identity_miss(net: Net, tmp_path:
         assert handle.stats().unusable["blocks.0#0@blocks.2"] == "identity"
 
 
+@pytest.mark.parametrize("kind", ["report", "loaded"])
+def test_an_attribute_assigned_after_a_dispatched_call_is_an_identity_miss(
+        net: Net, tmp_path: Path, kind: str) -> None:
+    x = torch.rand(2, 16)
+    report = captured(net, x)
+    source: Any = report
+    if kind == "loaded":
+        report.save_all(tmp_path / "saved")
+        source = ctxreplay.load(tmp_path / "saved")
+    with ctxreplay.install(net, source) as handle:
+        assert torch.equal(_eager(net, x), _eager_uninstalled(net, x, handle))
+        assert handle.stats().hits == {"blocks.0#0": 3}  # each member bound and dispatched
+        # after that, a plain attribute the program has baked in is assigned
+        net.blocks[1].norm.eps = 0.5
+        expected = _eager_uninstalled(net, x, handle)
+        # the oracle: the program bound to that member no longer computes what it does
+        (c,) = report.captures
+        program = bind_weights(c.artifact, net.blocks[1], c.binding)
+        h = torch.rand(2, 16)
+        assert not torch.equal(_eager(program, h), _eager(net.blocks[1], h))
+        assert torch.equal(_eager(net, x), expected)
+        stats = handle.stats()
+        # (the oracle's own call of blocks.1 above was dispatched too: a miss)
+        assert stats.hits == {"blocks.0#0": 5} and stats.reasons == {"identity": 2}
+        assert stats.unusable == {"blocks.0#0@blocks.1": "identity"}
+        # set back as it was captured: dispatched again
+        net.blocks[1].norm.eps = 1e-5
+        assert torch.equal(_eager(net, x), _eager_uninstalled(net, x, handle))
+        assert handle.stats().hits == {"blocks.0#0": 8} and handle.stats().unusable == {}
+
+
 def _eager_uninstalled(model: nn.Module, x: torch.Tensor,
                        handle: ctxreplay.InstallHandle) -> torch.Tensor:
     """``model``'s eager output, dispatch switched off for the call."""

@@ -37,6 +37,8 @@ from ..core.probe import ContextProbe
 from ..core.snapshots import UnknownProbe, UnknownState
 from ..loading.load import LoadedCapture, LoadedManifest
 from ..observation.copies import Entries, path_modules
+from ..observation.targets import held_objects
+from ..observation.watch import Watch as AttributeWatch
 from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.signature import NotRealError, call_key, call_spec
@@ -208,7 +210,8 @@ class _Slot(Wrapper):
         self.targets.clear()
 
     def invalidate(self) -> None:
-        """The member's tensors or submodules were replaced: bind again."""
+        """The member's tensors, submodules or attributes were replaced: bind
+        again (checking its identity again)."""
         self.last = None
         self.memo.clear()
         self.targets.clear()
@@ -238,6 +241,7 @@ class InstallHandle:
         self._programs = Programs(compile)
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
+        self._attributes = AttributeWatch()
         self._observers: tuple[Observer, ...] = ()
         self._root: Root | None = None
         self._copies: list[Entries] = []
@@ -261,6 +265,14 @@ class InstallHandle:
         self._owners = {id(m): s for s in self._slots for m in s.module.modules()}
         if self._hooks:
             return
+        # an attribute assigned on a member's tree (``block.use_gate = False``,
+        # ``set_processor``) may select another graph: the member's identity is
+        # checked again before its next dispatch (changes made without an
+        # assignment, an item of a dict it holds, are not seen)
+        for slot in self._slots:
+            ignore = {a for e in slot.entries for a in e.ignore_attributes}
+            self._attributes.add([*slot.module.modules(), *held_objects(slot.module, ignore)],
+                                 slot.invalidate)
         mod = torch.nn.modules.module
         for name in ("register_module_parameter_registration_hook",
                      "register_module_buffer_registration_hook",
@@ -301,6 +313,7 @@ class InstallHandle:
         self.removed = True
         unwrap([*self._slots, *([self._root] if self._root else [])])
         self._programs.clear()
+        self._attributes.remove()
         for c in reversed(self._copies):
             c.remove()
         self._copies.clear()

@@ -210,6 +210,8 @@ class Programs:
         """Member ``name``'s tensors or submodules were replaced: bind again."""
         for key in [k for k in self._built if k[1] == name]:
             del self._built[key]
+        for where in [w for w in self.unfit if w.endswith(f"@{name}")]:
+            del self.unfit[where]
 
     def clear(self) -> None:
         """Drop every program (``remove()``)."""
