@@ -96,8 +96,11 @@ def test_a_probe_whose_observe_raises() -> None:
     report = finalize_checked(s, sentinels=[SENTINEL])
     _assert_undisturbed(model, xs, observed[:3])
     # the failing calls ran but were not recorded; the others were captured
-    assert [tuple(c.signature.args[0].shape) for c in report.captures] == [  # type: ignore[union-attr]
-        (4, 16), (2, 16)]
+    # (batch 4 and 2 under one context: one graph folded over both sizes)
+    [capture] = report.captures
+    assert tuple(capture.signature.args[0].shape) == (4, 16)  # type: ignore[union-attr]
+    assert capture.folding is not None and capture.folded == (1,)
+    assert [r.low for r in capture.folding.ranges] == [2]
     assert report.failures == ()
     assert report.observation_errors == (("observe", "Boom", 2),)
     # what was captured is faithful, but two calls are covered by no capture
@@ -156,7 +159,8 @@ def test_a_probe_whose_replay_raises(traceable: bool, when: str) -> None:
         observed = _run(model, xs)
     _assert_undisturbed(model, xs, observed)
     report = finalize_checked(s, sentinels=[SENTINEL])
-    assert [c.variant for c in report.captures] == [0, 2]
+    # variants 0 and 2 differ in the batch size only: one graph folded over both
+    assert [(c.variant, c.folded) for c in report.captures] == [(0, (2,))]
     (f,) = report.failures
     assert (f.variant, f.reason, f.exc_type) == (1, "replay_failed", "Boom")
     assert f.context["test_replay_boom"] == repr("bad")

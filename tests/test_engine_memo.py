@@ -100,8 +100,9 @@ def test_two_members_alternating_count_every_call_once() -> None:
             return x
 
     model = Two().eval()
+    # each size its own graph (fold=False), so each is a variant counted apart
     with torch.no_grad(), ctxreplay.capture_with(model, targets=["a", "b"],
-                                                  backend="export") as session:
+                                                  backend="export", fold=False) as session:
         for _ in range(3):
             model(torch.rand(4, 8))
         model(torch.rand(2, 4, 8).view(8, 8))  # another shape: a second variant

@@ -134,13 +134,44 @@ def _leaf_key(ts: Iterable[Any]) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return [(tuple(t.shape), t.dtype) for t in ts]
 
 
+def takes(capture: ctxreplay.Capture, leaves: Iterable[Any]) -> bool:
+    """Whether ``capture`` says it takes tensors of these shapes and dtypes:
+    its signature's, or -- a folded capture -- the same but for its dynamic
+    dimensions, each following its expression within the claimed range
+    (read here from the capture's own record, evaluated independently)."""
+    got = _leaf_key(leaves)
+    want = _leaf_key(s for _, s in capture.signature.leaves())
+    if got == want:
+        return True
+    folding = capture.folding
+    if folding is None or len(got) != len(want):
+        return False
+    dynamic = {(d.leaf, d.dim): d.expr for d in folding.dims}
+    values: dict[str, int] = {}
+    for (leaf, dim), expr in dynamic.items():
+        if expr.isidentifier() and leaf < len(got) and dim < len(got[leaf][0]):
+            values[expr] = got[leaf][0][dim]
+    ranges = {r.name: (r.low, r.high) for r in folding.ranges}
+    if set(values) != set(ranges) or not all(lo <= values[n] <= hi
+                                             for n, (lo, hi) in ranges.items()):
+        return False
+    for i, ((gs, gd), (ws, wd)) in enumerate(zip(got, want)):
+        if gd != wd or len(gs) != len(ws):
+            return False
+        for d, (g, w) in enumerate(zip(gs, ws)):
+            expr = dynamic.get((i, d))
+            if g != (w if expr is None else eval(expr, {}, dict(values))):  # noqa: S307
+                return False
+    return True
+
+
 def candidates(report: ctxreplay.CaptureReport, call: Call) -> list[ctxreplay.Capture]:
     """Captures that claim this call: they list its member, were observed
     under its snapshot and take inputs of its shapes and dtypes."""
-    want = _leaf_key(call.leaves())
+    leaves = list(call.leaves())
     return [c for c in report.captures
             if call.member in c.members and c.snapshot == call.snapshot
-            and _leaf_key(s for _, s in c.signature.leaves()) == want]
+            and takes(c, leaves)]
 
 
 def program_for(capture: ctxreplay.Capture, member: nn.Module) -> nn.Module:
@@ -214,7 +245,7 @@ def _run(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool, ambient:
             leaves = [t for a in args for t in tensor_values(a)] + \
                 [t for v in kwargs.values() for t in tensor_values(v)]
             if check_shapes:
-                assert _leaf_key(leaves) == _leaf_key(s for _, s in capture.signature.leaves())
+                assert takes(capture, leaves)
             out = gm(*leaves)
     return tuple(tensor_values(out)), (args, kwargs)
 

@@ -219,6 +219,11 @@ def _run_saved(capture: SavableCapture, module: Any, needs: tuple[str, ...], *,
     return list(compare_specs(flat_tensor_spec(capture.outputs), flat_tensor_spec(produced)))
 
 
+def _folding_json(capture: SavableCapture) -> Any:
+    folding = getattr(capture, "folding", None)
+    return None if folding is None else folding.to_json()
+
+
 def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
                  fidelity: Fidelity, artifact_format: str) -> dict[str, Any]:
     """The sidecar document: metadata only (no tensor values, no source).
@@ -250,6 +255,7 @@ def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
         "snapshot": capture.snapshot.to_json(),
         "context": capture.snapshot.describe(),
         "inputs": {**call_to_json(capture.signature), "leaves": leaves},
+        "dynamic": _folding_json(capture),
         "outputs": None if capture.outputs is None else spec_to_json(capture.outputs),
         "output_leaves": None if capture.outputs is None else [
             spec_to_json(s) for s in flat_tensor_spec(capture.outputs).items],

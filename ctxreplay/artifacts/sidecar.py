@@ -28,6 +28,7 @@ from ..core.snapshots import ContextSnapshot, UnknownProbeWarning
 from ..errors import Error
 from ..fidelity.compare import compare_specs
 from ..fidelity.verify import Mismatch, flat_tensor_spec
+from ..specs.dims import Folding
 from ..specs.materialize import materialize
 from ..specs.signature import CallSpec, SeqSpec, Spec, TensorSpec, spec_of
 from ..specs.specjson import resolve_opaque, spec_from_json, tensor_from_json
@@ -122,6 +123,8 @@ class ArtifactSidecar:
     sidecars)."""
     ignore_attributes: tuple[str, ...] = ()
     """Attributes left out of the members' identities."""
+    folding: Folding | None = None
+    """The dynamic sizes of a folded capture (``Capture.folding``), else ``None``."""
     format: str = Pt2Format.name
     """The name of the artifact's format (``ctxreplay.artifacts.get_format``); a sidecar
     written before formats were recorded describes a ``.pt2``."""
@@ -175,10 +178,10 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "
                  "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
                  "environment", "members", "weights_from", "identities", "ignore_attributes",
-                 "format", "calls", "checked"}
+                 "format", "calls", "checked", "dynamic"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
                              "environment", "members", "weights_from", "identities",
-                             "ignore_attributes", "format", "calls", "checked"}
+                             "ignore_attributes", "format", "calls", "checked", "dynamic"}
 
 
 def load_sidecar(path: str | os.PathLike[str],
@@ -268,6 +271,8 @@ def read_sidecar(path: str | os.PathLike[str],
         ignore_attributes=_read_names(doc.get("ignore_attributes", []),
                                       "$.ignore_attributes"),
         format=read_str(doc.get("format", Pt2Format.name), "$.format"),
+        folding=None if doc.get("dynamic") is None
+        else Folding.from_json(doc["dynamic"], "$.dynamic"),
         args=args,
         kwargs=tuple(kwargs),
     )

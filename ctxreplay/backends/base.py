@@ -38,11 +38,21 @@ class Backend(abc.ABC):
     """The name reports give it (``Capture.backend``)."""
     records_embedded: bool = True
     """Whether the artifact records contexts entered inside the callable."""
+    folds: bool = False
+    """Whether ``capture_dynamic`` traces with dynamic sizes: calls that
+    differ in sizes only are then captured as one graph."""
 
     @abc.abstractmethod
     def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         """Trace ``module`` on example inputs; return the artifact."""
+
+    def capture_dynamic(self, module: torch.nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any], dynamic_shapes: Any) -> Any:
+        """Trace ``module`` with the dimensions ``dynamic_shapes`` marks (in
+        ``torch.export``'s form) left symbolic (a backend whose ``folds`` is
+        true)."""
+        raise NotImplementedError(f"backend {self.name!r} does not trace dynamic sizes")
 
     def graph_module(self, artifact: Any) -> torch.fx.GraphModule | None:
         """The artifact's top-level graph, if it has one (for ops and fingerprints)."""

@@ -34,6 +34,14 @@ class ExportBackend(Backend):
 
     name = "export"
 
+    @property
+    def folds(self) -> bool:  # type: ignore[override]
+        # a subclass that traces its own way (``capture`` overridden, not
+        # ``capture_dynamic``) is never bypassed by a fold
+        cls = type(self)
+        return cls.capture is ExportBackend.capture \
+            or cls.capture_dynamic is not ExportBackend.capture_dynamic
+
     def __init__(self, *, strict: bool = False, lower: bool = False) -> None:
         self.strict = strict
         self.lower = lower
@@ -41,6 +49,12 @@ class ExportBackend(Backend):
     def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         ep = torch.export.export(module, args, kwargs or None, strict=self.strict)
+        return lower_wrappers(ep) if self.lower else ep
+
+    def capture_dynamic(self, module: torch.nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any], dynamic_shapes: Any) -> Any:
+        ep = torch.export.export(module, args, kwargs or None, strict=self.strict,
+                                 dynamic_shapes=dynamic_shapes)
         return lower_wrappers(ep) if self.lower else ep
 
     def output_spec(self, artifact: Any, args: tuple[Any, ...],
@@ -211,6 +225,24 @@ class AutoBackend(Backend):
         # (Dynamo wraps a user's exception in its own "Observed..." types)
         raise BackendError(reason, attempts[-1][2] if attempts else "?", tuple(attempts)) \
             from (errors[0] if errors else None)
+
+    @property
+    def folds(self) -> bool:  # type: ignore[override]
+        return any(b.folds for b in self.backends)
+
+    def capture_dynamic(self, module: torch.nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any], dynamic_shapes: Any) -> Any:
+        """The first backend that folds; a failure is the fold's, never a
+        fallback to a backend of fixed sizes (the variants are then
+        captured one by one)."""
+        b = next(b for b in self.backends if b.folds)
+        try:
+            art = b.capture_dynamic(module, args, kwargs, dynamic_shapes)
+        except Exception as exc:
+            self._attempts = ((b.name, classify_exception(exc), type(exc).__name__),)
+            raise
+        self._attempts = ()
+        return _Chosen(b, art)
 
     def resolve(self, artifact: Any) -> tuple[Backend, Any]:
         return artifact.backend, artifact.artifact

@@ -93,6 +93,27 @@ class Checker:
         return Fidelity(name, not merged, merged, checked_by(name), len(members), with_needs,
                         by_value)
 
+    def run_steps(self, modules: Mapping[str, nn.Module], steps: tuple[str, ...]) -> Fidelity:
+        """Only ``steps`` (e.g. ``("execute",)``), for every member that ran
+        the variant: a graph traced at other sizes (a fold) has no output
+        metadata of this variant's sizes to compare, so it is run instead."""
+        members = [m for m in self.request.members if m.completed]
+        self.by_value = 0
+        found: list[Mismatch] = []
+        single = len(self.request.members) == 1
+        for m in members:
+            shown = None if single else m.name
+            module = modules.get(m.name)
+            if module is None:
+                found.append(_mismatch("execution", "member", "released", steps[0], None,
+                                       shown))
+                continue
+            for step in steps:
+                found += _STEPS[step](self, m, module, shown)
+        merged = merge_mismatches(found)
+        return Fidelity(steps[-1], not merged, merged, steps, len(members), None,
+                        self.by_value)
+
     def _check(self, name: str, members: list[MemberCall],
                modules: Mapping[str, nn.Module]) -> list[Mismatch]:
         """Every check step up to level ``name``, member by member; a member

@@ -31,8 +31,9 @@ def _program_key(c: Capture) -> Any:
     if not isinstance(ep, torch.export.ExportedProgram) or not c.fidelity.ok:
         return None
     try:
-        return (c.scope, c.signature, c.snapshot, c.binding, c.embedded, c.ambient_only,
-                graph_code(ep.graph_module), str(ep.graph_signature))
+        # a folded graph's code does not show its sizes: its folding must agree
+        return (c.scope, c.signature, c.folding, c.snapshot, c.binding, c.embedded,
+                c.ambient_only, graph_code(ep.graph_module), str(ep.graph_signature))
     except Exception:
         return None
 
@@ -64,6 +65,7 @@ def _merged(group: list[Capture]) -> Capture:
                         member_calls=tuple(mc for c in group for mc in c.member_calls),
                         calls=sum(c.calls for c in group), fidelity=fid,
                         merged=tuple(c.variant for c in group[1:]),
+                        folded=tuple(v for c in group for v in c.folded),
                         identities=tuple(i for c in group for i in c.identities),
                         seconds=sum(c.seconds for c in group))
 

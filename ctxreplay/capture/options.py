@@ -45,6 +45,9 @@ class CaptureOptions:
     ignore_attributes: tuple[str, ...] = ()
     #: the capture cache directory (``None``: no cache)
     cache: str | None = None
+    #: variants that differ in sizes only are captured as one graph with
+    #: dynamic sizes where the backend can (``capture.fold``)
+    fold: bool = True
     #: a ``torch.distributed`` process group (``None``: the default group
     #: when one is initialised); ``finalize()`` is then a collective over it
     group: Any = attrs.field(default=None, eq=False, repr=False)
@@ -73,7 +76,8 @@ class CaptureOptions:
                 "backend": self.backend.name, "pin_factories": self.pin_factories,
                 "watch": self.watch, "retain_bytes": self.retain_bytes,
                 "capture_timeout": self.capture_timeout,
-                "ignore_attributes": list(self.ignore_attributes), "cache": self.cache}
+                "ignore_attributes": list(self.ignore_attributes), "cache": self.cache,
+                "fold": self.fold}
 
 
 @attrs.frozen(eq=False)
@@ -131,6 +135,10 @@ class VariantRequest:
     #: included) the members held when the variant ran; capture and checks
     #: put back on every view those that differ now
     state: tuple[tuple[str, str, Any], ...] = attrs.field(default=(), repr=False)
+    #: the number of the members' identity in its scope (``-1``: not known):
+    #: two identities may share a digest (callables are keyed by ``id()``,
+    #: which no digest holds), never a number
+    identity_number: int = -1
 
     @property
     def traced(self) -> MemberCall:

@@ -19,6 +19,7 @@ from ..artifacts.saving import SavedArtifact
 from ..backends.base import BACKEND_REASONS
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.verify import Fidelity
+from ..specs.dims import Folding
 from ..specs.materialize import BINDINGS
 from ..specs.signature import CallSpec, Spec
 from ..specs.specjson import call_to_json, spec_to_json
@@ -153,6 +154,14 @@ class Capture:
     from_cache: bool = False
     """It came from the capture cache (``capture_with(..., cache=...)``):
     loaded instead of traced, and checked at the session's verify level."""
+    folding: Folding | None = None
+    """For a graph traced with dynamic sizes (size variants folded into one
+    capture): its dynamic dimensions, the rule each follows and the range
+    every symbol was verified over; ``None`` for a graph of fixed sizes."""
+    folded: tuple[int, ...] = ()
+    """Variants of the same member identity and context that differ from
+    this one in sizes only, folded into this capture (verified by value at
+    each of their sizes)."""
 
     @property
     def artifact(self) -> Any:
@@ -183,8 +192,14 @@ class Capture:
     @property
     def verdict(self) -> str:
         """The fidelity in words, with what was checked: e.g. ``"ok
-        (signature+execute+values; 5 of 8 calls checked by value)"``."""
-        return self.fidelity.verdict(self.calls)
+        (signature+execute+values; 5 of 8 calls checked by value)"``; a
+        folded capture adds the sizes it was run at, e.g. ``"; folded: 6
+        sizes, each run, args[0][1] = s0 (s0 in [5, 20])"``."""
+        words = self.fidelity.verdict(self.calls)
+        if self.folding is None:
+            return words
+        return (f"{words}; folded: {self.folding.sizes} sizes, each run, "
+                + "; ".join(self.folding.describe()))
 
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact in its artifact format, and a metadata-only
@@ -225,6 +240,8 @@ class Capture:
             "weights_from": self.weights_from,
             "variant": self.variant,
             "merged": list(self.merged),
+            "folded": list(self.folded),
+            "dynamic": None if self.folding is None else self.folding.to_json(),
             "calls": self.calls,
             "checked": self.checked,
             "rank": self.rank,

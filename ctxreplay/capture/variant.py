@@ -34,6 +34,7 @@ from ..core.probe import ContextProbe
 from ..errors import Error
 from ..fidelity.levels import level
 from ..fidelity.verify import is_neutral, neutral_replay
+from ..specs.dims import concrete
 from ..specs.materialize import inputs_for, materialize_leaves
 from ..specs.signature import (
     CallSpec,
@@ -60,6 +61,11 @@ __all__ = ["CaptureFailed", "Source", "capture_variant", "recapture"]
 #: isolated view of the traced member and the binding (``"flattened"``: the
 #: view sits under ``inner.``), ``(artifact, graph output spec, backend)``
 Source = Callable[[nn.Module, str], tuple[Any, "Spec | None", Backend]]
+
+#: called once the artifact is checked, while its isolated view is alive:
+#: ``(artifact, checker for another request of the same member identity,
+#: modules)`` -- a fold runs its graph at the other variants' sizes
+After = Callable[[Any, Callable[[VariantRequest], Checker], Mapping[str, nn.Module]], None]
 
 
 class CaptureFailed(Error):
@@ -95,10 +101,12 @@ class _Plan:
     faults: list[BaseException]
     #: what the traced forward changed in its arguments
     watch: Watch = attrs.field(factory=Watch)
+    #: leaf index -> dimensions traced as dynamic sizes (a fold); empty: fixed
+    dims: Mapping[int, tuple[int, ...]] = attrs.field(factory=dict)
 
     @classmethod
     def make(cls, request: VariantRequest, options: CaptureOptions,
-             backend: Backend) -> _Plan:
+             backend: Backend, dims: Mapping[int, tuple[int, ...]] | None = None) -> _Plan:
         snap = request.snapshot
         if options.replay == "off":
             inside = None
@@ -114,13 +122,15 @@ class _Plan:
             else "flattened"
         faults: list[BaseException] = []
         return cls(None if inside is None else _guard_inside(inside, faults), around,
-                   embedded, ambient, binding, not outputs_native, faults)
+                   embedded, ambient, binding, not outputs_native, faults, dims=dims or {})
 
 
 def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                     options: CaptureOptions, *,
                     baseline: tuple[ContextProbe[Any], ...] = (),
-                    defer_collectives: bool = False, source: Source | None = None) -> Capture:
+                    defer_collectives: bool = False, source: Source | None = None,
+                    dims: Mapping[int, tuple[int, ...]] | None = None,
+                    after: After | None = None) -> Capture:
     """See ``_capture_variant``; it runs from the state a fresh process has
     (inputs made under the caller's ``inference_mode`` would be inference
     tensors), whatever the caller of ``finalize()`` has active."""
@@ -131,7 +141,8 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         raise _failure(request, options.backend, "replay_failed", exc) from None
     try:
         return _capture_variant(request, modules, options, baseline=baseline,
-                                defer_collectives=defer_collectives, source=source)
+                                defer_collectives=defer_collectives, source=source, dims=dims,
+                                after=after)
     finally:
         neutral.__exit__(None, None, None)
 
@@ -139,7 +150,9 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
 def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                      options: CaptureOptions, *,
                      baseline: tuple[ContextProbe[Any], ...] = (),
-                     defer_collectives: bool = False, source: Source | None = None) -> Capture:
+                     defer_collectives: bool = False, source: Source | None = None,
+                     dims: Mapping[int, tuple[int, ...]] | None = None,
+                     after: After | None = None) -> Capture:
     """Capture ``request``; ``modules`` maps member names to the live modules
     (never changed: every trace and run uses an isolated view).
     ``source``: where the artifact comes from instead of a trace (the
@@ -148,7 +161,9 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     beside the snapshot's own.  ``defer_collectives``: a graph holding
     collectives is only checked at the signature level here (running it
     alone would wait for the other ranks); ``Capture.collective`` says so,
-    and the distributed finalize runs it on every rank together."""
+    and the distributed finalize runs it on every rank together.
+    ``dims``: leaf index -> dimensions to trace as dynamic sizes (a fold;
+    the backend must fold)."""
     t0 = time.perf_counter()
     backend = options.backend
     fail = functools.partial(_failure, request, backend)
@@ -160,7 +175,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     if layouts:
         raise _with_context(fail("unsupported_layout", None), layouts)
     try:
-        plan = _Plan.make(request, options, backend)
+        plan = _Plan.make(request, options, backend, dims)
     except Exception as exc:
         raise fail("replay_failed", exc) from None
     with _view(module, request, fail) as view:
@@ -180,6 +195,15 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         except Exception as exc:
             raise fail("verify_failed", exc) from None
         fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
+        if after is not None:
+            def checker_for(other: VariantRequest) -> Checker:
+                return Checker(other, check_options, real, artifact, view, None,
+                               binding=plan.binding, flatten_out=plan.flatten_out,
+                               carried=carried, baseline=baseline, ambient_only=ambient_only)
+            try:
+                after(artifact, checker_for, modules)
+            except Exception as exc:
+                raise fail("verify_failed", exc) from None
     try:
         ops, op_args, digest, fingerprint = _graph_summary(request, real, artifact)
     except Exception as exc:
@@ -342,6 +366,20 @@ def _bind(request: VariantRequest, plan: _Plan, view: nn.Module
     return target, materialize_leaves(request.inputs), {}
 
 
+def _dynamic_shapes(plan: _Plan, target: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+    """``torch.export``'s ``dynamic_shapes`` for the plan's dynamic dims: each
+    ``Dim.AUTO``, so the trace itself finds how they relate and where the
+    forward needs a fixed size (it then specialises, and the fold's checks
+    say which sizes the graph takes)."""
+    collection = torch.export.ShapesCollection()  # type: ignore[no-untyped-call]
+    leaves = [t for a in args for t in tensor_values(a)]
+    leaves += [t for v in kwargs.values() for t in tensor_values(v)]
+    for i, dims in plan.dims.items():
+        collection[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
+    return collection.dynamic_shapes(target, args, kwargs)  # type: ignore[no-untyped-call]
+
+
 def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
                 baseline: tuple[ContextProbe[Any], ...], view: nn.Module, target: nn.Module,
                 args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -364,7 +402,11 @@ def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
         inside = plan.inside if plan.binding == "native" else None
         with rng_guard(watch_generators=False), forward_alone(view), \
                 watched(view, plan.watch), _swapped_forward(target, inside):
-            raw = options.backend.capture(target, args, kwargs)
+            if plan.dims:
+                raw = options.backend.capture_dynamic(
+                    target, args, kwargs, _dynamic_shapes(plan, target, args, kwargs))
+            else:
+                raw = options.backend.capture(target, args, kwargs)
             traced = _resolve(raw, plan, options, args, kwargs)
         try:  # a replay that fails while restoring is a replay fault too
             stack.close()
@@ -392,6 +434,8 @@ def _resolve(raw: Any, plan: _Plan, options: CaptureOptions, args: tuple[Any, ..
         with rng_guard(), \
                 plan.inside() if plan.inside and unrecorded else nullcontext():
             spec = real.output_spec(artifact, args, kwargs)
+        if plan.dims and spec is not None:  # at the sizes it was traced at
+            spec = concrete(spec)
     except _ArtifactFault:
         raise
     except Exception as exc:

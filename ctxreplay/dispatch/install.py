@@ -5,7 +5,8 @@ module's instance attribute, as observation uses; ``remove()`` puts back
 exactly what was there).  A call runs a capture's program when its key
 matches: the member (the capture lists it, and its weights fit the
 program: names, shapes, dtypes, devices), its input signature (equal to the
-recorded one, constants included) and its context (the probes' states
+recorded one, constants included; for a folded capture, equal but for the
+dynamic sizes, each within the range it was verified over) and its context (the probes' states
 equal those of the live call the capture was made from); and when the
 capture's static needs hold (torch, device, autocast policy, fidelity).
 Every other call runs eagerly and is counted as a miss with a reason.
@@ -42,7 +43,7 @@ from ..observation.watch import Watch as AttributeWatch
 from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.signature import NotRealError, call_key, call_spec
-from .programs import Compiler, Entry, Programs, Target, entry, sources
+from .programs import REFUSED, Compiler, Entry, Programs, Target, entry, sources
 
 _log = logging.getLogger("ctxreplay")
 
@@ -57,7 +58,7 @@ OBJECT_POLICIES = ("eager", "dispatch")
 MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
                 "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
                 "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
-                "observe_error")
+                "observe_error", "size_guard")
 
 _is_tracing = torch._C._is_tracing
 _MEMO_LIMIT = 4096
@@ -81,7 +82,9 @@ class DispatchStats:
     ``live_state``, ``structure``, ``not_rebuildable``,
     ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``:
     the matching capture cannot be used here -- ``unusable`` says which
-    capture, and why).  ``compiled``: labels compiled so far (per member)."""
+    capture, and why; ``size_guard``: a folded capture's ranges take the
+    call's sizes but its graph's own guard refused them, e.g. a size the
+    trace found had to be even).  ``compiled``: labels compiled so far (per member)."""
 
     hits: dict[str, int]
     """``scope#variant`` -> calls that ran that capture's program."""
@@ -160,10 +163,13 @@ class _Slot(Wrapper):
         if type(target) is Target:
             if not target.failed:
                 out = target.run(args, kwargs)
-                if not target.failed:
+                if out is REFUSED:
+                    target = self._refused(args, kwargs)
+                elif not target.failed:
                     target.entry.hits += 1
                     return out
-                target = "compile_failed"
+                else:
+                    target = "compile_failed"
             else:
                 target = "compile_failed"
         self.misses += 1
@@ -181,10 +187,10 @@ class _Slot(Wrapper):
         for (_obs, entries), snap in zip(self.groups, per_group):
             for e in entries:
                 if e.signature is None or e.unusable is not None:
-                    if e.signature is None or e.signature == spec:
+                    if e.signature is None or e.takes(spec):
                         reason = e.unusable or "not_rebuildable"
                     continue
-                if e.signature != spec:
+                if not e.takes(spec):
                     continue
                 if e.match != snap:
                     if reason == "signature":
@@ -202,6 +208,18 @@ class _Slot(Wrapper):
             self.memo.clear()
         self.memo[key] = result
         return result
+
+    def _refused(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """A folded graph's guard refused this call's sizes: calls of these
+        sizes run eagerly from now on, without asking it again."""
+        self.last = None
+        try:
+            snaps = self.groups[0][0]() if len(self.groups) == 1 \
+                else tuple(g[0]() for g in self.groups)
+            self.memo[(snaps, call_key(args, kwargs))] = "size_guard"
+        except Exception:  # only a memo: the next call asks again
+            pass
+        return "size_guard"
 
     def stop(self) -> None:
         self.off = True

@@ -29,6 +29,7 @@ from ..loading.needs import Needs, needs_of, static_differences
 from ..loading.weights import WeightsError, bind_weights
 from ..observation.targets import identity_digest, identity_of
 from ..report.capture_report import CaptureReport
+from ..specs.dims import Folding
 from ..specs.frozen import is_object
 from ..specs.materialize import build
 from ..specs.signature import (
@@ -43,7 +44,11 @@ from ..specs.signature import (
     tensor_values,
 )
 
-__all__ = ["Entry", "Programs", "Target", "entry", "sources"]
+__all__ = ["REFUSED", "Entry", "Programs", "Target", "entry", "sources"]
+
+#: what ``Target.run`` returns when a folded graph's own guard refuses the
+#: call's sizes (the call then runs eagerly)
+REFUSED: Any = object()
 
 Compiler = Callable[[nn.Module], Callable[..., Any]]
 
@@ -65,6 +70,18 @@ class Entry:
     identities: dict[str, str] = attrs.field(factory=dict)
     ignore_attributes: tuple[str, ...] = ()
     hits: int = 0
+    #: a folded capture's dynamic sizes (``None``: the signature's sizes only)
+    folding: Folding | None = None
+
+    def takes(self, spec: CallSpec) -> bool:
+        """Whether a call of signature ``spec`` is this capture's: its
+        signature, or -- folded -- the same but for sizes within the ranges
+        it was verified over."""
+        if self.signature is None:
+            return False
+        if self.signature == spec:
+            return True
+        return self.folding is not None and self.folding.accepts(self.signature, spec)
 
 
 def _has_objects(spec: Spec) -> bool:
@@ -99,7 +116,7 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
         unusable = "mutates_argument"
     return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
                   flatten_out, snap, unusable, dict(source.identities),
-                  tuple(source.ignore_attributes))
+                  tuple(source.ignore_attributes), folding=source.folding)
 
 
 def _mutates_argument(source: Capture | LoadedCapture) -> bool:
@@ -245,6 +262,13 @@ class Target:
                 out = fn(*leaves)
             else:
                 out = fn(*args, **kwargs)
+        except AssertionError as exc:
+            # a folded graph checks the sizes it takes before it runs
+            # (torch.export's input guards, e.g. ``x.size()[1] % 2 == 0``):
+            # a size in range that another guard refuses runs eagerly
+            if e.folding is not None and str(exc).startswith("Guard failed"):
+                return REFUSED
+            raise
         except Exception:
             if not first or self.programs.compile is None:
                 raise

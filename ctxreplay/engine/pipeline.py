@@ -16,6 +16,7 @@ import attrs
 from torch import nn
 
 from ..cache.use import CaptureCache
+from ..capture.fold import families, fold_family, folds
 from ..capture.merge import merge_identical
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
@@ -118,26 +119,66 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
                   baseline: tuple[ContextProbe[Any], ...], net: Baseline,
                   bar: Progress) -> list[Result]:
     """Capture this rank's variants (those an interrupted finalize already
-    captured are kept), each as the merged report names it."""
+    captured are kept), each as the merged report names it: the variants
+    of a family that differ in sizes only folded where they can be."""
     out: list[Result] = []
     cache = None if job.options.cache is None else CaptureCache.at(job.options.cache)
+    distributed = len(exchange.ranks) > 1
+    keys = {id(r): k for k, r in mine}
+    requests = [r for _, r in mine]
+    groups = families(requests) if folds(job.options, alone=not distributed) \
+        else [[r] for r in requests]
     try:
-        for key, request in mine:
-            where = (request.scope, request.variant)
-            if where not in job.done:
-                if job.interrupted:  # nothing is held any more
-                    job.done[where] = [CaptureFailure(request.scope, request.variant,
-                                                      job.options.backend.name,
-                                                      "interrupted", "-")]
-                else:
-                    job.done[where] = capture_one(request, modules, job.options, baseline, net,
-                                                  distributed=len(exchange.ranks) > 1,
-                                                  cache=cache)
-                    bar.step(f"{request.scope}#{plan.variant[key]}")
-            out += [exchange.relabel(r, key, plan) for r in job.done[where]]
+        for group in groups:
+            _fold(job, group, modules, baseline, net, bar)
+            for request in group:
+                where = (request.scope, request.variant)
+                if where not in job.done:
+                    job.done[where] = _one(job, request, modules, baseline, net,
+                                           distributed, cache)
+                    bar.step(f"{request.scope}#{plan.variant[keys[id(request)]]}")
+                out += [exchange.relabel(r, keys[id(request)], plan) for r in job.done[where]]
     finally:
         bar.close()
     return out
+
+
+def _one(job: Finalizing, request: VariantRequest, modules: dict[str, nn.Module],
+         baseline: tuple[ContextProbe[Any], ...], net: Baseline, distributed: bool,
+         cache: CaptureCache | None) -> list[Result]:
+    if job.interrupted:  # nothing is held any more
+        return [CaptureFailure(request.scope, request.variant, job.options.backend.name,
+                               "interrupted", "-")]
+    return capture_one(request, modules, job.options, baseline, net,
+                       distributed=distributed, cache=cache)
+
+
+def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Module],
+          baseline: tuple[ContextProbe[Any], ...], net: Baseline, bar: Progress) -> None:
+    """Fold the variants of ``group`` (one family) not captured yet: each
+    folded capture is recorded under its example, the variants it stands
+    for as done with nothing of their own."""
+    todo = [r for r in group if (r.scope, r.variant) not in job.done]
+    if len(todo) < 2 or job.interrupted:
+        return
+
+    def run(request: VariantRequest, dims: Any, after: Any) -> Capture:
+        try:
+            return capture_variant(request, modules, job.options, baseline=baseline,
+                                   dims=dims, after=after)
+        finally:
+            if net.restore():  # a fold that leaks state is not used
+                raise CaptureFailed(CaptureFailure(request.scope, request.variant,
+                                                   job.options.backend.name, "state_leak",
+                                                   "-"))
+
+    made, _rest = fold_family(todo, job.options, run)
+    for c in made:
+        job.done[(c.scope, c.variant)] = [c]
+        for v in c.folded:
+            job.done[(c.scope, v)] = []
+        for v in (c.variant, *c.folded):
+            bar.step(f"{c.scope}#{v}")
 
 
 def capture_one(request: VariantRequest, modules: dict[str, nn.Module],

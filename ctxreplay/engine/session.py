@@ -15,6 +15,7 @@ import attrs
 from torch import nn
 
 from ..backends import Backend, get_backend
+from ..capture.fold import folds
 from ..capture.options import CaptureOptions
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
@@ -59,7 +60,7 @@ class CaptureSession:
             max_variants=options.max_variants, max_scopes=options.max_scopes,
             profile=options.profile_ranges,
             retain_bytes=options.retain_bytes if level(options.verify).retains else None,
-            ignore=options.ignore_attributes)
+            ignore=options.ignore_attributes, fold=folds(options, alone=True))
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None
@@ -197,6 +198,12 @@ def _cache_dir(cache: object) -> str | None:
                      f"False, got {cache!r}")
 
 
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
 def _describe_targets(targets: object) -> str:
     if targets is None or isinstance(targets, str):
         return str(targets)
@@ -213,7 +220,8 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
                  capture_timeout: float | None = None, pin_factories: bool = True,
                  watch: str = "forward", retain_bytes: int = 256 << 20,
                  ignore_attributes: Sequence[str] = (), group: Any = None,
-                 cache: str | os.PathLike[str] | bool | None = None) -> CaptureSession:
+                 cache: str | os.PathLike[str] | bool | None = None,
+                 fold: bool = True) -> CaptureSession:
     """Observe ``module`` (or the chosen ``targets`` inside it) from now on,
     and capture each observed variant on ``finalize()``.
 
@@ -237,8 +245,10 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             weights, from a neutral state, and compare with the member), or
             ``"values"`` (also compare with retained copies of each member's
             first live call, by value), or ``"off"``.
-        max_variants: variants kept per structure; calls of more are counted
-            and make the report not ok (``variant_limit``).
+        max_variants: distinct graphs kept per structure: variants that
+            differ in tensor sizes only count once (``fold``), and so do
+            members that differ in plain attributes only; calls of more are
+            counted and make the report not ok (``variant_limit``).
         max_scopes: structures observed; more are counted (``scope_limit``).
         profile_ranges: wrap each observed call in a
             ``torch.profiler.record_function`` range named after its variant
@@ -269,6 +279,13 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             capture that passed its check -- the program only, never
             weights.  ``None``: the directory in the environment variable
             ``CTXREPLAY_CACHE``, if set; ``False``: no cache either way.
+        fold: capture the variants of a member that differ in tensor sizes
+            only as one graph with dynamic sizes (``torch.export`` dynamic
+            shapes; the export backend, in one process): run by value at
+            every observed size and kept only where each agrees, claimed
+            for the range of sizes observed (``Capture.folding``); sizes it
+            does not reproduce are captured one by one.  Not with
+            ``verify="off"`` (a fold is only kept once run).
 
     Returns:
         The open :class:`CaptureSession`: use it as a context manager, then
@@ -296,6 +313,6 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         max_variants=max_variants, max_scopes=max_scopes, profile_ranges=profile_ranges,
         capture_timeout=capture_timeout, pin_factories=pin_factories, watch=watch,
         retain_bytes=retain_bytes, ignore_attributes=tuple(ignore_attributes), group=group,
-        cache=_cache_dir(cache))
+        cache=_cache_dir(cache), fold=_flag("fold", fold))
     return CaptureSession(module, options, targets)
 

@@ -15,6 +15,8 @@ from typing import Any
 from ..core.observer import Observer
 from ..core.snapshots import ContextSnapshot
 from ..errors import Error, Warning
+from ..specs.dims import Folding
+from ..specs.signature import tensor_values
 from .needs import (
     Difference,
     Needs,
@@ -25,6 +27,14 @@ from .needs import (
 )
 
 __all__ = ["GUARD_MODES", "GuardError", "GuardWarning", "GuardedCapture"]
+
+
+def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The shapes of a call's tensor leaves, in ``CallSpec.leaves()`` order."""
+    leaves = [t for a in args for t in tensor_values(a)]
+    if kwargs:
+        leaves += [t for v in kwargs.values() for t in tensor_values(v)]
+    return [t.shape for t in leaves]
 
 #: ``on_mismatch``: what a guarded call does on a difference
 GUARD_MODES = ("raise", "warn", "fallback")
@@ -54,12 +64,12 @@ class GuardedCapture:
     :meth:`LoadedCapture.guarded`).  ``mismatches`` counts calls that found
     a difference; ``check()`` is the check now."""
 
-    __slots__ = ("_fallback", "_label", "_mode", "_needs", "_observer", "_ok", "_run",
-                 "_static", "_verdicts", "ignore", "mismatches")
+    __slots__ = ("_fallback", "_folding", "_label", "_mode", "_needs", "_observer", "_ok",
+                 "_run", "_static", "_verdicts", "ignore", "mismatches")
 
     def __init__(self, needs: Needs, run: Callable[..., Any], *, on_mismatch: str = "raise",
                  fallback: Callable[..., Any] | None = None,
-                 ignore: Iterable[str] = ()) -> None:
+                 ignore: Iterable[str] = (), folding: Folding | None = None) -> None:
         if on_mismatch not in GUARD_MODES:
             raise ValueError(f"on_mismatch: {on_mismatch!r} is not one of {list(GUARD_MODES)}")
         if on_mismatch == "fallback" and not callable(fallback):
@@ -67,6 +77,8 @@ class GuardedCapture:
                              "same arguments>")
         self._needs, self._run, self._mode, self._fallback = needs, run, on_mismatch, fallback
         self._label = needs.label
+        #: a folded capture's sizes: each call's are checked against its ranges
+        self._folding = folding
         self.ignore = tuple(ignore)
         """Probe names the guard leaves out."""
         self._static = tuple(static_differences(needs, self.ignore))
@@ -82,8 +94,22 @@ class GuardedCapture:
         except Exception:  # a probe that cannot observe: the slow path says which
             snap = None
         if snap is not None and snap is self._ok:
-            return self._run(*args, **kwargs)
+            if self._folding is None or self._folding.within(_shapes(args, kwargs)):
+                return self._run(*args, **kwargs)
+            return self._mismatch(self._sizes(args, kwargs), args, kwargs, True)
         return self._slow(snap, args, kwargs)
+
+    def _sizes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Difference, ...]:
+        """The call's sizes against a folded capture's ranges, as a difference."""
+        assert self._folding is not None
+        shapes = _shapes(args, kwargs)
+        if self._folding.within(shapes):
+            return ()
+        found = ", ".join(f"{d.path}[{d.dim}] = {shapes[d.leaf][d.dim]}"
+                          if d.leaf < len(shapes) and d.dim < len(shapes[d.leaf])
+                          else f"{d.path}[{d.dim}] missing" for d in self._folding.dims)
+        return (Difference("sizes", "; ".join(self._folding.describe()), found, "sizes",
+                           (self._label,)),)
 
     def check(self) -> tuple[Difference, ...]:
         """What differs now (as :meth:`LoadedCapture.check`)."""
@@ -103,7 +129,14 @@ class GuardedCapture:
                 self._verdicts[snap] = found
         if not found:
             self._ok = snap
-            return self._run(*args, **kwargs)
+            sizes = () if self._folding is None else self._sizes(args, kwargs)
+            if not sizes:
+                return self._run(*args, **kwargs)
+            return self._mismatch(sizes, args, kwargs, True)
+        return self._mismatch(found, args, kwargs, first)
+
+    def _mismatch(self, found: tuple[Difference, ...], args: tuple[Any, ...],
+                  kwargs: dict[str, Any], first: bool) -> Any:
         self.mismatches += 1
         if self._mode == "raise":
             raise GuardError(self._label, found)

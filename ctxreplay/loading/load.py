@@ -20,6 +20,7 @@ from ..capture.mutation import ARGUMENT_FIELD
 from ..core.snapshots import ContextSnapshot, Unresolved
 from ..fidelity.verify import combined_status
 from ..report.manifest import ManifestEntry, read_manifest
+from ..specs.dims import Folding
 from ..specs.signature import CallSpec, Spec
 from ..specs.specjson import resolve_opaque, spec_from_json
 from .detect import detect
@@ -88,6 +89,12 @@ class LoadedCapture:
     def binding(self) -> str:
         """How the program takes its inputs: ``native`` or ``flattened``."""
         return self.sidecar.binding
+
+    @property
+    def folding(self) -> Folding | None:
+        """The dynamic sizes of a folded capture and the ranges it was
+        verified over (``Capture.folding``); ``None`` for fixed sizes."""
+        return self.sidecar.folding
 
     @property
     def fingerprint(self) -> str:
@@ -234,9 +241,12 @@ class LoadedCapture:
                 ``fallback`` with the same arguments instead).
             fallback: what to call instead, for ``on_mismatch="fallback"``.
             weights: a member module or its state dict, as for ``module()``.
-            ignore: probe names not to check (you vouch for them)."""
+            ignore: probe names not to check (you vouch for them).
+
+        A folded capture's guard also checks each call's dynamic sizes
+        against the ranges it was verified over (a ``sizes`` difference)."""
         return GuardedCapture(self.needs, self.module(weights), on_mismatch=on_mismatch,
-                              fallback=fallback, ignore=ignore)
+                              fallback=fallback, ignore=ignore, folding=self.folding)
 
 
 

@@ -33,7 +33,7 @@ __all__ = ["DIFFERENCE_KINDS", "ENVIRONMENT_FIELDS", "Difference", "Needs", "Pro
            "static_differences"]
 
 #: ``Difference.kind``: a probe's state, the environment, or the fidelity check
-DIFFERENCE_KINDS = ("state", "environment", "fidelity")
+DIFFERENCE_KINDS = ("state", "environment", "fidelity", "sizes")
 #: ``Difference.field`` of an ``environment`` difference
 ENVIRONMENT_FIELDS = ("torch", "device", "capability", "autocast_policy")
 
@@ -75,7 +75,8 @@ class Difference:
     found: str
     """What this process has now, in words."""
     kind: str = "state"
-    """One of ``DIFFERENCE_KINDS``: ``state``, ``environment`` or ``fidelity``."""
+    """One of ``DIFFERENCE_KINDS``: ``state``, ``environment``, ``fidelity`` or ``sizes`` (a
+    call's sizes outside the ranges a folded capture was verified over)."""
     captures: tuple[str, ...] = ()
     """The ``scope#variant`` labels it concerns."""
 

@@ -61,9 +61,10 @@ class Observation:
 
     def __init__(self, root: nn.Module, targets: list[tuple[str, nn.Module]], *,
                  observer: Observer, max_variants: int, max_scopes: int, profile: bool,
-                 retain_bytes: int | None, ignore: tuple[str, ...]) -> None:
+                 retain_bytes: int | None, ignore: tuple[str, ...],
+                 fold: bool = False) -> None:
         self.shared = _Shared(observer, max_variants=max_variants, profile=profile,
-                              retain_bytes=retain_bytes)
+                              retain_bytes=retain_bytes, fold=fold)
         self.scopes: list[Scope] = []
         self.dropped_scopes: list[str] = []
         self.members: list[_Member] = []
@@ -199,7 +200,7 @@ class Observation:
                           for m, mv in pairs),
                     training_of(identity), identity_digest(identity) if identity else "",
                     self._state_back(scope, identity, [m for m, _ in pairs],
-                                     first.identity)))
+                                     first.identity), first.identity))
         return out
 
     def _state_back(self, scope: Scope, identity: Any, members: list[_Member],

@@ -26,10 +26,13 @@ class _MemberLike(Protocol):
     def all_variants(self) -> Any: ...
 
 
-__all__ = ["MAX_DROPPED", "MemberVariant", "Scope", "VariantView"]
+__all__ = ["MAX_DROPPED", "MAX_SIZES", "MemberVariant", "Scope", "VariantView"]
 
 #: distinct dropped variants counted exactly per scope; bookkeeping stays bounded
 MAX_DROPPED = 256
+#: variants of one family (members and sizes of one graph, when variants
+#: fold) recorded per scope; more are dropped (``variant_limit``)
+MAX_SIZES = 1024
 
 
 @attrs.define(eq=False, slots=True)
@@ -99,9 +102,33 @@ class Scope:
     #: snapshots of the first few dropped variants (for notices)
     dropped_first: list[ContextSnapshot] = attrs.field(factory=list)
     member_states: list[_MemberLike] = attrs.field(factory=list, repr=False)
+    #: family -> variants recorded of it: what ``max_variants`` counts.  A
+    #: family is a context and a signature with sizes left out when variants
+    #: fold (members that differ in plain attributes and calls that differ in
+    #: sizes may share one graph), else one variant of one identity
+    families: dict[Any, int] = attrs.field(factory=dict, repr=False)
+    #: calls dropped, by why: ``"graphs"`` (a family past max_variants) or
+    #: ``"sizes"`` (a variant past ``MAX_SIZES`` in its family)
+    dropped_why: dict[str, int] = attrs.field(factory=dict)
 
-    def drop(self, key: Any, snap: ContextSnapshot) -> None:
+    def room(self, family: Any, max_variants: int) -> str | None:
+        """Why a new variant of ``family`` cannot be recorded, or ``None``."""
+        n = self.families.get(family)
+        if n is None:
+            return "graphs" if len(self.families) >= max_variants else None
+        return "sizes" if n >= MAX_SIZES else None
+
+    def add(self, full: Any, family: Any) -> int:
+        """Record the variant ``full`` of ``family`` (room was checked):
+        its number."""
+        index = len(self.index)
+        self.index[full] = index
+        self.families[family] = self.families.get(family, 0) + 1
+        return index
+
+    def drop(self, key: Any, snap: ContextSnapshot, why: str = "graphs") -> None:
         """Count one call of a variant past max_variants (under the lock)."""
+        self.dropped_why[why] = self.dropped_why.get(why, 0) + 1
         self.dropped_calls += 1
         h = hash(key)
         if h in self.dropped:

@@ -40,6 +40,7 @@ from .._base.torchcaps import tensor_guard
 from ..capture.isolate import isolating
 from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
+from ..specs.dims import size_free_key
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
@@ -84,14 +85,17 @@ def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
 class _Shared:
     """What every member of one session shares."""
 
-    __slots__ = ("active", "errors", "failing_probes", "lock", "max_variants", "observer",
-                 "profile", "retention")
+    __slots__ = ("active", "errors", "failing_probes", "fold", "lock", "max_variants",
+                 "observer", "profile", "retention")
 
     def __init__(self, observer: Observer, *, max_variants: int, profile: bool,
-                 retain_bytes: int | None) -> None:
+                 retain_bytes: int | None, fold: bool = False) -> None:
         self.observer = observer
         self.lock = threading.Lock()
         self.max_variants = max_variants
+        #: variants of a member that differ in sizes only, and members that
+        #: differ in plain attributes only, count once against max_variants
+        self.fold = fold
         self.profile = profile
         self.retention = Retention(retain_bytes, self.lock)
         self.errors: Counter[tuple[str, str]] = Counter()
@@ -333,9 +337,11 @@ class _Member(Wrapper):
         mv = self.table.get(key)
         if mv is None:
             full = (self.identity, snap, sig)
+            family = (snap, size_free_key(sig)) if shared.fold else full
             with shared.lock:
-                if full not in scope.index and len(scope.index) >= shared.max_variants:
-                    scope.drop(full, snap)
+                why = None if full in scope.index else scope.room(family, shared.max_variants)
+                if why is not None:
+                    scope.drop(full, snap, why)
                     return None
             # mutable constants (a dict the forward fills) are copied as first
             # seen; the spec is made outside the lock
@@ -345,11 +351,11 @@ class _Member(Wrapper):
                 if mv is None:
                     index = scope.index.get(full)
                     if index is None:
-                        if len(scope.index) >= shared.max_variants:
-                            scope.drop(full, snap)
+                        why = scope.room(family, shared.max_variants)
+                        if why is not None:
+                            scope.drop(full, snap, why)
                             return None
-                        index = len(scope.index)
-                        scope.index[full] = index
+                        index = scope.add(full, family)
                     mv = MemberVariant(index, self.identity, snap, inputs)
                     self.table[key] = mv
         retention = shared.retention
@@ -467,6 +473,8 @@ class _Member(Wrapper):
                 taken = scope.index.get((new, snap, sig))
                 if taken is None:
                     scope.index[(new, snap, sig)] = mv.index
+                    if not self.shared.fold:  # a family per variant of an identity
+                        scope.families[(new, snap, sig)] = 1
                 else:
                     mv.index = taken
                 mv.identity = new
@@ -475,6 +483,7 @@ class _Member(Wrapper):
                              for m in scope.member_states if m is not self)
                 if not others:
                     scope.index.pop((old, snap, sig), None)
+                    scope.families.pop((old, snap, sig), None)
             self.identity, self.table, self.memo = new, dest, None
 
     def stop(self) -> None:

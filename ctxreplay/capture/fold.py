@@ -1,0 +1,285 @@
+"""Folding size variants: the variants of one member identity and context
+that differ in tensor sizes only, captured as one graph with dynamic sizes.
+
+A family (``families``) is the variants whose requests agree on everything
+but sizes: scope, identity, context, training flags, and the size-free key
+of inputs and outputs (``specs.dims.size_free``).  ``fold_family`` traces
+one of them with the dimensions that vary marked ``Dim.AUTO`` -- torch.export
+then decides itself how they relate and where the forward needs a fixed
+size (a branch on a size narrows the symbol's range, a ``%`` becomes a guard
+of the graph) -- reads the graph's rule for every input dimension, and runs
+the graph at every other variant's sizes whose rule it meets, by value,
+against the member itself on the same inputs, with each member's weights.
+A fold is kept only when every one of those runs agrees; the range it
+claims per symbol is the smallest and largest size it was run at, never
+wider.  Variants it does not take are folded again from another example
+(a size branch: one graph per side), at most ``MAX_FOLDS`` times; the rest
+are captured one by one.
+
+torch.export specialises sizes 0 and 1 (a dimension it takes dynamic holds
+sizes >= 2), so a variant with such a size where the family's sizes vary is
+captured on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from ..fidelity.levels import checked_by, level
+from ..fidelity.verify import Fidelity
+from ..specs.dims import DynamicDim, Folding, SymbolRange, parse_expr, size_free, varying_dims
+from ..specs.signature import CallSpec
+from .checker import Checker
+from .mutation import with_mutations
+from .options import CaptureOptions, VariantRequest
+from .results import Capture
+
+__all__ = ["MAX_FOLDS", "FoldRun", "families", "fold_family", "folds"]
+
+#: graphs tried per family before the rest are captured one by one
+MAX_FOLDS = 3
+
+#: ``(request, dynamic dims, after) -> Capture`` (``capture_variant``'s
+#: ``dims`` and ``after``), or ``CaptureFailed``
+FoldRun = Callable[[VariantRequest, Mapping[int, tuple[int, ...]], Any], Capture]
+
+
+def folds(options: CaptureOptions, *, alone: bool) -> bool:
+    """Whether a session folds: asked for, a backend that traces dynamic
+    sizes, a verification that runs graphs (a fold is only kept once run at
+    every size), and one process (ranks number variants among themselves)."""
+    return options.fold and bool(getattr(options.backend, "folds", False)) \
+        and options.verify != "off" and alone
+
+
+def _family_key(r: VariantRequest) -> Any:
+    if r.identity_number < 0:  # an identity not known: a family of its own
+        return ("alone", id(r))
+    return (r.scope, r.identity_number, r.identity, r.snapshot, r.training,
+            size_free(r.inputs), size_free(r.outputs))
+
+
+def families(requests: Sequence[VariantRequest]) -> list[list[VariantRequest]]:
+    """``requests`` grouped by family, in the order of each family's first."""
+    groups: dict[Any, list[VariantRequest]] = {}
+    for r in requests:
+        try:
+            key = _family_key(r)
+            hash(key)
+        except Exception:  # a constant that cannot be hashed: on its own
+            key = ("alone", id(r))
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
+def _foldable(family: Sequence[VariantRequest]) -> tuple[list[VariantRequest],
+                                                          list[VariantRequest]]:
+    """``(variants a dynamic graph can take, those captured one by one)``: a
+    size of 0 or 1 where the family's sizes vary specialises the trace."""
+    dims = varying_dims([r.inputs for r in family])
+    good: list[VariantRequest] = []
+    alone: list[VariantRequest] = []
+    for r in family:
+        shapes = [s.shape for _, s in r.inputs.leaves()]
+        small = any(shapes[i][d] < 2 for i, ds in dims.items() for d in ds)
+        (alone if small else good).append(r)
+    return good, alone
+
+
+def _example(family: Sequence[VariantRequest]) -> VariantRequest:
+    """The variant to trace: the most distinct varying sizes (sizes equal by
+    chance are not taken for a relation), then the largest."""
+    dims = varying_dims([r.inputs for r in family])
+
+    def score(r: VariantRequest) -> tuple[int, int]:
+        shapes = [s.shape for _, s in r.inputs.leaves()]
+        sizes = [shapes[i][d] for i, ds in dims.items() for d in ds]
+        return len(set(sizes)), sum(sizes)
+
+    # the median of the most distinct: a forward that branches on a size
+    # takes one side of it, and the variants left are folded from the other
+    best = max(score(r)[0] for r in family)
+    ranked = sorted((r for r in family if score(r)[0] == best), key=lambda r: score(r)[1])
+    return ranked[len(ranked) // 2]
+
+
+@attrs.define
+class _Rules:
+    """What the graph expects of each input dimension."""
+
+    dims: tuple[DynamicDim, ...]
+    #: symbol -> (low, high) the graph itself takes (``high`` None: unbounded)
+    bounds: dict[str, tuple[int, int | None]]
+
+    def folding(self, ranges: Mapping[str, tuple[int, int]], sizes: int) -> Folding:
+        return Folding(self.dims, tuple(SymbolRange(n, lo, hi)
+                                        for n, (lo, hi) in sorted(ranges.items())), sizes)
+
+    def takes(self, example: CallSpec, call: CallSpec) -> bool:
+        wide = {n: (lo, 2**62 if hi is None else hi) for n, (lo, hi) in self.bounds.items()}
+        try:
+            return self.folding(wide, 0).accepts(example, call)
+        except ValueError:
+            return False
+
+
+def _bound(value: Any) -> int | None:
+    try:
+        return int(value) if bool(value.is_finite) else None
+    except Exception:
+        return None
+
+
+def rules_of(artifact: Any, inputs: CallSpec) -> _Rules | None:
+    """Each input tensor dimension the program left symbolic, with the
+    expression it follows, and each symbol's range in the program; ``None``
+    when the program's inputs cannot be lined up with ``inputs`` or a
+    dimension follows something other than integer arithmetic."""
+    if not isinstance(artifact, torch.export.ExportedProgram):
+        return None
+    from torch.export.graph_signature import InputKind, TensorArgument
+
+    names = [s.arg.name for s in artifact.graph_signature.input_specs
+             if s.kind == InputKind.USER_INPUT and isinstance(s.arg, TensorArgument)]
+    nodes = {n.name: n for n in artifact.graph.nodes if n.op == "placeholder"}
+    leaves = list(inputs.leaves())
+    if len(names) != len(leaves):
+        return None
+    dims: list[DynamicDim] = []
+    for i, ((path, spec), name) in enumerate(zip(leaves, names)):
+        val = nodes[name].meta.get("val") if name in nodes else None
+        shape = getattr(val, "shape", None)
+        if shape is None or len(shape) != len(spec.shape):
+            return None
+        for d, size in enumerate(shape):
+            if type(size) is int:
+                if size != spec.shape[d]:
+                    return None
+                continue
+            try:
+                expr = str(size.node.expr)
+                parse_expr(expr)
+            except Exception:
+                return None
+            dims.append(DynamicDim(i, path, d, expr))
+    used = {n for d in dims for n in _names(d.expr)}
+    bounds = {}
+    for sym, vr in artifact.range_constraints.items():
+        if str(sym) in used:
+            bounds[str(sym)] = (max(0, _bound(vr.lower) or 0), _bound(vr.upper))
+    if used - set(bounds):
+        return None
+    return _Rules(tuple(dims), bounds)
+
+
+def _names(expr: str) -> set[str]:
+    import ast
+
+    return {n.id for n in ast.walk(parse_expr(expr)) if isinstance(n, ast.Name)}
+
+
+@attrs.define
+class _Trial:
+    """One fold being tried: the graph's rules and each variant's check."""
+
+    example: VariantRequest
+    pending: list[VariantRequest]
+    options: CaptureOptions
+    rules: _Rules | None = None
+    checked: dict[int, Fidelity] = attrs.Factory(dict)
+
+    def __call__(self, artifact: Any, checker_for: Callable[[VariantRequest], Checker],
+                 modules: Mapping[str, nn.Module]) -> None:
+        """Run as ``capture_variant``'s ``after``: the graph at the sizes of
+        every variant whose rules it meets (the example too, unless the
+        session's own check already ran it)."""
+        self.rules = rules_of(artifact, self.example.inputs)
+        if self.rules is None:
+            return
+        steps = ("execute", "values") if self.options.verify == "values" else ("execute",)
+        for r in self.pending:
+            if r is self.example and level(self.options.verify).executes:
+                continue
+            if not self.rules.takes(self.example.inputs, r.inputs):
+                continue
+            checker = checker_for(r)
+            fid = checker.run_steps(modules, steps)
+            self.checked[r.variant] = with_mutations(fid, checker.watch.found)
+
+
+def fold_family(family: Sequence[VariantRequest], options: CaptureOptions,
+                run: FoldRun) -> tuple[list[Capture], list[VariantRequest]]:
+    """``(folded captures, the variants left to capture one by one)``."""
+    pending, alone = _foldable(family)
+    if not varying_dims([r.inputs for r in family]):  # nothing but sizes may differ
+        return [], list(family)
+    made: list[Capture] = []
+    for _ in range(MAX_FOLDS):
+        if len(pending) < 2:
+            break
+        example = _example(pending)
+        trial = _Trial(example, pending, options)
+        dims = varying_dims([r.inputs for r in pending])
+        try:
+            capture = run(example, dims, trial)
+        except Exception:  # (CaptureFailed) the variants are captured one by one
+            break
+        taken = _taken(trial, capture, pending)
+        if taken is None:  # a size the graph mis-computes: no fold of these
+            break
+        made.append(_folded(capture, taken, trial))
+        pending = [r for r in pending if all(r is not t for t in taken)]
+    return made, [*pending, *alone]
+
+
+def _taken(trial: _Trial, capture: Capture,
+           pending: Sequence[VariantRequest]) -> list[VariantRequest] | None:
+    """The variants the fold stands for (the example's alone: the graph
+    takes no other size observed, and stands for its own), or ``None`` when
+    it must not be kept: a variant it takes but does not reproduce, or a
+    graph whose rules cannot be read."""
+    if trial.rules is None or not capture.fidelity.ok:
+        return None
+    if any(not f.ok for f in trial.checked.values()):
+        return None
+    return [r for r in pending if r is trial.example or r.variant in trial.checked]
+
+
+def _folded(capture: Capture, taken: Sequence[VariantRequest], trial: _Trial) -> Capture:
+    """``capture`` (of the example) standing for every variant in ``taken``
+    (its own alone: a capture of fixed sizes)."""
+    assert trial.rules is not None
+    rules = trial.rules
+    ranges: dict[str, tuple[int, int]] = {}
+    for r in taken:
+        values = rules.folding({n: (0, 2**62) for n in rules.bounds}, 0).values(
+            [s.shape for _, s in r.inputs.leaves()]) or {}
+        for n, v in values.items():
+            lo, hi = ranges.get(n, (v, v))
+            ranges[n] = (min(lo, v), max(hi, v))
+    calls: dict[str, int] = {}
+    for r in taken:
+        for m in r.members:
+            calls[m.name] = calls.get(m.name, 0) + m.calls
+    checks = [capture.fidelity, *trial.checked.values()]
+    done = tuple(dict.fromkeys(s for f in checks for s in f.checked))
+    order = checked_by("values")
+    done = tuple(sorted(done, key=lambda s: order.index(s) if s in order else len(order)))
+    fid = attrs.evolve(capture.fidelity, checked=done, members=len(calls),
+                       by_value=sum(f.by_value for f in checks))
+    identities = tuple(dict.fromkeys(i for r in taken for i in _identities(r)))
+    return attrs.evolve(capture, members=tuple(calls), member_calls=tuple(calls.items()),
+                        calls=sum(r.calls for r in taken), fidelity=fid,
+                        folding=rules.folding(ranges, len(taken)) if len(taken) > 1 else None,
+                        folded=tuple(r.variant for r in taken if r is not trial.example),
+                        identities=identities)
+
+
+def _identities(r: VariantRequest) -> list[tuple[str, str]]:
+    return [(m.name, r.identity) for m in r.members if r.identity]
+
