@@ -40,8 +40,8 @@ from .signature import (
     children,
 )
 
-__all__ = ["DynamicDim", "Folding", "SymbolRange", "concrete", "contiguous", "parse_expr", "size_free", "size_free_key",
-           "varying_dims"]
+__all__ = ["DynamicDim", "Folding", "SymbolRange", "concrete", "contiguous", "parse_expr",
+           "size_free", "size_free_key", "varying_dims"]
 
 
 def contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
@@ -169,8 +169,7 @@ def parse_expr(text: str) -> ast.expr:
             continue
         if isinstance(node, ast.Constant) and type(node.value) is int:
             continue
-        if isinstance(node, ast.Name) or isinstance(node, (ast.operator, ast.unaryop,
-                                                           ast.expr_context)):
+        if isinstance(node, (ast.Name, ast.operator, ast.unaryop, ast.expr_context)):
             continue
         raise ValueError(f"not a size expression: {text!r}")
     return tree
