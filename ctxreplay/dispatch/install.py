@@ -42,7 +42,7 @@ from ..observation.watch import Watch as AttributeWatch
 from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.signature import NotRealError, call_key, call_spec
-from .programs import Compiler, Entry, Programs, Target, entry, sources
+from .programs import Call, Compiler, Entry, Programs, Target, entry, sources
 
 _log = logging.getLogger("ctxreplay")
 
@@ -172,7 +172,7 @@ class _Slot(Wrapper):
 
     def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        spec = call_spec(args, kwargs)
+        call = Call(call_spec(args, kwargs))
         per_group = (snaps,) if len(self.groups) == 1 else snaps
         # the most telling reason wins: a capture that matches but cannot be
         # used here, then one of another context, then none of this signature
@@ -180,11 +180,11 @@ class _Slot(Wrapper):
         found: Any = None
         for (_obs, entries), snap in zip(self.groups, per_group):
             for e in entries:
-                if e.signature is None or e.unusable is not None:
-                    if e.signature is None or e.signature == spec:
+                if not e.comparable or e.unusable is not None:
+                    if not e.comparable or e.matches(call):
                         reason = e.unusable or "not_rebuildable"
                     continue
-                if e.signature != spec:
+                if not e.matches(call):
                     continue
                 if e.match != snap:
                     if reason == "signature":

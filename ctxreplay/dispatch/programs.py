@@ -31,6 +31,7 @@ from ..observation.targets import identity_digest, identity_of
 from ..report.capture_report import CaptureReport
 from ..specs.frozen import is_object
 from ..specs.materialize import build
+from ..specs.specjson import call_to_json, holds_objects
 from ..specs.signature import (
     CallSpec,
     ConstSpec,
@@ -43,7 +44,7 @@ from ..specs.signature import (
     tensor_values,
 )
 
-__all__ = ["Entry", "Programs", "Target", "entry", "sources"]
+__all__ = ["Call", "Entry", "Programs", "Target", "entry", "sources"]
 
 Compiler = Callable[[nn.Module], Callable[..., Any]]
 
@@ -65,6 +66,39 @@ class Entry:
     identities: dict[str, str] = attrs.field(factory=dict)
     ignore_attributes: tuple[str, ...] = ()
     hits: int = 0
+    #: a loaded capture's signature as its document writes it, where the
+    #: document does not rebuild it (an object argument, a string constant)
+    #: but keys every part of it (``LoadedCapture.call_document``)
+    document: Any = None
+
+    @property
+    def comparable(self) -> bool:
+        """Whether a live call can be compared with the captured one."""
+        return self.signature is not None or self.document is not None
+
+    def matches(self, call: Call) -> bool:
+        """Whether ``call`` is the captured call (its input signature)."""
+        if self.signature is not None:
+            return self.signature == call.spec
+        return self.document is not None and self.document == call.document()
+
+
+class Call:
+    """A live call's signature, and its document (``call_to_json``) made at
+    most once: a loaded capture the document does not rebuild is compared in
+    that form -- classes by import path, constants by key digest -- which a
+    fresh process computes alike."""
+
+    __slots__ = ("_document", "spec")
+
+    def __init__(self, spec: CallSpec) -> None:
+        self.spec = spec
+        self._document: dict[str, Any] | None = None
+
+    def document(self) -> dict[str, Any]:
+        if self._document is None:
+            self._document = call_to_json(self.spec)
+        return self._document
 
 
 def _has_objects(spec: Spec) -> bool:
@@ -80,10 +114,13 @@ def _has_objects(spec: Spec) -> bool:
 def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
            object_args: str) -> Entry:
     needs: Needs
+    document = None
     if isinstance(source, LoadedCapture):
         needs = source.needs
         program: Any = source.program
         signature, outputs = source.signature(), source.outputs()
+        if signature is None:
+            document = source.call_document()
         backend_ok = True
     else:
         needs = needs_of(source)
@@ -93,13 +130,13 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     snap = needs.snapshot.without(*ignore)
     binding = source.binding
     flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
-    unusable = _unusable(needs, snap, signature, outputs, flatten_out, backend_ok, ignore,
-                         object_args)
+    unusable = _unusable(needs, snap, signature, document, outputs, flatten_out, backend_ok,
+                         ignore, object_args)
     if _mutates_argument(source):  # whatever the policy
         unusable = "mutates_argument"
     return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
                   flatten_out, snap, unusable, dict(source.identities),
-                  tuple(source.ignore_attributes))
+                  tuple(source.ignore_attributes), document=document)
 
 
 def _mutates_argument(source: Capture | LoadedCapture) -> bool:
@@ -111,7 +148,7 @@ def _mutates_argument(source: Capture | LoadedCapture) -> bool:
 
 
 def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
-              outputs: Spec | None, flatten_out: bool, backend_ok: bool,
+              document: Any, outputs: Spec | None, flatten_out: bool, backend_ok: bool,
               ignore: tuple[str, ...], object_args: str) -> str | None:
     if not backend_ok:
         return "backend_not_dispatchable"
@@ -123,11 +160,18 @@ def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
         return "unknown_probe"
     if any(isinstance(s, Unresolved) for s in snap.states):
         return "live_state"
-    if signature is None or (flatten_out and outputs is None):
+    if (signature is None and document is None) or (flatten_out and outputs is None):
         return "not_rebuildable"
-    if object_args != "dispatch" and any(_has_objects(s) for _, s in signature.items()):
+    if object_args != "dispatch" and _holds_objects(signature, document):
         return "object_arguments"
     return None
+
+
+def _holds_objects(signature: CallSpec | None, document: Any) -> bool:
+    if signature is not None:
+        return any(_has_objects(s) for _, s in signature.items())
+    return any(holds_objects(s) for s in [*document["args"],
+                                          *(v for _, v in document["kwargs"])])
 
 
 def _identity(module: nn.Module, ignore: tuple[str, ...]) -> str:

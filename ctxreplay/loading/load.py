@@ -21,7 +21,7 @@ from ..core.snapshots import ContextSnapshot, Unresolved
 from ..fidelity.verify import combined_status
 from ..report.manifest import ManifestEntry, read_manifest
 from ..specs.signature import CallSpec, Spec
-from ..specs.specjson import resolve_opaque, spec_from_json
+from ..specs.specjson import call_unmatched, resolve_opaque, spec_from_json
 from .detect import detect
 from .guard import GuardedCapture
 from .needs import (
@@ -160,6 +160,26 @@ class LoadedCapture:
             return self.sidecar.signature()
         except ArtifactError:
             return None
+
+    def call_document(self) -> dict[str, Any] | None:
+        """The captured call's signature as its document writes it
+        (``{"args": [...], "kwargs": [...]}``), where a live call in this
+        process can be compared with it (``spec_to_json`` of the live call's
+        spec equal to it); ``None`` where ``unmatched()`` says why not."""
+        if self.unmatched() is not None:
+            return None
+        inputs = self.sidecar.document["inputs"]
+        return {"args": inputs["args"], "kwargs": inputs["kwargs"]}
+
+    def unmatched(self) -> str | None:
+        """Why no live call can be compared with the captured one here -- the
+        first part of its signature the document does not key (an object of
+        a class defined inside a function, a constant compared by identity)
+        -- or ``None`` when every part can be."""
+        found = self._cache.get("unmatched", False)
+        if found is False:
+            found = self._cache["unmatched"] = call_unmatched(self.sidecar.document["inputs"])
+        return found if isinstance(found, str) else None
 
     def outputs(self) -> Spec | None:
         """The live call's output structure, or ``None`` where the document
