@@ -232,15 +232,17 @@ def spec_from_json(value: object, path: str = "$", depth: int = 0) -> Spec | Opa
     raise ValueError(f"{path}: expected one of 'tensor', 'const', 'seq', 'dict', 'object'")
 
 
-def resolve_opaque(node: Any, error: type[Exception] = ValueError) -> Spec:
+def resolve_opaque(node: Any, error: type[Exception] = ValueError, *,
+                   advice: str = "build this argument yourself") -> Spec:
     """``node`` as a ``Spec``, or ``error`` naming the first opaque part."""
     if isinstance(node, Opaque):
         raise error(f"{node.where}: a {node.kind} cannot be rebuilt from a document; "
-                    "build this argument yourself")
+                    f"{advice}")
     if isinstance(node, SeqSpec):
-        return SeqSpec(node.kind, tuple(resolve_opaque(s, error) for s in node.items))
+        return SeqSpec(node.kind, tuple(resolve_opaque(s, error, advice=advice)
+                                        for s in node.items))
     if isinstance(node, DictSpec):
-        return DictSpec(node.kind, node.keys, tuple(resolve_opaque(s, error)
+        return DictSpec(node.kind, node.keys, tuple(resolve_opaque(s, error, advice=advice)
                                                     for s in node.values))
     result: Spec = node
     return result
