@@ -355,8 +355,13 @@ def install(model: nn.Module,
             e.g. a framework's forward context this process cannot compare).
         object_args: ``"eager"`` (default) runs calls whose arguments hold
             Python objects (a KV cache) eagerly, since a forward may update
-            such an object in Python where no graph records it;
-            ``"dispatch"`` dispatches them too.
+            such an object in Python where no graph records it -- a capture
+            found doing so is never dispatched (``mutates_argument``), but a
+            capture does not record whether its arguments were watched (a
+            strict export traces without running the forward in Python);
+            ``"dispatch"`` dispatches them too, a loaded capture's included
+            (matched through its document: classes by import path,
+            constants by key digest).
 
     Returns:
         An :class:`InstallHandle`: ``stats()`` counts hits and misses,

@@ -31,7 +31,6 @@ from ..observation.targets import identity_digest, identity_of
 from ..report.capture_report import CaptureReport
 from ..specs.frozen import is_object
 from ..specs.materialize import build
-from ..specs.specjson import call_to_json, holds_objects
 from ..specs.signature import (
     CallSpec,
     ConstSpec,
@@ -43,6 +42,7 @@ from ..specs.signature import (
     is_native,
     tensor_values,
 )
+from ..specs.specjson import call_to_json, holds_objects
 
 __all__ = ["Call", "Entry", "Programs", "Target", "entry", "sources"]
 
