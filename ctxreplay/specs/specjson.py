@@ -6,7 +6,11 @@ tensor values and never string contents (they may be prompts).
 plain scalars, lists, tuples, dicts); anything else (a dataclass, an object,
 a constant whose value was not written) comes back as an ``Opaque`` marker
 that says what it was and where, so a loader can tell the user which
-argument to build themselves.
+argument to build themselves.  What JSON does not rebuild can still be
+compared: classes are written by import path and unwritten constants by a
+key digest (``portable``), so ``spec_to_json`` of a live call equals a
+document exactly when the calls agree, wherever ``unmatched`` finds no part
+another process cannot key.
 """
 
 from __future__ import annotations
