@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import ctxreplay
+from ctxreplay.backends import ExportBackend
 from ctxreplay.fidelity.verify import Fidelity
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -344,3 +345,49 @@ def test_qwen2_static_cache_generate_dispatches_decode_and_updates_the_live_cach
     with ctxreplay.install(model, _vouched(report), object_args="dispatch"):
         wrong = _generate(model, **static)
     assert not torch.equal(wrong.sequences, eager.sequences)
+
+
+class Counted:
+    def __init__(self) -> None:
+        self.bias = torch.ones(4)
+        self.calls = 0
+
+
+class Counts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, state: Counted) -> torch.Tensor:
+        state.calls += 1  # a Python-level change of the argument: no graph op
+        out: torch.Tensor = self.lin(x) + state.bias
+        return out
+
+
+def test_object_arguments_stay_eager_by_default_where_no_walk_ran() -> None:
+    # Strict export traces the forward with Dynamo, not by running it in
+    # Python, so the walk of the arguments sees nothing: the capture holds
+    # no argument mismatch although its forward changes the argument, and
+    # nothing in it says the walk did not run.  The default policy runs such
+    # calls eagerly; dispatching them (the control) leaves the live object
+    # unchanged.
+    torch.manual_seed(0)
+    model = Counts()
+    x = torch.rand(2, 4)
+    with ctxreplay.capture_with(model, backend=ExportBackend(strict=True),
+                                verify="signature") as session, torch.no_grad():
+        model(x, Counted())
+    report = session.finalize()
+    assert isinstance(report.captures[0].artifact, torch.export.ExportedProgram)
+    with ctxreplay.install(model, report) as handle, torch.no_grad():
+        live = Counted()
+        model(x, live)
+        assert handle.stats().reasons == {"object_arguments": 1}
+    assert live.calls == 1  # eager ran
+    if _argument_mismatches(report):
+        return  # the walk saw it after all: nothing left to show
+    with ctxreplay.install(model, report, object_args="dispatch") as handle, torch.no_grad():
+        live = Counted()
+        model(x, live)
+        assert handle.stats().total_hits == 1
+    assert live.calls == 0  # the graph left the live object as it was

@@ -43,7 +43,7 @@ from ..observation.watch import Watch as AttributeWatch
 from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.signature import NotRealError, call_key, call_spec
-from .programs import REFUSED, Compiler, Entry, Programs, Target, entry, sources
+from .programs import REFUSED, Call, Compiler, Entry, Programs, Target, entry, sources
 
 _log = logging.getLogger("ctxreplay")
 
@@ -178,7 +178,7 @@ class _Slot(Wrapper):
 
     def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        spec = call_spec(args, kwargs)
+        call = Call(call_spec(args, kwargs))
         per_group = (snaps,) if len(self.groups) == 1 else snaps
         # the most telling reason wins: a capture that matches but cannot be
         # used here, then one of another context, then none of this signature
@@ -186,11 +186,11 @@ class _Slot(Wrapper):
         found: Any = None
         for (_obs, entries), snap in zip(self.groups, per_group):
             for e in entries:
-                if e.signature is None or e.unusable is not None:
-                    if e.signature is None or e.takes(spec):
+                if not e.comparable or e.unusable is not None:
+                    if not e.comparable or e.matches(call):
                         reason = e.unusable or "not_rebuildable"
                     continue
-                if not e.takes(spec):
+                if not e.matches(call):
                     continue
                 if e.match != snap:
                     if reason == "signature":
@@ -373,8 +373,13 @@ def install(model: nn.Module,
             e.g. a framework's forward context this process cannot compare).
         object_args: ``"eager"`` (default) runs calls whose arguments hold
             Python objects (a KV cache) eagerly, since a forward may update
-            such an object in Python where no graph records it;
-            ``"dispatch"`` dispatches them too.
+            such an object in Python where no graph records it -- a capture
+            found doing so is never dispatched (``mutates_argument``), but a
+            capture does not record whether its arguments were watched (a
+            strict export traces without running the forward in Python);
+            ``"dispatch"`` dispatches them too, a loaded capture's included
+            (matched through its document: classes by import path,
+            constants by key digest).
 
     Returns:
         An :class:`InstallHandle`: ``stats()`` counts hits and misses,

@@ -43,8 +43,9 @@ from ..specs.signature import (
     is_native,
     tensor_values,
 )
+from ..specs.specjson import call_to_json, holds_objects
 
-__all__ = ["REFUSED", "Entry", "Programs", "Target", "entry", "sources"]
+__all__ = ["REFUSED", "Call", "Entry", "Programs", "Target", "entry", "sources"]
 
 #: what ``Target.run`` returns when a folded graph's own guard refuses the
 #: call's sizes (the call then runs eagerly)
@@ -72,16 +73,43 @@ class Entry:
     hits: int = 0
     #: a folded capture's dynamic sizes (``None``: the signature's sizes only)
     folding: Folding | None = None
+    #: a loaded capture's signature as its document writes it, where the
+    #: document does not rebuild it (an object argument, a string constant)
+    #: but keys every part of it (``LoadedCapture.call_document``)
+    document: Any = None
 
-    def takes(self, spec: CallSpec) -> bool:
-        """Whether a call of signature ``spec`` is this capture's: its
-        signature, or -- folded -- the same but for sizes within the ranges
-        it was verified over."""
-        if self.signature is None:
-            return False
-        if self.signature == spec:
-            return True
-        return self.folding is not None and self.folding.accepts(self.signature, spec)
+    @property
+    def comparable(self) -> bool:
+        """Whether a live call can be compared with the captured one."""
+        return self.signature is not None or self.document is not None
+
+    def matches(self, call: Call) -> bool:
+        """Whether ``call`` is the captured call (its input signature)."""
+        if self.signature is not None:
+            if self.signature == call.spec:
+                return True
+            # folded: the same but for sizes within the ranges it was verified over
+            return self.folding is not None and self.folding.accepts(self.signature,
+                                                                     call.spec)
+        return self.document is not None and self.document == call.document()
+
+
+class Call:
+    """A live call's signature, and its document (``call_to_json``) made at
+    most once: a loaded capture the document does not rebuild is compared in
+    that form -- classes by import path, constants by key digest -- which a
+    fresh process computes alike."""
+
+    __slots__ = ("_document", "spec")
+
+    def __init__(self, spec: CallSpec) -> None:
+        self.spec = spec
+        self._document: dict[str, Any] | None = None
+
+    def document(self) -> dict[str, Any]:
+        if self._document is None:
+            self._document = call_to_json(self.spec)
+        return self._document
 
 
 def _has_objects(spec: Spec) -> bool:
@@ -97,10 +125,13 @@ def _has_objects(spec: Spec) -> bool:
 def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
            object_args: str) -> Entry:
     needs: Needs
+    document = None
     if isinstance(source, LoadedCapture):
         needs = source.needs
         program: Any = source.program
         signature, outputs = source.signature(), source.outputs()
+        if signature is None:
+            document = source.call_document()
         backend_ok = True
     else:
         needs = needs_of(source)
@@ -110,13 +141,13 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     snap = needs.snapshot.without(*ignore)
     binding = source.binding
     flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
-    unusable = _unusable(needs, snap, signature, outputs, flatten_out, backend_ok, ignore,
-                         object_args)
+    unusable = _unusable(needs, snap, signature, document, outputs, flatten_out, backend_ok,
+                         ignore, object_args)
     if _mutates_argument(source):  # whatever the policy
         unusable = "mutates_argument"
     return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
                   flatten_out, snap, unusable, dict(source.identities),
-                  tuple(source.ignore_attributes), folding=source.folding)
+                  tuple(source.ignore_attributes), document=document, folding=source.folding)
 
 
 def _mutates_argument(source: Capture | LoadedCapture) -> bool:
@@ -128,7 +159,7 @@ def _mutates_argument(source: Capture | LoadedCapture) -> bool:
 
 
 def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
-              outputs: Spec | None, flatten_out: bool, backend_ok: bool,
+              document: Any, outputs: Spec | None, flatten_out: bool, backend_ok: bool,
               ignore: tuple[str, ...], object_args: str) -> str | None:
     if not backend_ok:
         return "backend_not_dispatchable"
@@ -140,11 +171,18 @@ def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
         return "unknown_probe"
     if any(isinstance(s, Unresolved) for s in snap.states):
         return "live_state"
-    if signature is None or (flatten_out and outputs is None):
+    if (signature is None and document is None) or (flatten_out and outputs is None):
         return "not_rebuildable"
-    if object_args != "dispatch" and any(_has_objects(s) for _, s in signature.items()):
+    if object_args != "dispatch" and _holds_objects(signature, document):
         return "object_arguments"
     return None
+
+
+def _holds_objects(signature: CallSpec | None, document: Any) -> bool:
+    if signature is not None:
+        return any(_has_objects(s) for _, s in signature.items())
+    return any(holds_objects(s) for s in [*document["args"],
+                                          *(v for _, v in document["kwargs"])])
 
 
 def _identity(module: nn.Module, ignore: tuple[str, ...]) -> str:

@@ -22,7 +22,7 @@ from ..fidelity.verify import combined_status
 from ..report.manifest import ManifestEntry, read_manifest
 from ..specs.dims import Folding
 from ..specs.signature import CallSpec, Spec
-from ..specs.specjson import resolve_opaque, spec_from_json
+from ..specs.specjson import call_unmatched, resolve_opaque, spec_from_json
 from .detect import detect
 from .guard import GuardedCapture
 from .needs import (
@@ -132,10 +132,7 @@ class LoadedCapture:
         """Whether its check found the forward changing an argument object
         in Python (a ``Mismatch`` of field ``argument``: a cache growing),
         which no run of the program repeats."""
-        fid = self.sidecar.document.get("fidelity")
-        found = fid.get("mismatches") if isinstance(fid, Mapping) else None
-        return isinstance(found, list) and any(
-            isinstance(m, Mapping) and m.get("field") == ARGUMENT_FIELD for m in found)
+        return bool(self._argument_changes())
 
     @property
     def needs(self) -> Needs:
@@ -168,6 +165,26 @@ class LoadedCapture:
         except ArtifactError:
             return None
 
+    def call_document(self) -> dict[str, Any] | None:
+        """The captured call's signature as its document writes it
+        (``{"args": [...], "kwargs": [...]}``), where a live call in this
+        process can be compared with it (``spec_to_json`` of the live call's
+        spec equal to it); ``None`` where ``unmatched()`` says why not."""
+        if self.unmatched() is not None:
+            return None
+        inputs = self.sidecar.document["inputs"]
+        return {"args": inputs["args"], "kwargs": inputs["kwargs"]}
+
+    def unmatched(self) -> str | None:
+        """Why no live call can be compared with the captured one here -- the
+        first part of its signature the document does not key (an object of
+        a class defined inside a function, a constant compared by identity)
+        -- or ``None`` when every part can be."""
+        found = self._cache.get("unmatched", False)
+        if found is False:
+            found = self._cache["unmatched"] = call_unmatched(self.sidecar.document["inputs"])
+        return found if isinstance(found, str) else None
+
     def outputs(self) -> Spec | None:
         """The live call's output structure, or ``None`` where the document
         does not carry it fully."""
@@ -197,11 +214,54 @@ class LoadedCapture:
 
     def check(self, *, ignore: Iterable[str] = ()) -> tuple[Difference, ...]:
         """What differs between now and what this capture needs, one
-        :class:`Difference` per probe or field (empty when all holds).
+        :class:`Difference` per probe or field, and why ``install`` can
+        never dispatch it where the files say so (kind ``dispatch``: its
+        forward changes an argument object, a part of its signature no
+        live call can be compared with); empty when all holds.
 
         Args:
             ignore: probe names not to check (you vouch for them)."""
-        return check_needs(self.needs, ignore)
+        return check_needs(self.needs, ignore) + self.undispatchable()
+
+    def undispatchable(self) -> tuple[Difference, ...]:
+        """Why ``install`` never dispatches this capture, whatever the model
+        and the state (``Difference.kind`` ``dispatch``, ``field`` the reason
+        code ``DispatchStats`` counts); empty when nothing in its files says."""
+        label = (self.label,)
+        out = []
+        changed = self._argument_changes()
+        if changed:
+            out.append(Difference(
+                "mutates_argument", "a forward that leaves its argument objects as they were",
+                f"its forward changes an argument object in Python ({changed[0]}"
+                f"{f' and {len(changed) - 1} more' if len(changed) > 1 else ''}), which no "
+                "run of the graph repeats", "dispatch", label))
+        why = self.unmatched() or self._outputs_unbuilt()
+        if why is not None:
+            out.append(Difference("not_rebuildable", "a signature a live call can be compared "
+                                  "with", why, "dispatch", label))
+        return tuple(out)
+
+    def _argument_changes(self) -> list[str]:
+        """The argument changes its check found, as it words them (types and
+        attribute names: ``DynamicCache.layers[0].keys: assigned (new Tensor)``)."""
+        fid = self.sidecar.document.get("fidelity")
+        found = fid.get("mismatches") if isinstance(fid, Mapping) else None
+        return [str(m.get("live")) for m in (found if isinstance(found, list) else ())
+                if isinstance(m, Mapping) and m.get("field") == ARGUMENT_FIELD]
+
+    def _outputs_unbuilt(self) -> str | None:
+        """Why the outputs a flattened program returns cannot be put back
+        into the live call's structure, or ``None``."""
+        doc = self.sidecar.document.get("outputs")
+        if self.binding != "flattened" or doc is None:
+            return None
+        try:
+            resolve_opaque(spec_from_json(doc, "outputs"),
+                           advice="the program's flat outputs cannot be put back into it")
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     @contextmanager
     def replay(self) -> Iterator[None]:

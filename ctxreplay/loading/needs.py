@@ -32,8 +32,10 @@ __all__ = ["DIFFERENCE_KINDS", "ENVIRONMENT_FIELDS", "Difference", "Needs", "Pro
            "needs_from_document", "needs_of", "observe_all", "probe_map", "state_differences",
            "static_differences"]
 
-#: ``Difference.kind``: a probe's state, the environment, or the fidelity check
-DIFFERENCE_KINDS = ("state", "environment", "fidelity", "sizes")
+#: ``Difference.kind``: a probe's state, the environment, the fidelity check,
+#: why ``install`` can never dispatch the capture (``field``: the reason code),
+#: or a call's sizes outside a folded capture's ranges
+DIFFERENCE_KINDS = ("state", "environment", "fidelity", "dispatch", "sizes")
 #: ``Difference.field`` of an ``environment`` difference
 ENVIRONMENT_FIELDS = ("torch", "device", "capability", "autocast_policy")
 
@@ -63,20 +65,23 @@ class Difference:
     """One thing that differs between now and what a capture needs.
 
     ``kind``: ``"state"`` (a probe: ``field`` is its name), ``"environment"``
-    (``torch``, ``device``, ``capability``, ``autocast_policy``) or
-    ``"fidelity"``; ``needed`` / ``found`` say it in words; ``captures`` lists
-    the ``scope#variant`` labels it concerns.  ``str()`` is one line."""
+    (``torch``, ``device``, ``capability``, ``autocast_policy``),
+    ``"fidelity"``, or ``"dispatch"`` (``field`` is the reason ``install``
+    gives for never dispatching it: ``mutates_argument``,
+    ``not_rebuildable``); ``needed`` / ``found`` say it in words;
+    ``captures`` lists the ``scope#variant`` labels it concerns.  ``str()``
+    is one line."""
 
     field: str
     """What differs: a probe's name, an environment field (``torch``, ``device``, ``capability``,
-    ``autocast_policy``) or ``fidelity``."""
+    ``autocast_policy``), ``fidelity``, or a dispatch reason code."""
     needed: str
     """What the capture needs, in words."""
     found: str
     """What this process has now, in words."""
     kind: str = "state"
-    """One of ``DIFFERENCE_KINDS``: ``state``, ``environment``, ``fidelity`` or ``sizes`` (a
-    call's sizes outside the ranges a folded capture was verified over)."""
+    """One of ``DIFFERENCE_KINDS``: ``state``, ``environment``, ``fidelity``, ``dispatch`` or
+    ``sizes`` (a call's sizes outside the ranges a folded capture was verified over)."""
     captures: tuple[str, ...] = ()
     """The ``scope#variant`` labels it concerns."""
 
@@ -85,8 +90,8 @@ class Difference:
         """The difference as one line of words."""
         if self.kind == "environment":
             line = f"{self.field}: made with {self.needed}, now {self.found}"
-        elif self.kind == "fidelity":
-            line = f"fidelity: {self.found}"
+        elif self.kind in ("fidelity", "dispatch"):
+            line = f"{self.field}: {self.found}"
         else:
             line = f"{self.field}: needs {self.needed}, now {self.found}"
         if self.captures:
