@@ -39,7 +39,7 @@ from .mutation import with_mutations
 from .options import CaptureOptions, VariantRequest
 from .results import Capture
 
-__all__ = ["MAX_FOLDS", "FoldRun", "families", "fold_family", "folds"]
+__all__ = ["MAX_FOLDS", "FoldRun", "families", "fold_family", "folds", "not_folding"]
 
 #: graphs tried per family before the rest are captured one by one
 MAX_FOLDS = 3
@@ -53,8 +53,20 @@ def folds(options: CaptureOptions, *, alone: bool) -> bool:
     """Whether a session folds: asked for, a backend that traces dynamic
     sizes, a verification that runs graphs (a fold is only kept once run at
     every size), and one process (ranks number variants among themselves)."""
-    return options.fold and bool(getattr(options.backend, "folds", False)) \
-        and options.verify != "off" and alone
+    return not_folding(options, alone=alone) is None
+
+
+def not_folding(options: CaptureOptions, *, alone: bool) -> str | None:
+    """Why a session does not fold, in words (``None``: it does)."""
+    if not options.fold:
+        return "fold=False"
+    if not getattr(options.backend, "folds", False):
+        return f"backend {options.backend.name!r} traces fixed sizes"
+    if options.verify == "off":
+        return "verify='off' (a fold is kept only once run at every size)"
+    if not alone:
+        return "a distributed finalize captures each size apart"
+    return None
 
 
 def _family_key(r: VariantRequest) -> Any:

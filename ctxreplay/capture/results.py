@@ -376,16 +376,32 @@ def _names(p: Problem | Notice) -> str:
     return shown or "-"
 
 
+def _limit_text(p: Problem) -> str:
+    """``variant_limit`` in words, from its names: ``fold:on`` or
+    ``fold:off:<why>``, ``dropped:<graphs|sizes>:<calls>``, ``dim:<path>``."""
+    fold = next((n[5:] for n in p.names if n.startswith("fold:")), "")
+    dims = [n[4:] for n in p.names if n.startswith("dim:")]
+    sizes = any(n.startswith("dropped:sizes:") for n in p.names)
+    text = (f"{p.scope}: {'' if p.exact else 'at least '}{_n(p.variants, 'variant')} "
+            f"({_n(p.calls, 'call')}) past max_variants={p.limit} were never captured")
+    if fold == "on":
+        text += ("; variants that differ in tensor sizes only count once (they fold into "
+                 "one graph), so these differ in context, dtypes, structure or constants")
+        if sizes:
+            text += "; some were sizes past the limit of one graph's"
+    elif fold:
+        text += f"; each size counts apart because folding is off ({fold.removeprefix('off:')})"
+    if dims:
+        text += f"; sizes varied in {', '.join(dims)}"
+    return text + "; raise max_variants or give a probe a coarser key"
+
+
 _PROBLEM_TEXT: dict[str, Any] = {
     "no_captures": lambda p: f"{_n(p.variants, 'variant')} observed and none captured "
                              "(see the failures)",
     "nothing_observed": lambda p: "no call of a targeted module was observed while the "
                                   "session was open",
-    "variant_limit": lambda p: f"{p.scope}: {'' if p.exact else 'at least '}"
-                               f"{_n(p.variants, 'variant')} "
-                               f"({_n(p.calls, 'call')}) past max_variants={p.limit} were "
-                               "never captured; raise max_variants or give a probe a "
-                               "coarser key",
+    "variant_limit": lambda p: _limit_text(p),
     "scope_limit": lambda p: f"{_n(p.variants, 'structure')} ({_names(p)}) past "
                              f"max_scopes={p.limit} were never observed",
     "observation_error": lambda p: f"{_n(p.calls, 'observation')} failed ({_names(p)}); "

@@ -7,7 +7,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from ..capture.fold import not_folding
 from ..capture.options import CaptureOptions, VariantRequest
+from ..specs.dims import size_free, varying_dims
 from ..capture.results import Capture, Notice, Problem
 from ..observation.attach import Observation
 
@@ -30,7 +32,8 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     for scope in obs.scopes:
         if scope.dropped_calls:
             problems.append(Problem("variant_limit", scope.name, len(scope.dropped),
-                                    scope.dropped_calls, limit=options.max_variants,
+                                    scope.dropped_calls, _limit_names(scope, options),
+                                    limit=options.max_variants,
                                     exact=not scope.dropped_overflow))
     if obs.dropped_scopes:
         problems.append(Problem("scope_limit", None, obs.dropped_structures, 0,
@@ -67,6 +70,24 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
         notices.append(Notice("call_raised", scope.name, None, raised, (member_name,)))
     notices += _too_fine(captures, requests, obs)
     return tuple(problems), tuple(notices)
+
+
+def _limit_names(scope: Any, options: CaptureOptions) -> tuple[str, ...]:
+    """What a ``variant_limit`` problem names: whether sizes folded (or why
+    not), how many calls each limit dropped, and the dimensions whose sizes
+    varied among the variants kept."""
+    off = not_folding(options, alone=True)
+    names = ["fold:on" if off is None else f"fold:off:{off}"]
+    names += [f"dropped:{why}:{n}" for why, n in sorted(scope.dropped_why.items())]
+    groups: dict[Any, list[Any]] = {}
+    for view in scope.variants.values():
+        groups.setdefault(size_free(view.inputs), []).append(view.inputs)
+    paths: list[str] = []
+    for sigs in groups.values():
+        leaves = [p for p, _ in sigs[0].leaves()]
+        for i, dims in varying_dims(sigs).items() if len(sigs) > 1 else ():
+            paths += [f"dim:{leaves[i]}[{d}]" for d in dims]
+    return (*names, *list(dict.fromkeys(paths))[:8])
 
 
 def _by_scope(requests: Any) -> dict[str, list[VariantRequest]]:
