@@ -30,6 +30,9 @@ import ctxreplay
 from ctxreplay.cache.store import CacheDir, CacheWarning
 
 SHAPES = ((2, 4, 8), (2, 6, 8), (1, 5, 8))
+#: the captures (and cache entries) SHAPES makes: rows 4 and 6 folded into one
+#: graph, and the batch-1 call on its own (a size of 1 is traced apart)
+CAPTURES = 2
 
 
 class Block(nn.Module):
@@ -103,17 +106,20 @@ def cache_warnings(seen: list[warnings.WarningMessage]) -> list[str]:
 def test_unchanged_model_hits_every_variant(tmp_path: Path, verify: str) -> None:
     torch.manual_seed(0)
     first, calls = run(Stack(), tmp_path, verify=verify)
-    assert first.ok and cached(first) == [False] * len(SHAPES)
-    assert len(entries(tmp_path)) == len(SHAPES)
+    # rows 4 and 6 fold into one graph; the batch-1 call stays apart (size 1)
+    n = len(first.captures)
+    assert n == 2 and [len(c.folded) for c in first.captures] == [1, 0]
+    assert first.ok and cached(first) == [False] * n
+    assert len(entries(tmp_path)) == n
     assert trust_oracle.unreproduced(first, calls) == []
 
     torch.manual_seed(1)  # other weights: the cache holds none, so they must not matter
     model = Stack()
     second, calls = run(model, tmp_path, verify=verify)
-    assert second.ok and cached(second) == [True] * len(SHAPES)
-    assert second.cache == {"directory": str(tmp_path), "from_cache": len(SHAPES),
-                            "traced": 0}
-    assert second.cache_summary is not None and "3 of 3" in second.cache_summary
+    assert second.ok and cached(second) == [True] * n
+    assert [c.folding for c in second.captures] == [c.folding for c in first.captures]
+    assert second.cache == {"directory": str(tmp_path), "from_cache": n, "traced": 0}
+    assert second.cache_summary is not None and f"{n} of {n}" in second.cache_summary
     if verify == "signature":  # a hit keeps no program in memory until it is used
         assert not any(c.artifact_loaded for c in second.captures)
     # the loaded programs reproduce every call of the second model, with its weights
@@ -152,11 +158,12 @@ def test_what_can_change_the_graph_misses(tmp_path: Path, change: str) -> None:
     model_kw, run_kw = CHANGES[change]
     torch.manual_seed(0)
     first, _ = run(Stack(), tmp_path)
-    assert first.ok and len(entries(tmp_path)) == len(SHAPES)
+    n = len(first.captures)  # a fold and the batch-1 call
+    assert first.ok and len(entries(tmp_path)) == n
     torch.manual_seed(0)
     second, calls = run(Stack(**model_kw), tmp_path, **run_kw)
-    assert second.ok and cached(second) == [False] * len(SHAPES)
-    assert len(entries(tmp_path)) == 2 * len(SHAPES)  # stored beside, nothing overwritten
+    assert second.ok and cached(second) == [False] * len(second.captures)
+    assert len(entries(tmp_path)) == 2 * n  # stored beside, nothing overwritten
     assert trust_oracle.unreproduced(second, calls) == []
     if change in ("plain attribute", "snapshot"):
         # what a key without it would have hit: the first run's capture, wrong here
@@ -170,11 +177,11 @@ def test_another_torch_version_misses(tmp_path: Path, monkeypatch: pytest.Monkey
     run(Stack(), tmp_path)
     monkeypatch.setattr(torch, "__version__", "2.99.0+other")
     second, calls = run(Stack(), tmp_path)
-    assert second.ok and cached(second) == [False] * len(SHAPES)
+    assert second.ok and cached(second) == [False] * CAPTURES
     assert trust_oracle.unreproduced(second, calls) == []
     monkeypatch.undo()
     third, _ = run(Stack(), tmp_path)
-    assert cached(third) == [True] * len(SHAPES)
+    assert cached(third) == [True] * CAPTURES
 
 
 BLOCK_SOURCE = '''
@@ -248,13 +255,13 @@ def test_a_tampered_graph_is_caught_by_execution_and_recaptured(
         _rewrite_ready(dst)
     torch.manual_seed(0)
     report, calls = run(Stack(), honest, verify="execute")
-    assert report.ok and cached(report) == [False] * len(SHAPES)
+    assert report.ok and cached(report) == [False] * CAPTURES
     found = cache_warnings(quiet)
-    assert len(found) == len(SHAPES)
+    assert len(found) == CAPTURES
     assert all("does not reproduce the live calls" in w for w in found)
     assert trust_oracle.unreproduced(report, calls) == []
     again, _ = run(Stack(), honest, verify="execute")  # recaptured and stored again
-    assert cached(again) == [True] * len(SHAPES)
+    assert cached(again) == [True] * CAPTURES
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "no READY"])
@@ -273,12 +280,12 @@ def test_a_damaged_entry_is_discarded_with_a_warning(
     else:
         (entry / "READY").unlink()
     report, calls = run(Stack(), tmp_path)
-    assert report.ok and sorted(cached(report)) == [False] + [True] * (len(SHAPES) - 1)
+    assert report.ok and sorted(cached(report)) == [False] + [True] * (CAPTURES - 1)
     found = cache_warnings(quiet)
     assert len(found) == 1 and "discarded" in found[0] and entry.name[:16] in found[0]
     assert trust_oracle.unreproduced(report, calls) == []
     assert all(CacheDir(tmp_path).read(k) is not None for k in entries(tmp_path))
-    assert len(entries(tmp_path)) == len(SHAPES)
+    assert len(entries(tmp_path)) == CAPTURES
 
 
 def test_a_read_only_directory_is_read_and_never_written(
@@ -298,7 +305,7 @@ def test_a_read_only_directory_is_read_and_never_written(
     monkeypatch.setattr(Path, "mkdir", refuse)
     for _ in range(2):
         report, calls = run(Stack(), tmp_path)
-        assert report.ok and cached(report) == [True, True, False]
+        assert report.ok and cached(report) == [True, False]
         assert trust_oracle.unreproduced(report, calls) == []
     found = cache_warnings(quiet)
     assert len(found) == 1 and "cannot be written" in found[0]
@@ -361,17 +368,18 @@ def test_two_processes_fill_one_cache_concurrently(tmp_path: Path) -> None:
     assert all(p.returncode == 0 for p in procs), outs
     for out, _ in outs:
         ok, _hits, n, warned = out.split()
-        assert ok == "True" and n == "6" and warned == "0", outs
+        # per block, rows 2, 3 and 4 folded into one graph
+        assert ok == "True" and n == "2" and warned == "0", outs
     cache = CacheDir(tmp_path / "cache")
     keys = entries(cache.root)
-    assert len(keys) == 6
+    assert len(keys) == 2
     for key in keys:  # every entry complete and checksummed
         assert cache.read(key) is not None
     assert not list((cache.root / ".tmp").iterdir())  # no partial write left behind
     third = subprocess.run([sys.executable, str(script), str(tmp_path), "2"], env=env,
                            capture_output=True, text=True, timeout=240)
     assert third.returncode == 0, third.stderr
-    assert third.stdout.split() == ["True", "6", "6", "0"]
+    assert third.stdout.split() == ["True", "2", "2", "0"]
 
 
 # -- options, environment, command ----------------------------------------------------
@@ -381,11 +389,11 @@ def test_the_environment_variable_and_false(tmp_path: Path,
     monkeypatch.setenv("CTXREPLAY_CACHE", str(tmp_path))
     torch.manual_seed(0)
     run(Stack(), None)
-    assert len(entries(tmp_path)) == len(SHAPES)
+    assert len(entries(tmp_path)) == CAPTURES
     report, _ = run(Stack(), None)
-    assert cached(report) == [True] * len(SHAPES)
+    assert cached(report) == [True] * CAPTURES
     off, _ = run(Stack(), False)
-    assert cached(off) == [False] * len(SHAPES) and off.cache is None
+    assert cached(off) == [False] * CAPTURES and off.cache is None
 
 
 @pytest.mark.parametrize("bad", [True, "", 3])
@@ -411,15 +419,15 @@ def test_the_cache_command_and_inspect(tmp_path: Path, capsys: pytest.CaptureFix
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "report.json")]) == 0
     out = capsys.readouterr().out
-    assert out.count("[cache]") == len(SHAPES) + 1  # a marker per capture, and the legend
-    assert "3 captures loaded from it" in out
+    assert out.count("[cache]") == CAPTURES + 1  # a marker per capture, and the legend
+    assert f"{CAPTURES} captures loaded from it" in out
     assert main(["cache", "list", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
-    assert out.count("Block blocks.0#") == len(SHAPES) and "3 entries" in out
+    assert out.count("Block blocks.0#") == CAPTURES and f"{CAPTURES} entries" in out
     assert main(["cache", "size", str(tmp_path / "c")]) == 0
-    assert "3 entries" in capsys.readouterr().out
+    assert f"{CAPTURES} entries" in capsys.readouterr().out
     assert main(["cache", "clear", str(tmp_path / "c")]) == 0
-    assert "removed 3 entries" in capsys.readouterr().out
+    assert f"removed {CAPTURES} entries" in capsys.readouterr().out
     assert entries(tmp_path / "c") == []
 
 

@@ -36,7 +36,7 @@ from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
 from .keys import KEY_SCHEMA, variant_key
 from .store import CacheDir, Entry
 
-__all__ = ["CaptureCache", "Stored"]
+__all__ = ["CaptureCache", "Stored", "deferred_capture", "fill_record", "program_source"]
 
 Run = Callable[[Source | None], Capture]
 
@@ -138,11 +138,11 @@ class CaptureCache:
             self.store.discard(entry.key, "for another calling convention of the variant")
             return None
         if set(checked_by(options.verify)) <= {"signature"}:
-            capture = _deferred_capture(entry, stored, fmt, backend, request, module, modules,
+            capture = deferred_capture(entry, stored, fmt, backend, request, module, modules,
                                         options, baseline)
         else:
             try:
-                capture = run(_source(fmt, entry.program, stored, backend))
+                capture = run(program_source(fmt, entry.program, stored, backend))
             except CaptureFailed as failed:
                 self.store.discard(entry.key, f"not usable ({failed.failure.reason})")
                 return None
@@ -156,23 +156,31 @@ class CaptureCache:
 
     def _fill(self, key: str, capture: Capture, request: VariantRequest, module: nn.Module,
               options: CaptureOptions) -> None:
-        """Store ``capture`` when it passed its check and its format can keep
-        the program without weights (a graph holding collectives is not
-        stored: it is checked with the other ranks, after this)."""
-        if not capture.fidelity.ok or capture.collective or capture.artifact is None:
-            return
-        fmt, _ = format_for(capture.artifact)
-        try:
-            program = None if fmt is None else fmt.program_bytes(capture.artifact)
-            stored = _stored(capture, request, options, fmt)
-            Stored.read({"capture": stored.to_json(), "about": {"verify": options.verify}})
-        except Exception:  # what cannot be written back faithfully is not kept
-            return
-        if program is None or fmt is None:
-            return
-        record = {"schema": KEY_SCHEMA, "key": key, "created": time.time(),
-                  "about": _about(capture, module, options), "capture": stored.to_json()}
-        self.store.write(key, record, program)
+        """Store ``capture`` when it passed its check (``fill_record``)."""
+        if capture.fidelity.ok:
+            fill_record(self, key, capture, request, module, options, {})
+
+
+def fill_record(cache: CaptureCache, key: str, capture: Capture, request: VariantRequest,
+                module: nn.Module, options: CaptureOptions, extra: Mapping[str, Any]) -> None:
+    """Write ``capture`` (which passed its check) under ``key``, with
+    ``extra`` fields in its record, where its format can keep the program
+    without weights (a graph holding collectives is not stored: it is
+    checked with the other ranks, after this)."""
+    if capture.collective or capture.artifact is None:
+        return
+    fmt, _ = format_for(capture.artifact)
+    try:
+        program = None if fmt is None else fmt.program_bytes(capture.artifact)
+        stored = _stored(capture, request, options, fmt)
+        Stored.read({"capture": stored.to_json(), "about": {"verify": options.verify}})
+    except Exception:  # what cannot be written back faithfully is not kept
+        return
+    if program is None or fmt is None:
+        return
+    record = {"schema": KEY_SCHEMA, "key": key, "created": time.time(),
+              "about": _about(capture, module, options), "capture": stored.to_json(), **extra}
+    cache.store.write(key, record, program)
 
 
 def _stored(capture: Capture, request: VariantRequest, options: CaptureOptions,
@@ -221,7 +229,7 @@ def _prefix(binding: str) -> str:
     return "inner." if binding == "flattened" else ""  # capture's ``_Flattened`` wrapper
 
 
-def _source(fmt: ArtifactFormat, data: bytes, stored: Stored, backend: Backend) -> Source:
+def program_source(fmt: ArtifactFormat, data: bytes, stored: Stored, backend: Backend) -> Source:
     def load(view: nn.Module, binding: str) -> tuple[Any, Spec | None, Backend]:
         weights = _weights(view, _prefix(binding), copy_buffers=False)
         return fmt.program_from_bytes(data, weights), stored.graph_outputs, backend
@@ -245,7 +253,7 @@ class _OnDisk(Deferred):
                                 f"({type(exc).__name__}: {exc})", "not_rebuildable") from exc
 
 
-def _deferred_capture(entry: Entry, stored: Stored, fmt: ArtifactFormat, backend: Backend,
+def deferred_capture(entry: Entry, stored: Stored, fmt: ArtifactFormat, backend: Backend,
                       request: VariantRequest, module: nn.Module,
                       modules: Mapping[str, nn.Module], options: CaptureOptions,
                       baseline: tuple[ContextProbe[Any], ...]) -> Capture:

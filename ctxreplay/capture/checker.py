@@ -96,9 +96,22 @@ class Checker:
     def run_steps(self, modules: Mapping[str, nn.Module], steps: tuple[str, ...]) -> Fidelity:
         """Only ``steps`` (e.g. ``("execute",)``), for every member that ran
         the variant: a graph traced at other sizes (a fold) has no output
-        metadata of this variant's sizes to compare, so it is run instead."""
+        metadata of this variant's sizes to compare, so it is run instead --
+        as the capture says it must run: where its ``ambient_only`` states
+        are re-established (none for an embedded replay)."""
         members = [m for m in self.request.members if m.completed]
         self.by_value = 0
+        self.needs = self.ambient_only
+        try:
+            found = self._steps(modules, members, steps)
+        finally:
+            self.needs = ()
+        merged = merge_mismatches(found)
+        return Fidelity(steps[-1], not merged, merged, steps, len(members), None,
+                        self.by_value)
+
+    def _steps(self, modules: Mapping[str, nn.Module], members: list[MemberCall],
+               steps: tuple[str, ...]) -> list[Mismatch]:
         found: list[Mismatch] = []
         single = len(self.request.members) == 1
         for m in members:
@@ -110,9 +123,7 @@ class Checker:
                 continue
             for step in steps:
                 found += _STEPS[step](self, m, module, shown)
-        merged = merge_mismatches(found)
-        return Fidelity(steps[-1], not merged, merged, steps, len(members), None,
-                        self.by_value)
+        return found
 
     def _check(self, name: str, members: list[MemberCall],
                modules: Mapping[str, nn.Module]) -> list[Mismatch]:

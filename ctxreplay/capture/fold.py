@@ -39,7 +39,8 @@ from .mutation import with_mutations
 from .options import CaptureOptions, VariantRequest
 from .results import Capture
 
-__all__ = ["MAX_FOLDS", "FoldRun", "families", "fold_family", "folds", "not_folding"]
+__all__ = ["MAX_FOLDS", "FoldRun", "Trial", "families", "fold_family", "folds", "not_folding",
+           "rules_from_json", "rules_of", "rules_to_json"]
 
 #: graphs tried per family before the rest are captured one by one
 MAX_FOLDS = 3
@@ -189,6 +190,24 @@ def rules_of(artifact: Any, inputs: CallSpec) -> _Rules | None:
     return _Rules(tuple(dims), bounds)
 
 
+def rules_to_json(rules: _Rules) -> dict[str, Any]:
+    """A fold's rules as JSON (the capture cache keeps them)."""
+    return {"dims": [[d.leaf, d.path, d.dim, d.expr] for d in rules.dims],
+            "bounds": {n: [lo, hi] for n, (lo, hi) in rules.bounds.items()}}
+
+
+def rules_from_json(doc: Any) -> _Rules:
+    """The inverse of ``rules_to_json``; ``ValueError`` on anything else."""
+    try:
+        dims = tuple(DynamicDim(int(leaf), str(path), int(dim), str(expr))
+                     for leaf, path, dim, expr in doc["dims"])
+        bounds = {str(n): (int(lo), None if hi is None else int(hi))
+                  for n, (lo, hi) in doc["bounds"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"fold rules: {exc}") from None
+    return _Rules(dims, bounds)
+
+
 def _names(expr: str) -> set[str]:
     import ast
 
@@ -196,7 +215,7 @@ def _names(expr: str) -> set[str]:
 
 
 @attrs.define
-class _Trial:
+class Trial:
     """One fold being tried: the graph's rules and each variant's check."""
 
     example: VariantRequest
@@ -204,6 +223,15 @@ class _Trial:
     options: CaptureOptions
     rules: _Rules | None = None
     checked: dict[int, Fidelity] = attrs.Factory(dict)
+
+    def reset(self) -> None:
+        """Forget a trial's results (a cache hit that did not pass)."""
+        self.rules = None
+        self.checked.clear()
+
+    def agreed(self) -> bool:
+        """The graph's rules were read and every size it was run at agreed."""
+        return self.rules is not None and all(f.ok for f in self.checked.values())
 
     def __call__(self, artifact: Any, checker_for: Callable[[VariantRequest], Checker],
                  modules: Mapping[str, nn.Module]) -> None:
@@ -235,7 +263,7 @@ def fold_family(family: Sequence[VariantRequest], options: CaptureOptions,
         if len(pending) < 2:
             break
         example = _example(pending)
-        trial = _Trial(example, pending, options)
+        trial = Trial(example, pending, options)
         dims = varying_dims([r.inputs for r in pending])
         try:
             capture = run(example, dims, trial)
@@ -249,7 +277,7 @@ def fold_family(family: Sequence[VariantRequest], options: CaptureOptions,
     return made, [*pending, *alone]
 
 
-def _taken(trial: _Trial, capture: Capture,
+def _taken(trial: Trial, capture: Capture,
            pending: Sequence[VariantRequest]) -> list[VariantRequest] | None:
     """The variants the fold stands for (the example's alone: the graph
     takes no other size observed, and stands for its own), or ``None`` when
@@ -262,7 +290,7 @@ def _taken(trial: _Trial, capture: Capture,
     return [r for r in pending if r is trial.example or r.variant in trial.checked]
 
 
-def _folded(capture: Capture, taken: Sequence[VariantRequest], trial: _Trial) -> Capture:
+def _folded(capture: Capture, taken: Sequence[VariantRequest], trial: Trial) -> Capture:
     """``capture`` (of the example) standing for every variant in ``taken``
     (its own alone: a capture of fixed sizes)."""
     assert trial.rules is not None

@@ -9,9 +9,9 @@ from typing import Any
 
 from ..capture.fold import not_folding
 from ..capture.options import CaptureOptions, VariantRequest
-from ..specs.dims import size_free, varying_dims
 from ..capture.results import Capture, Notice, Problem
 from ..observation.attach import Observation
+from ..specs.dims import size_free, varying_dims
 
 __all__ = ["coverage"]
 

@@ -15,8 +15,9 @@ from typing import Any
 import attrs
 from torch import nn
 
+from ..cache.folds import cached_fold
 from ..cache.use import CaptureCache
-from ..capture.fold import families, fold_family, folds
+from ..capture.fold import Trial, families, fold_family, folds
 from ..capture.merge import merge_identical
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
@@ -130,7 +131,7 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
         else [[r] for r in requests]
     try:
         for group in groups:
-            _fold(job, group, modules, baseline, net, bar)
+            _fold(job, group, modules, baseline, net, bar, cache)
             for request in group:
                 where = (request.scope, request.variant)
                 if where not in job.done:
@@ -154,7 +155,8 @@ def _one(job: Finalizing, request: VariantRequest, modules: dict[str, nn.Module]
 
 
 def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Module],
-          baseline: tuple[ContextProbe[Any], ...], net: Baseline, bar: Progress) -> None:
+          baseline: tuple[ContextProbe[Any], ...], net: Baseline, bar: Progress,
+          cache: CaptureCache | None) -> None:
     """Fold the variants of ``group`` (one family) not captured yet: each
     folded capture is recorded under its example, the variants it stands
     for as done with nothing of their own."""
@@ -162,15 +164,21 @@ def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Mo
     if len(todo) < 2 or job.interrupted:
         return
 
-    def run(request: VariantRequest, dims: Any, after: Any) -> Capture:
+    def trace(request: VariantRequest, dims: Any, after: Any, source: Any) -> Capture:
         try:
             return capture_variant(request, modules, job.options, baseline=baseline,
-                                   dims=dims, after=after)
+                                   dims=dims, after=after, source=source)
         finally:
             if net.restore():  # a fold that leaks state is not used
                 raise CaptureFailed(CaptureFailure(request.scope, request.variant,
                                                    job.options.backend.name, "state_leak",
                                                    "-"))
+
+    def run(request: VariantRequest, dims: Any, trial: Trial) -> Capture:
+        if cache is None:
+            return trace(request, dims, trial, None)
+        return cached_fold(cache, request, trial.pending, dims, trial, modules, job.options,
+                           baseline, lambda source: trace(request, dims, trial, source))
 
     made, _rest = fold_family(todo, job.options, run)
     for c in made:

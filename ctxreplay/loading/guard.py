@@ -29,11 +29,15 @@ from .needs import (
 __all__ = ["GUARD_MODES", "GuardError", "GuardWarning", "GuardedCapture"]
 
 
-def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The shapes of a call's tensor leaves, in ``CallSpec.leaves()`` order."""
+def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any],
+            order: tuple[str, ...] = ()) -> list[Any]:
+    """The shapes of a call's tensor leaves, in the captured call's order
+    (``CallSpec.leaves()``): keyword arguments in the order the capture
+    recorded them (``order``), whatever order this call passes them in."""
     leaves = [t for a in args for t in tensor_values(a)]
     if kwargs:
-        leaves += [t for v in kwargs.values() for t in tensor_values(v)]
+        names = [n for n in order if n in kwargs] + [n for n in kwargs if n not in order]
+        leaves += [t for n in names for t in tensor_values(kwargs[n])]
     return [t.shape for t in leaves]
 
 #: ``on_mismatch``: what a guarded call does on a difference
@@ -65,11 +69,12 @@ class GuardedCapture:
     a difference; ``check()`` is the check now."""
 
     __slots__ = ("_fallback", "_folding", "_label", "_mode", "_needs", "_observer", "_ok",
-                 "_run", "_static", "_verdicts", "ignore", "mismatches")
+                 "_order", "_run", "_static", "_verdicts", "ignore", "mismatches")
 
     def __init__(self, needs: Needs, run: Callable[..., Any], *, on_mismatch: str = "raise",
                  fallback: Callable[..., Any] | None = None,
-                 ignore: Iterable[str] = (), folding: Folding | None = None) -> None:
+                 ignore: Iterable[str] = (), folding: Folding | None = None,
+                 kwarg_order: tuple[str, ...] = ()) -> None:
         if on_mismatch not in GUARD_MODES:
             raise ValueError(f"on_mismatch: {on_mismatch!r} is not one of {list(GUARD_MODES)}")
         if on_mismatch == "fallback" and not callable(fallback):
@@ -78,7 +83,9 @@ class GuardedCapture:
         self._needs, self._run, self._mode, self._fallback = needs, run, on_mismatch, fallback
         self._label = needs.label
         #: a folded capture's sizes: each call's are checked against its ranges
+        #: (keyword arguments read in the captured order, ``kwarg_order``)
         self._folding = folding
+        self._order = kwarg_order
         self.ignore = tuple(ignore)
         """Probe names the guard leaves out."""
         self._static = tuple(static_differences(needs, self.ignore))
@@ -94,15 +101,32 @@ class GuardedCapture:
         except Exception:  # a probe that cannot observe: the slow path says which
             snap = None
         if snap is not None and snap is self._ok:
-            if self._folding is None or self._folding.within(_shapes(args, kwargs)):
+            if self._folding is None:
                 return self._run(*args, **kwargs)
+            if self._folding.within(_shapes(args, kwargs, self._order)):
+                return self._folded(args, kwargs)
             return self._mismatch(self._sizes(args, kwargs), args, kwargs, True)
         return self._slow(snap, args, kwargs)
+
+    def _folded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A folded program on sizes in its ranges: its own guard may still
+        refuse them (torch.export's input guards, e.g. ``x.size()[1] != 7``
+        where the trace took one side of a branch) -- a sizes difference."""
+        try:
+            return self._run(*args, **kwargs)
+        except AssertionError as exc:
+            if not str(exc).startswith("Guard failed"):
+                raise
+            assert self._folding is not None
+            refused = (Difference("sizes", "; ".join(self._folding.describe()),
+                                  f"refused by the graph's own guard ({str(exc)[:200]})",
+                                  "sizes", (self._label,)),)
+        return self._mismatch(refused, args, kwargs, True)
 
     def _sizes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Difference, ...]:
         """The call's sizes against a folded capture's ranges, as a difference."""
         assert self._folding is not None
-        shapes = _shapes(args, kwargs)
+        shapes = _shapes(args, kwargs, self._order)
         if self._folding.within(shapes):
             return ()
         found = ", ".join(f"{d.path}[{d.dim}] = {shapes[d.leaf][d.dim]}"
@@ -129,9 +153,11 @@ class GuardedCapture:
                 self._verdicts[snap] = found
         if not found:
             self._ok = snap
-            sizes = () if self._folding is None else self._sizes(args, kwargs)
-            if not sizes:
+            if self._folding is None:
                 return self._run(*args, **kwargs)
+            sizes = self._sizes(args, kwargs)
+            if not sizes:
+                return self._folded(args, kwargs)
             return self._mismatch(sizes, args, kwargs, True)
         return self._mismatch(found, args, kwargs, first)
 

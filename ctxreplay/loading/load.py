@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -306,8 +307,25 @@ class LoadedCapture:
         A folded capture's guard also checks each call's dynamic sizes
         against the ranges it was verified over (a ``sizes`` difference)."""
         return GuardedCapture(self.needs, self.module(weights), on_mismatch=on_mismatch,
-                              fallback=fallback, ignore=ignore, folding=self.folding)
+                              fallback=fallback, ignore=ignore, folding=self.folding,
+                              kwarg_order=_kwarg_order(self.sidecar.inputs))
 
+
+
+def _kwarg_order(leaves: Iterable[tuple[str, Any]]) -> tuple[str, ...]:
+    """The keyword arguments' order in a captured call, from its leaf paths
+    (``kwargs['name']...``)."""
+    names: list[str] = []
+    for path, _ in leaves:
+        if path.startswith("kwargs["):
+            name = path[len("kwargs["):].split("]", 1)[0]
+            try:
+                key = ast.literal_eval(name)
+            except (ValueError, SyntaxError):
+                continue
+            if isinstance(key, str) and key not in names:
+                names.append(key)
+    return tuple(names)
 
 
 @attrs.frozen(eq=False)
