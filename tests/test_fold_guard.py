@@ -1,11 +1,9 @@
-"""Known defects of a loaded folded capture's guard, kept OUT of the suite (the
-file name does not match ``test_*.py``): each test fails on the code as it
-is.  Run them by naming the file:
-
-    PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider tests/fold_known_defects.py
-
-Both are in ``ctxreplay/loading/guard.py`` (``GuardedCapture``); neither
-gives a wrong output, each breaks what ``guarded()`` promises.
+"""A loaded folded capture's guard (``LoadedCapture.guarded()``): a size in
+the claimed range that the graph's own guard refuses is a ``sizes``
+difference handled as ``on_mismatch`` says (not torch's ``AssertionError``
+escaping), and keyword arguments passed in another order than the captured
+call's are read by name.  Each test failed before ``GuardedCapture`` did
+both.
 """
 
 from __future__ import annotations
