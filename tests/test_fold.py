@@ -285,9 +285,29 @@ def test_a_size_inside_the_range_its_graph_refuses_runs_eagerly(case: str) -> No
         assert _installed(model, report, make, n) == (True, 2), n
 
 
+def test_a_parity_guard_folds_each_parity_and_install_finds_the_one_that_takes_it() -> None:
+    """``if x.shape[1] % 2`` is a guard of the graph, not a range: the
+    sizes the first graph refuses are folded again from the other parity,
+    and install, refused by one graph, runs the other."""
+    model = fc.stack(fc.Parity)
+    report, calls = _live(model, fc.sequence, (4, 5, 8, 9, 12, 13))
+    assert report.ok, report.problems
+    # the ranges overlap (the graphs' own guards tell them apart): every call
+    # is reproduced by an ok capture that claims it, and every capture
+    # reproduces the calls it stands for
+    assert false_oks(report, calls) == []
+    assert sorted(tuple(sorted((c.variant, *c.folded))) for c in report.captures) == [
+        (0, 2, 4), (1, 3, 5)]
+    assert _ranges(report) == [[(4, 12)], [(5, 13)]]
+    # 7 and 11: inside both ranges; the even graph refuses them, the odd one runs
+    for n in (4, 6, 7, 10, 11, 13):
+        assert _installed(model, report, fc.sequence, n) == (True, 2), n
+    for n in (3, 14):
+        assert _installed(model, report, fc.sequence, n) == (True, 0), n
+
+
 #: name -> (block, inputs, observed lengths, other lengths to run installed)
 UNFOLDED = {
-    "a % guard": (fc.Parity, fc.sequence, (4, 6, 9, 11), (5, 7, 8, 10)),
     "a dict keyed by the size": (fc.SizeTable, fc.sequence, (4, 6, 9), (5, 12)),
     "a transposed input": (fc.Transposed, _transposed, (4, 6, 9), (5, 12)),
 }

@@ -42,7 +42,11 @@ from .mutation import Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 
-__all__ = ["Checker", "Step", "register_step", "unregister_step"]
+__all__ = ["GUARD_FAILED", "Checker", "Step", "register_step", "unregister_step"]
+
+#: what an execution mismatch says when a graph's own input guard refused
+#: the sizes it was given (``Mismatch.captured``)
+GUARD_FAILED = "Guard failed"
 
 
 class Checker:
@@ -181,6 +185,12 @@ class Checker:
             ran = _clone(leaves)  # the inputs the artifact updates in place, if it does
             try:
                 produced = self._call(program, ran)
+            except AssertionError as exc:
+                if not str(exc).startswith("Guard failed"):
+                    raise
+                # a graph traced with dynamic sizes checks them before it
+                # runs (torch.export's input guards): it refused these
+                return [_mismatch("execution", "ran", GUARD_FAILED, "execute", None, name)]
             except Exception as exc:
                 # e.g. a bfloat16 input meeting float32 weights once autocast
                 # is gone: the probes the artifact did not carry are the

@@ -34,7 +34,7 @@ from ..fidelity.levels import checked_by, level
 from ..fidelity.verify import Fidelity
 from ..specs.dims import DynamicDim, Folding, SymbolRange, parse_expr, size_free, varying_dims
 from ..specs.signature import CallSpec
-from .checker import Checker
+from .checker import GUARD_FAILED, Checker
 from .mutation import with_mutations
 from .options import CaptureOptions, VariantRequest
 from .results import Capture
@@ -249,7 +249,17 @@ class Trial:
                 continue
             checker = checker_for(r)
             fid = checker.run_steps(modules, steps)
+            if _refused(fid):  # the graph's own guard (a ``%``): not this fold's size
+                continue
             self.checked[r.variant] = with_mutations(fid, checker.watch.found)
+
+
+def _refused(fid: Fidelity) -> bool:
+    """Every mismatch is the graph refusing the sizes before it ran
+    (torch.export's input guards raise ``AssertionError: Guard failed``):
+    the variant is left to another fold, not counted against this one."""
+    return not fid.ok and all(m.field == "execution" and m.live == "ran"
+                              and m.captured == GUARD_FAILED for m in fid.mismatches)
 
 
 def fold_family(family: Sequence[VariantRequest], options: CaptureOptions,

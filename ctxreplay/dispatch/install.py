@@ -160,24 +160,29 @@ class _Slot(Wrapper):
             return self.orig(*args, **kwargs)
         except Exception:  # dispatch must never break the forward
             target = "observe_error"
-        if type(target) is Target:
-            if not target.failed:
-                out = target.run(args, kwargs)
-                if out is REFUSED:
-                    target = self._refused(args, kwargs)
-                elif not target.failed:
-                    target.entry.hits += 1
-                    return out
-                else:
-                    target = "compile_failed"
-            else:
+        skip: set[int] = set()
+        while type(target) is Target:
+            if target.failed:
                 target = "compile_failed"
+                break
+            out = target.run(args, kwargs)
+            if out is REFUSED:  # its graph's own guard: another capture may take it
+                skip.add(id(target.entry))
+                target = self._refused(args, kwargs, skip)
+                continue
+            if target.failed:
+                target = "compile_failed"
+                break
+            target.entry.hits += 1
+            return out
         self.misses += 1
         self.reasons[target] += 1
         return self.orig(*args, **kwargs)
 
     def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
+                 kwargs: dict[str, Any], skip: set[int] | frozenset[int] = frozenset()) -> Any:
+        """What calls of ``key`` run: a ``Target``, or why they run eagerly
+        (``skip``: captures whose graph refused these sizes)."""
         call = Call(call_spec(args, kwargs))
         per_group = (snaps,) if len(self.groups) == 1 else snaps
         # the most telling reason wins: a capture that matches but cannot be
@@ -186,6 +191,8 @@ class _Slot(Wrapper):
         found: Any = None
         for (_obs, entries), snap in zip(self.groups, per_group):
             for e in entries:
+                if id(e) in skip:
+                    continue
                 if not e.comparable or e.unusable is not None:
                     if not e.comparable or e.matches(call):
                         reason = e.unusable or "not_rebuildable"
@@ -209,17 +216,22 @@ class _Slot(Wrapper):
         self.memo[key] = result
         return result
 
-    def _refused(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """A folded graph's guard refused this call's sizes: calls of these
-        sizes run eagerly from now on, without asking it again."""
+    def _refused(self, args: tuple[Any, ...], kwargs: dict[str, Any], skip: set[int]) -> Any:
+        """A folded graph's guard refused this call's sizes: the next capture
+        that takes them (a fold of the other side of a branch), remembered
+        for calls of these sizes; else ``size_guard`` (the call runs eagerly)."""
         self.last = None
         try:
             snaps = self.groups[0][0]() if len(self.groups) == 1 \
                 else tuple(g[0]() for g in self.groups)
-            self.memo[(snaps, call_key(args, kwargs))] = "size_guard"
-        except Exception:  # only a memo: the next call asks again
-            pass
-        return "size_guard"
+            key = (snaps, call_key(args, kwargs))
+            found = self._resolve(snaps, key, args, kwargs, skip)
+        except Exception:  # only a second look: the call runs eagerly
+            return "size_guard"
+        if type(found) is not Target:
+            found = "size_guard"
+            self.memo[key] = found
+        return found
 
     def stop(self) -> None:
         self.off = True
