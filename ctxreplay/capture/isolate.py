@@ -135,6 +135,13 @@ def _copy(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = p
+    # Most trees copy at the first try; the walk below (bounded, but ~150
+    # objects for a small block) only runs for those that do not.
+    try:
+        return _deepcopy(module, dict(memo), [
+            v for m in module.modules() for v in m.__dict__.values() if _empty(v)])
+    except Exception:
+        pass
     empties: list[Any] = []
     for obj in _held_objects(module):
         # a tensor the forward made (it has a grad_fn) refuses deepcopy: the
@@ -142,7 +149,7 @@ def _copy(module: nn.Module) -> nn.Module:
         if isinstance(obj, torch.Tensor):
             if obj.grad_fn is not None:
                 memo[id(obj)] = obj.detach().clone().requires_grad_(obj.requires_grad)
-        elif type(obj) in _EMPTIES and not obj and not getattr(obj, "__dict__", None):
+        elif _empty(obj):
             empties.append(obj)
     try:
         return _deepcopy(module, dict(memo), empties)
@@ -170,6 +177,10 @@ def _copy(module: nn.Module) -> nn.Module:
 #: is a new empty one of the same type (``OrderedDict`` copies through
 #: ``__reduce__``, its ``__dict__`` included; ``set`` through its items)
 _EMPTIES = frozenset({dict, OrderedDict, set, list})
+
+
+def _empty(obj: Any) -> bool:
+    return type(obj) in _EMPTIES and not obj and not getattr(obj, "__dict__", None)
 
 
 def _deepcopy(module: nn.Module, memo: dict[int, Any], empties: list[Any]) -> nn.Module:
