@@ -262,9 +262,11 @@ def _follow_closures(view: nn.Module, memo: dict[int, Any]) -> None:
                 rebuilt = _rebound(value, memo, 3)
                 if rebuilt is not value:
                     table[key] = rebuilt
-            elif isinstance(value, (list, dict)) or not (
-                    isinstance(value, _LEAVES) or callable(value)):
-                stack.append(value)  # a container, or an object whose __dict__ is walked
+            elif isinstance(value, (list, dict)):
+                if value:  # an empty one holds nothing to point (a module's hook tables)
+                    stack.append(value)
+            elif not (isinstance(value, _LEAVES) or callable(value)):
+                stack.append(value)  # an object whose __dict__ is walked
 
 
 #: what ``_follow_closures`` rebuilds, and what it never walks into
