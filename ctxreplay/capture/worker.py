@@ -128,8 +128,12 @@ if sys.version_info >= (3, 11) and sys.implementation.name == "cpython":
     # Frame size is fixed by the code object (locals + co_stacksize slots of
     # 8 bytes); the value stack is never initialised, only reserved, so the
     # unused slots cost address space, not memory.  3.10 and earlier give
-    # every frame its own heap object and have no chunks.
-    _roomy.__code__ = _roomy.__code__.replace(co_stacksize=_ROOMY_SLOTS)
+    # every frame its own heap object and have no chunks.  A speed-up only:
+    # an interpreter that refuses the code object keeps the plain one.
+    try:
+        _roomy.__code__ = _roomy.__code__.replace(co_stacksize=_ROOMY_SLOTS)
+    except (TypeError, ValueError):  # pragma: no cover
+        pass
 
 
 def _carried(job: Callable[[], T]) -> Callable[[], T]:
