@@ -43,6 +43,7 @@ unmapped when the job returns.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
 import functools
@@ -130,10 +131,8 @@ if sys.version_info >= (3, 11) and sys.implementation.name == "cpython":
     # unused slots cost address space, not memory.  3.10 and earlier give
     # every frame its own heap object and have no chunks.  A speed-up only:
     # an interpreter that refuses the code object keeps the plain one.
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         _roomy.__code__ = _roomy.__code__.replace(co_stacksize=_ROOMY_SLOTS)
-    except (TypeError, ValueError):  # pragma: no cover
-        pass
 
 
 def _carried(job: Callable[[], T]) -> Callable[[], T]:
