@@ -11,6 +11,7 @@ the same module called directly."""
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 import traceback
 from typing import Any
@@ -155,3 +156,36 @@ def test_an_interrupt_reaches_the_trace_which_unwinds_before_it_goes_on() -> Non
         signal.signal(signal.SIGALRM, old)
     # the job saw the interrupt, and had unwound before the caller raised it
     assert started.is_set() and log == ["interrupted"]
+
+
+def _faults_while_oscillating() -> int:
+    """Minor page faults of this thread while a call chain goes 150 frames
+    deep and back 2,000 times: each time the chain crosses into a frame
+    chunk CPython maps anew, the first write to it faults."""
+    import resource
+
+    def down(n: int) -> int:
+        return 0 if n == 0 else down(n - 1) + 1
+
+    down(150)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(2000):
+        down(150)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11) or sys.implementation.name != "cpython"
+                    or not sys.platform.startswith("linux"),
+                    reason="CPython's frame chunks (3.11+), per-thread rusage (Linux)")
+def test_a_trace_deep_in_the_worker_maps_no_frame_chunk_per_call() -> None:
+    # 150 frames of ``down`` are well over one 16 KiB chunk, so the chain
+    # crosses a chunk boundary in any thread started the ordinary way
+    box: list[int] = []
+    plain = threading.Thread(target=lambda: box.append(_faults_while_oscillating()))
+    plain.start()
+    plain.join()
+    # the control: a thread of its own maps and unmaps a chunk per descent
+    assert box[0] >= 1000
+    in_worker = run_in_worker(_faults_while_oscillating, None)
+    # the worker's job starts on a roomy chunk: the descents fit in it
+    assert in_worker < 100

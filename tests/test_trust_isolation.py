@@ -19,6 +19,7 @@ ambient context.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import threading
@@ -33,6 +34,7 @@ from torchstate import default_dtype, deterministic, matmul_precision
 from trust_oracle import members_of, record, unreproduced
 
 import ctxreplay
+import ctxreplay.capture.isolate
 from ctxreplay.backends import ExportBackend
 from ctxreplay.fidelity.verify import check_signature
 
@@ -722,3 +724,64 @@ def test_another_thread_sees_float32_while_a_float64_variant_is_captured() -> No
     (c,) = report.captures
     assert c.snapshot.describe()["default_dtype"] == "float64"
     assert backend.seen == [torch.float32]
+
+
+class _Log:
+    """A plain object holding an empty list, as a hook's state does."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+
+class EmptyHolder(nn.Module):
+    """Holds empty containers and writes into them in its forward; two
+    attributes share one empty list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.items: list[int] = []
+        self.alias = self.items
+        self.table: dict[str, int] = {}
+        self.ordered: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.marks: set[int] = set()
+        self.log = _Log()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.items.append(1)
+        self.table["n"] = len(self.alias)  # 1 when the alias is the same list
+        self.ordered["n"] = 1
+        self.marks.add(1)
+        self.log.seen.append(1)
+        return self.lin(x) * self.table["n"]
+
+
+_EMPTY_ATTRS = ("items", "table", "ordered", "marks")
+
+
+@pytest.mark.parametrize("verify", ["signature", "execute"])
+def test_empty_containers_a_module_holds_stay_empty_and_aliased(verify: str) -> None:
+    model = EmptyHolder().eval()
+    x = torch.rand(4, DIM)
+    with ctxreplay.capture_with(model, backend="export", verify=verify) as session, \
+            torch.no_grad():
+        model(x)
+    # the live call wrote into them; empty them again, then capture
+    held = {n: getattr(model, n) for n in _EMPTY_ATTRS}
+    for c in (*held.values(), model.log.seen):
+        c.clear()
+    report = session.finalize()
+    assert report.ok, report.failures
+    # the trace and the check wrote into the copy's containers, not these
+    assert all(getattr(model, n) is held[n] and not held[n] for n in _EMPTY_ATTRS)
+    assert model.log.seen == [] and model.alias is model.items
+    # and the copy kept the alias: the artifact scales by 1, as the live call did
+    (cap,) = report.captures
+    with torch.no_grad():
+        torch.testing.assert_close(cap.artifact.module()(x), model.lin(x))
+    with ctxreplay.capture.isolate.isolated(model) as view:
+        assert view.items is view.alias and view.items is not model.items
+        assert view.table is not model.table and view.marks is not model.marks
+        assert view.ordered is not model.ordered and view.log.seen is not model.log.seen
+        assert view._forward_hooks is not model._forward_hooks
+        assert type(view.ordered) is collections.OrderedDict

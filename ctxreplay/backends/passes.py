@@ -5,13 +5,15 @@ fingerprints and explanations compare."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["WRAPPER_HOPS", "drop_empty_wrappers", "graph_code", "graph_form", "graph_nodes",
            "graph_op_args", "graph_ops", "has_collectives",
            "has_wrapper_hops", "lower_wrappers", "pin_factory_defaults", "relax_views"]
+
+_T = TypeVar("_T")
 
 #: higher-order ops export records for contexts entered inside the traced
 #: callable; torch.export.save rejected them on older torch (its verifier did)
@@ -25,6 +27,30 @@ def graph_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
             yield from mod.graph.nodes
 
 
+def _per_op(fn: Callable[[Any], _T]) -> Callable[[Any], _T]:
+    """``fn`` of a graph node's target, remembered for torch's operators.
+
+    Each graph pass asks the same few facts of every node's target (its
+    name, its schema's arguments); an ``OpOverload``'s schema is fixed and
+    its ``str`` is rebuilt at every call, which made these passes most of
+    what a capture spent outside the trace.  Only ``OpOverload`` targets are
+    remembered: torch keeps one per operator for the process's life, while a
+    Python callable a graph calls may hold a module and its tensors."""
+    facts: dict[torch._ops.OpOverload, _T] = {}
+
+    def per_op(target: Any) -> _T:
+        if not isinstance(target, torch._ops.OpOverload):
+            return fn(target)
+        try:
+            return facts[target]
+        except KeyError:
+            value = facts[target] = fn(target)
+            return value
+
+    return per_op
+
+
+@_per_op
 def _op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
@@ -50,8 +76,13 @@ _COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.",
 def has_collectives(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` (or a nested graph) calls a collective: running it
     communicates, so every rank of its group must run it together."""
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and str(n.target).startswith(_COLLECTIVE_NAMESPACES) for n in graph_nodes(gm))
+    return any(n.op == "call_function" and _is_collective(n.target) for n in graph_nodes(gm))
+
+
+@_per_op
+def _is_collective(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and \
+        str(target).startswith(_COLLECTIVE_NAMESPACES)
 
 
 def _args_key(a: Any) -> Any:
@@ -199,11 +230,13 @@ def _form(a: Any, index: dict[torch.fx.Node, int]) -> Any:
 
 
 
-def _schema_names(target: Any) -> set[str]:
+@_per_op
+def _schema_names(target: Any) -> frozenset[str]:
     schema = getattr(target, "_schema", None)
-    return {a.name for a in schema.arguments} if schema is not None else set()
+    return frozenset(a.name for a in schema.arguments) if schema is not None else frozenset()
 
 
+@_per_op
 def _is_factory(target: Any) -> bool:
     schema = getattr(target, "_schema", None)
     if schema is None or not schema.arguments:

@@ -31,6 +31,7 @@ import functools
 import threading
 import types
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -134,13 +135,24 @@ def _copy(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = p
-    # a tensor the forward made (it has a grad_fn) refuses deepcopy: the copy
-    # holds a detached copy of it instead
-    for t in _held_tensors(module):
-        if t.grad_fn is not None:
-            memo[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+    # Most trees copy at the first try; the walk below (bounded, but ~150
+    # objects for a small block) only runs for those that do not.
     try:
-        return _deepcopy(module, dict(memo))
+        return _deepcopy(module, dict(memo), [
+            v for m in module.modules() for v in m.__dict__.values() if _empty(v)])
+    except Exception:
+        pass
+    empties: list[Any] = []
+    for obj in _held_objects(module):
+        # a tensor the forward made (it has a grad_fn) refuses deepcopy: the
+        # copy holds a detached copy of it instead
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None:
+                memo[id(obj)] = obj.detach().clone().requires_grad_(obj.requires_grad)
+        elif _empty(obj):
+            empties.append(obj)
+    try:
+        return _deepcopy(module, dict(memo), empties)
     except Exception:
         pass
     # Something the tree holds refuses to be copied (a threading.Lock, an
@@ -153,7 +165,7 @@ def _copy(module: nn.Module) -> nn.Module:
     shared = _uncopyable(module, memo)
     memo.update((id(x), x) for x in shared)
     try:
-        return _deepcopy(module, memo)
+        return _deepcopy(module, memo, empties)
     except Exception as exc:
         raise NotIsolable(
             f"{type(module).__name__} cannot be copied for capture ({type(exc).__name__}: "
@@ -161,7 +173,27 @@ def _copy(module: nn.Module) -> nn.Module:
             "user's module instead") from None
 
 
-def _deepcopy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+#: containers whose deep copy, when empty and without instance attributes,
+#: is a new empty one of the same type (``OrderedDict`` copies through
+#: ``__reduce__``, its ``__dict__`` included; ``set`` through its items)
+_EMPTIES = frozenset({dict, OrderedDict, set, list})
+
+
+def _empty(obj: Any) -> bool:
+    return type(obj) in _EMPTIES and not obj and not getattr(obj, "__dict__", None)
+
+
+def _deepcopy(module: nn.Module, memo: dict[int, Any], empties: list[Any]) -> nn.Module:
+    """``copy.deepcopy(module, memo)`` and the closures it holds followed.
+
+    ``empties`` (empty containers the module tree holds) are copied ahead as
+    new empty ones, exactly what ``deepcopy`` would make of them: a module
+    holds a dozen empty hook tables (``OrderedDict``), each ~3 us through
+    ``deepcopy``'s generic ``__reduce_ex__`` path, most of the copy's time.
+    The memo maps each by identity, so one table shared by two modules is
+    one new table shared by the two copies, as ``deepcopy`` keeps it;
+    ``empties`` keeps the originals alive, so no identity is reused."""
+    memo.update((id(e), type(e)()) for e in empties)
     view: nn.Module = copy.deepcopy(module, memo)
     _follow_closures(view, memo)
     return view
@@ -170,7 +202,7 @@ def _deepcopy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
 def _uncopyable(module: nn.Module, memo: dict[int, Any]) -> list[Any]:
     """The leaf objects of the module tree (neither a module, a tensor, a
     container nor a plain object with a ``__dict__``) that ``deepcopy``
-    refuses, bounded like ``_held_tensors``."""
+    refuses, bounded like ``_held_objects``."""
     out: list[Any] = []
     for obj in _held_objects(module, _synchronising):
         if _synchronising(obj):
@@ -230,9 +262,11 @@ def _follow_closures(view: nn.Module, memo: dict[int, Any]) -> None:
                 rebuilt = _rebound(value, memo, 3)
                 if rebuilt is not value:
                     table[key] = rebuilt
-            elif isinstance(value, (list, dict)) or not (
-                    isinstance(value, _LEAVES) or callable(value)):
-                stack.append(value)  # a container, or an object whose __dict__ is walked
+            elif isinstance(value, (list, dict)):
+                if value:  # an empty one holds nothing to point (a module's hook tables)
+                    stack.append(value)
+            elif not (isinstance(value, _LEAVES) or callable(value)):
+                stack.append(value)  # an object whose __dict__ is walked
 
 
 #: what ``_follow_closures`` rebuilds, and what it never walks into
@@ -273,14 +307,6 @@ def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:
     fn.__qualname__ = value.__qualname__
     fn.__dict__.update(value.__dict__)
     return fn
-
-
-def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    """Tensors in the ``__dict__`` of the module tree and of the plain
-    objects (and lists, tuples, dicts) it holds, bounded."""
-    for obj in _held_objects(module):
-        if isinstance(obj, torch.Tensor):
-            yield obj
 
 
 def _held_objects(module: nn.Module, leaf: Callable[[Any], bool] = lambda obj: False

@@ -25,7 +25,7 @@ import torch
 
 from .._base.jsonread import dtype_name, read_bool, read_list, read_mapping
 from ..core.probe import ContextProbe
-from ..core.snapshots import ContextSnapshot
+from ..core.snapshots import ContextSnapshot, describe_state
 from ..specs.signature import SeqSpec, Spec, TensorSpec, flatten_spec, spec_of, tensor_values
 from .compare import SpecMismatch, compare_specs, symbolic_dims
 
@@ -198,12 +198,12 @@ def flat_tensor_spec(spec: Spec) -> SeqSpec:
 def hint_for(snapshot: ContextSnapshot, carried: Iterable[str]) -> str | None:
     """Probes with a non-neutral state that the artifact does not carry."""
     carried = set(carried)
-    missing = [n for n, p, s in zip(snapshot.names, snapshot.probes, snapshot.states)
+    missing = [(n, p, s) for n, p, s in zip(snapshot.names, snapshot.probes, snapshot.states)
                if n not in carried and not is_neutral(p, s)]
     if not missing:
         return None
-    described = snapshot.describe()
-    return "not carried by the artifact: " + ", ".join(f"{n}={described[n]}" for n in missing)
+    return "not carried by the artifact: " + ", ".join(f"{n}={describe_state(p, s)}"
+                                                        for n, p, s in missing)
 
 
 @contextmanager

@@ -179,6 +179,8 @@ class Observation:
     def requests(self) -> list[VariantRequest]:
         """One request per variant, members in attach order."""
         out = []
+        # each member's identity now, read once: a member runs several variants
+        now: dict[int, tuple[Any, ...] | None] = {}
         for scope in self.scopes:
             per_index: dict[int, list[tuple[_Member, MemberVariant]]] = {}
             for m in self._of(scope):
@@ -200,23 +202,28 @@ class Observation:
                           for m, mv in pairs),
                     training_of(identity), identity_digest(identity) if identity else "",
                     self._state_back(scope, identity, [m for m, _ in pairs],
-                                     first.identity), first.identity))
+                                     first.identity, now), first.identity))
         return out
 
     def _state_back(self, scope: Scope, identity: Any, members: list[_Member],
-                    number: int) -> tuple[tuple[str, str, Any], ...]:
+                    number: int, current: dict[int, tuple[Any, ...] | None]
+                    ) -> tuple[tuple[str, str, Any], ...]:
         """The recorded attribute values a capture of ``identity``'s variant
         must put back on the views of ``members``: those that differ now (an
         attribute toggled after the variant ran).  A member whose structure
-        changed gets an ``Unrestorable`` marker (capture then fails)."""
+        changed gets an ``Unrestorable`` marker (capture then fails).
+        ``current``: each member's identity now, by ``id`` of the member,
+        filled as read."""
         if number < 0 or not identity:
             return ()
         wanted: set[tuple[str, str]] = set()
         for m in members:
-            try:
-                now = identity_of(m.module, m.ignore)
-            except Exception:
-                now = None
+            if id(m) not in current:
+                try:
+                    current[id(m)] = identity_of(m.module, m.ignore)
+                except Exception:
+                    current[id(m)] = None
+            now = current[id(m)]
             diff = None if now is None else changed_attributes(identity, now)
             if diff is None:
                 return (("", "<structure>", Unrestorable("submodules or shapes")),)
