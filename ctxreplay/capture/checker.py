@@ -129,6 +129,16 @@ class Checker:
                 found += _STEPS[step](self, m, module, shown)
         return found
 
+    def share_program(self, other: Checker) -> None:
+        """Run the program ``other`` unlifted (made on its first run) instead
+        of unlifting it again: a fold checks one artifact at every observed
+        size, one checker per size, and ``ExportedProgram.module()``
+        recompiles every graph of the program each time it is called.  Each
+        run still rebinds it to the member's own tensors by name."""
+        if other.artifact is not self.artifact or other.traced is not self.traced:
+            raise ValueError("share_program: another artifact or traced module")
+        self._fresh = other._fresh
+
     def _check(self, name: str, members: list[MemberCall],
                modules: Mapping[str, nn.Module]) -> list[Mismatch]:
         """Every check step up to level ``name``, member by member; a member

@@ -242,12 +242,16 @@ class Trial:
         if self.rules is None:
             return
         steps = ("execute", "values") if self.options.verify == "values" else ("execute",)
+        last: Checker | None = None
         for r in self.pending:
             if r is self.example and level(self.options.verify).executes:
                 continue
             if not self.rules.takes(self.example.inputs, r.inputs):
                 continue
             checker = checker_for(r)
+            if last is not None:  # one artifact: unlifted once for every size it runs at
+                checker.share_program(last)
+            last = checker
             fid = checker.run_steps(modules, steps)
             if _refused(fid):  # the graph's own guard (a ``%``): not this fold's size
                 continue
