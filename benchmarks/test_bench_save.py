@@ -30,8 +30,9 @@ SHAPES = tuple((1, n) for n in (4, 6, 8, 10, 12, 14, 16, 18))
 
 def _session(model: TinyDiT, shapes: tuple[tuple[int, int], ...],
              verify: str) -> ctxreplay.CaptureSession:
+    # one capture per size (fold=False): save_all's cost per capture
     session = ctxreplay.capture_with(model, targets="repeated", backend="export",
-                                     verify=verify, max_variants=len(shapes))
+                                     verify=verify, max_variants=len(shapes), fold=False)
     with session, torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
         for b, t in shapes:
             model(torch.rand(b, t, DIM), torch.full((b,), 500.0))

@@ -46,7 +46,9 @@ class Staged(nn.Module):
 def _report(backend: str = "export") -> ctxreplay.CaptureReport:
     torch.manual_seed(0)
     model = Staged().eval()
-    with ctxreplay.capture_with(model, targets="repeated", backend=backend) as session, \
+    # one capture per size (fold=False): the files hold several captures
+    with ctxreplay.capture_with(model, targets="repeated", backend=backend,
+                                fold=False) as session, \
             torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
         model(torch.rand(2, 8))
         model(torch.rand(3, 8))

@@ -152,7 +152,10 @@ _FRESH = textwrap.dedent("""
     for member, calls in recorded["calls"].items():
         for args, kwargs, live in calls:
             spec = call_spec(args, kwargs)
-            caps = [c for c in src.captures if member in c.members and c.signature() == spec]
+            # a folded capture takes the sizes in its ranges
+            caps = [c for c in src.captures if member in c.members and (
+                c.signature() == spec or c.folding is not None
+                and c.folding.accepts(c.signature(), spec))]
             if len(caps) != 1:
                 result["unmatched"] += 1
                 continue

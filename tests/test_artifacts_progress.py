@@ -18,7 +18,9 @@ def _session(variants: int) -> ctxreplay.CaptureSession:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
     model.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
-    session = ctxreplay.capture_with(model, targets=["blocks.0"], verify="signature")
+    # one capture per size (fold=False): progress is heard per capture
+    session = ctxreplay.capture_with(model, targets=["blocks.0"], verify="signature",
+                                     fold=False)
     with torch.no_grad():
         for n in range(1, variants + 1):
             model.blocks[0](torch.rand(n, 4))

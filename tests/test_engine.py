@@ -458,9 +458,10 @@ def test_a_wrapper_added_on_top_stays_working_after_close() -> None:
 
 def test_two_sessions_on_one_module_observe_independently() -> None:
     model = MatmulBlock()
-    s1 = ctxreplay.capture_with(model, backend="export")
+    # each size its own capture (fold=False): each session's shapes are listed
+    s1 = ctxreplay.capture_with(model, backend="export", fold=False)
     model(_x(4, 16))
-    with ctxreplay.capture_with(model, backend="export") as s2:
+    with ctxreplay.capture_with(model, backend="export", fold=False) as s2:
         with bf16():
             model(_x(4, 16))
         model(_x(2, 16))
