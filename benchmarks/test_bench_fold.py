@@ -207,6 +207,29 @@ def _observation(base: nn.Module) -> tuple[dict[str, Callable[[], Any]], Callabl
     return {k: (lambda m=m: m(x)) for k, m in models.items()}, close
 
 
+class _Noop(nn.Module):
+    def forward(self, x: torch.Tensor) -> None:
+        return None
+
+
+def _alone(folded: Any, xs: list[torch.Tensor]
+           ) -> tuple[dict[str, Callable[[], Any]], Callable[[], None]]:
+    """The guard's own work and observation's, each around a call that does
+    nothing: the folded guard with a no-op program, and one module observed
+    as the whole model (its per-model-call checks included: a guard has no
+    model call to spread the numerics-only flags over, so it reads them on
+    every call, as observing a one-module model does)."""
+    from ctxreplay.loading.guard import GuardedCapture
+
+    alone = GuardedCapture(folded.needs, lambda *a, **k: None, folding=folded.folding)
+    bare, observed = _Noop(), _Noop()
+    session = ctxreplay.capture_with(observed, backend="export")
+    x = xs[0]
+    observed(x)
+    return {"guard_alone": _cycling(alone, xs), "noop": lambda: bare(x),
+            "noop_observed": lambda: observed(x)}, session.close
+
+
 @pytest.fixture
 def threads() -> Iterator[None]:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
@@ -239,13 +262,15 @@ def test_guard_of_a_folded_capture(benchmark: Any, tmp_path: Path, threads: None
     fns = {"bare": _cycling(folded.module(), xs), "guarded": _cycling(guard, xs),
            "bare_fixed": lambda: bare_fixed(xs[1]), "guarded_fixed": lambda: guard_fixed(xs[1])}
     observe, close = _observation(Stack(n=N_BLOCKS, dim=WIDTH).eval())
+    alone, close_alone = _alone(folded, xs)
     try:
         number, rounds = (20, 3) if fast(request.config) else (100, 41)
-        med = benchmark.pedantic(interleaved_medians, args=({**fns, **observe},),
+        med = benchmark.pedantic(interleaved_medians, args=({**fns, **observe, **alone},),
                                  kwargs={"number": number, "rounds": rounds},
                                  rounds=1, iterations=1)
     finally:
         close()
+        close_alone()
     assert guard.mismatches == 0 and guard_fixed.mismatches == 0  # the fast path throughout
     us = {k: v * 1e6 for k, v in med.items()}
     adds, adds_fixed = us["guarded"] - us["bare"], us["guarded_fixed"] - us["bare_fixed"]
@@ -253,8 +278,16 @@ def test_guard_of_a_folded_capture(benchmark: Any, tmp_path: Path, threads: None
     hooks = (us["hooks"] - us["eager"]) / N_BLOCKS
     benchmark.extra_info.update(guard_us=adds, guard_fixed_us=adds_fixed, observe_us=observes,
                                 hooks_us=hooks)
+    guard_alone = us["guard_alone"] - us["noop"]
+    observes_alone = us["noop_observed"] - us["noop"]
+    benchmark.extra_info.update(guard_alone_us=guard_alone, observe_alone_us=observes_alone)
+    report("folded guard / observation of a one-module call, each around a no-op",
+           guard_alone / observes_alone if observes_alone > 0 else float("nan"), "<= 1.0",
+           f"the guard {guard_alone:.2f} us (state, sizes, ranges), observation "
+           f"{observes_alone:.2f} us (state, key, per-model-call flags)")
     report("folded guard's per-call overhead / observation's per block call",
-           adds / observes if observes > 0 else float("nan"), "<= 1.0",
+           adds / observes if observes > 0 else float("nan"),
+           "none: a block call in a stack reads the numerics-only flags once per model call",
            f"guard adds {adds:.2f} us to {us['bare']:.2f} us (sizes {CALLED}); observation "
            f"adds {observes:.2f} us, a hook pair {hooks:.2f} us")
     report("folded guard / fixed-size guard, per-call overhead",

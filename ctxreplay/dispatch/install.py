@@ -160,14 +160,14 @@ class _Slot(Wrapper):
             return self.orig(*args, **kwargs)
         except Exception:  # dispatch must never break the forward
             target = "observe_error"
-        skip: set[int] = set()
+        skip: set[int] | None = None
         while type(target) is Target:
             if target.failed:
                 target = "compile_failed"
                 break
             out = target.run(args, kwargs)
             if out is REFUSED:  # its graph's own guard: another capture may take it
-                skip.add(id(target.entry))
+                skip = {id(target.entry)} if skip is None else skip | {id(target.entry)}
                 target = self._refused(args, kwargs, skip)
                 continue
             if target.failed:

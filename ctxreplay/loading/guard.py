@@ -12,11 +12,15 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 from ..core.observer import Observer
 from ..core.snapshots import ContextSnapshot
 from ..errors import Error, Warning
 from ..specs.dims import Folding
 from ..specs.signature import tensor_values
+
+Tensor = torch.Tensor
 from .needs import (
     Difference,
     Needs,
@@ -30,15 +34,22 @@ __all__ = ["GUARD_MODES", "GuardError", "GuardWarning", "GuardedCapture"]
 
 
 def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any],
-            order: tuple[str, ...] = ()) -> list[Any]:
+            order: tuple[str, ...] = ()) -> tuple[Any, ...]:
     """The shapes of a call's tensor leaves, in the captured call's order
     (``CallSpec.leaves()``): keyword arguments in the order the capture
     recorded them (``order``), whatever order this call passes them in."""
+    if not kwargs:
+        for a in args:
+            if type(a) is not Tensor:
+                break
+        else:  # positional tensors only: the common case, read directly
+            return tuple([a.shape for a in args])
     leaves = [t for a in args for t in tensor_values(a)]
     if kwargs:
         names = [n for n in order if n in kwargs] + [n for n in kwargs if n not in order]
         leaves += [t for n in names for t in tensor_values(kwargs[n])]
-    return [t.shape for t in leaves]
+    return tuple([t.shape for t in leaves])
+
 
 #: ``on_mismatch``: what a guarded call does on a difference
 GUARD_MODES = ("raise", "warn", "fallback")
@@ -68,8 +79,8 @@ class GuardedCapture:
     :meth:`LoadedCapture.guarded`).  ``mismatches`` counts calls that found
     a difference; ``check()`` is the check now."""
 
-    __slots__ = ("_fallback", "_folding", "_label", "_mode", "_needs", "_observer", "_ok",
-                 "_order", "_run", "_static", "_verdicts", "ignore", "mismatches")
+    __slots__ = ("_fallback", "_fits", "_folding", "_label", "_mode", "_needs", "_observer",
+                 "_ok", "_order", "_run", "_static", "_verdicts", "ignore", "mismatches")
 
     def __init__(self, needs: Needs, run: Callable[..., Any], *, on_mismatch: str = "raise",
                  fallback: Callable[..., Any] | None = None,
@@ -86,6 +97,8 @@ class GuardedCapture:
         #: (keyword arguments read in the captured order, ``kwarg_order``)
         self._folding = folding
         self._order = kwarg_order
+        #: shapes of the calls seen -> whether the folding's ranges take them
+        self._fits: dict[tuple[Any, ...], bool] = {}
         self.ignore = tuple(ignore)
         """Probe names the guard leaves out."""
         self._static = tuple(static_differences(needs, self.ignore))
@@ -103,10 +116,24 @@ class GuardedCapture:
         if snap is not None and snap is self._ok:
             if self._folding is None:
                 return self._run(*args, **kwargs)
-            if self._folding.within(_shapes(args, kwargs, self._order)):
+            shapes = _shapes(args, kwargs, self._order)
+            fits = self._fits.get(shapes)
+            if fits is None:
+                fits = self._fit(shapes)
+            if fits:
                 return self._folded(args, kwargs)
             return self._mismatch(self._sizes(args, kwargs), args, kwargs, True)
         return self._slow(snap, args, kwargs)
+
+    def _fit(self, shapes: tuple[Any, ...]) -> bool:
+        """Whether the folding's ranges take ``shapes``, remembered (bounded:
+        sizes that change on every call are looked at anew)."""
+        assert self._folding is not None
+        fits = self._folding.within(shapes)
+        if len(self._fits) >= 4096:
+            self._fits.clear()
+        self._fits[shapes] = fits
+        return fits
 
     def _folded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A folded program on sizes in its ranges: its own guard may still

@@ -208,7 +208,8 @@ class Root(Wrapper):
         if self.off or _dynamo_compiling() or _is_tracing():
             return self.orig(*args, **kwargs)
         watch = self.watch
-        if watch is not None and not watch.intact():
+        # (``dirty`` read here first: ``intact()`` is a Python call per model call)
+        if watch is not None and watch.dirty and not watch.intact():
             self._repair(watch, False)
         try:
             for obs in self.observers:
@@ -222,7 +223,7 @@ class Root(Wrapper):
             return self.orig(*args, **kwargs)
         finally:
             counts.active -= 1
-            if watch is not None and not self.off and not watch.intact():
+            if watch is not None and watch.dirty and not self.off and not watch.intact():
                 self._repair(watch, True)
 
     def _repair(self, watch: Watch, during: bool) -> None:
