@@ -188,9 +188,19 @@ def _checked(c: Mapping[str, Any]) -> str:
     return f"{checked}/{calls}"
 
 
+def _sizes(dynamic: Any) -> str:
+    """A folded capture's ranges, ``" (folded: s0 4..12)"``; empty otherwise."""
+    if not isinstance(dynamic, Mapping) or not isinstance(dynamic.get("ranges"), list):
+        return ""
+    ranges = [f"{r.get('name')} {r.get('low')}..{r.get('high')}"
+              for r in dynamic["ranges"] if isinstance(r, Mapping)]
+    return f" (folded: {', '.join(ranges)})" if ranges else ""
+
+
 def _capture_rows(caps: list[tuple[Mapping[str, Any], str, str]]) -> list[tuple[str, ...]]:
     return [(f"{c.get('scope')}#{c.get('variant')}", _members(c.get("members", [])),
-             str(c.get("weights_from") or "-"), _signature(c.get("inputs")),
+             str(c.get("weights_from") or "-"),
+             _signature(c.get("inputs")) + _sizes(c.get("dynamic")),
              _fidelity(c.get("fidelity")) + (" [cache]" if c.get("from_cache") is True else ""),
              _checked(c), saved, where) for c, saved, where in caps]
 
