@@ -19,8 +19,6 @@ from ..core.snapshots import ContextSnapshot
 from ..errors import Error, Warning
 from ..specs.dims import Folding
 from ..specs.signature import tensor_values
-
-Tensor = torch.Tensor
 from .needs import (
     Difference,
     Needs,
@@ -31,6 +29,8 @@ from .needs import (
 )
 
 __all__ = ["GUARD_MODES", "GuardError", "GuardWarning", "GuardedCapture"]
+
+Tensor = torch.Tensor
 
 
 def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any],
