@@ -33,7 +33,7 @@ from ..backends.passes import (
 from ..core.probe import ContextProbe
 from ..errors import Error
 from ..fidelity.levels import level
-from ..fidelity.verify import is_neutral, neutral_replay
+from ..fidelity.verify import Fidelity, is_neutral, neutral_replay
 from ..specs.dims import concrete
 from ..specs.materialize import inputs_for, materialize_leaves
 from ..specs.signature import (
@@ -187,27 +187,28 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         check_options = options
         if collective and defer_collectives and level(options.verify).executes:
             check_options = attrs.evolve(options, verify="signature")
-        checker = Checker(request, check_options, real, artifact, view, graph_outputs,
-                          binding=plan.binding, flatten_out=plan.flatten_out,
-                          carried=carried, baseline=baseline, ambient_only=ambient_only)
-        try:
-            fidelity = checker.run(modules)
-        except Exception as exc:
-            raise fail("verify_failed", exc) from None
-        fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
-        if after is not None:
-            def checker_for(other: VariantRequest) -> Checker:
-                return Checker(other, check_options, real, artifact, view, None,
-                               binding=plan.binding, flatten_out=plan.flatten_out,
-                               carried=carried, baseline=baseline, ambient_only=ambient_only)
-            try:
-                after(artifact, checker_for, modules)
-            except Exception as exc:
-                raise fail("verify_failed", exc) from None
+
+        def checker_for(other: VariantRequest, outputs: Spec | None = None) -> Checker:
+            return Checker(other, check_options, real, artifact, view, outputs,
+                           binding=plan.binding, flatten_out=plan.flatten_out,
+                           carried=carried, baseline=baseline, ambient_only=ambient_only)
+
+        fidelity = _checked(checker_for(request, graph_outputs), plan, modules, fail, after,
+                            artifact, checker_for)
+    return _record(request, options, plan, real, artifact, graph_outputs, fidelity,
+                   (embedded, ambient_only), collective, source is not None, t0, fail)
+
+
+def _record(request: VariantRequest, options: CaptureOptions, plan: _Plan, real: Backend,
+            artifact: Any, graph_outputs: Spec | None, fidelity: Fidelity,
+            contexts: tuple[tuple[str, ...], tuple[str, ...]], collective: bool,
+            from_cache: bool, t0: float, fail: Callable[..., CaptureFailed]) -> Capture:
+    """The ``Capture`` of a checked artifact, with its graph's summary."""
     try:
         ops, op_args, digest, fingerprint = _graph_summary(request, real, artifact)
     except Exception as exc:
         raise fail("bad_artifact", exc) from None
+    embedded, ambient_only = contexts
     return Capture(
         scope=request.scope, members=tuple(m.name for m in request.members),
         variant=request.variant, signature=request.inputs, outputs=request.outputs,
@@ -215,13 +216,32 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         backend=real.name, artifact=artifact, fidelity=fidelity, fingerprint=fingerprint,
         embedded=embedded, ambient_only=ambient_only, binding=plan.binding,
         constants=tuple(p for p, _ in _const_paths(request.inputs)),
-        attempts=backend.last_attempts, seconds=time.perf_counter() - t0, ops=ops,
+        attempts=options.backend.last_attempts, seconds=time.perf_counter() - t0, ops=ops,
         member_calls=tuple((m.name, m.calls) for m in request.members),
-        weights_from=traced.name, collective=collective, graph_digest=digest,
+        weights_from=request.traced.name, collective=collective, graph_digest=digest,
         op_args=op_args, identities=tuple((m.name, request.identity) for m in request.members
                                           if request.identity),
-        ignore_attributes=options.ignore_attributes, from_cache=source is not None,
+        ignore_attributes=options.ignore_attributes, from_cache=from_cache,
     )
+
+
+def _checked(checker: Checker, plan: _Plan, modules: Mapping[str, nn.Module],
+             fail: Callable[..., CaptureFailed], after: After | None, artifact: Any,
+             checker_for: Callable[[VariantRequest], Checker]) -> Fidelity:
+    """The artifact checked against the variant's calls (what the trace and
+    the reference runs changed in their arguments included), then handed
+    to ``after`` with a checker for other requests of the same view."""
+    try:
+        fidelity = checker.run(modules)
+    except Exception as exc:
+        raise fail("verify_failed", exc) from None
+    fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
+    if after is not None:
+        try:
+            after(artifact, checker_for, modules)
+        except Exception as exc:
+            raise fail("verify_failed", exc) from None
+    return fidelity
 
 
 @contextmanager
