@@ -8,6 +8,7 @@ tests/test_artifacts_models.py and the trust sweep (tests/test_trust_sweep.py).
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import pytest
@@ -42,6 +43,21 @@ def gpt2() -> nn.Module:
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2,
                                      n_head=4, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config).eval()
+
+
+#: the head of a fresh-process script: the tiny Qwen2 of the generate() tests
+#: (``qwen2()``'s config, seed 0) and their prompt, built as those tests build them
+QWEN2_FRESH = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, transformers, ctxreplay
+    config = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+""")
 
 
 def qwen2() -> nn.Module:

@@ -59,16 +59,7 @@ def _saved(directory: Path) -> ctxreplay.CaptureReport:
     return report
 
 
-_FRESH = textwrap.dedent("""
-    import json, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, transformers, ctxreplay
-    config = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+_FRESH = real_models.QWEN2_FRESH + textwrap.dedent("""
     def generate():
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
             return model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0,

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 import pytest
+import real_models
 import torch
 from torch import nn
 
@@ -212,12 +213,7 @@ _GEN: dict[str, Any] = {"max_new_tokens": 12, "do_sample": False, "pad_token_id"
 
 
 def _qwen2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(config).eval()
+    return real_models.qwen2()
 
 
 def _prompt() -> torch.Tensor:
@@ -272,16 +268,7 @@ def test_qwen2_dynamic_cache_generate_installed_in_process_gives_eager_tokens(
     assert not torch.equal(wrong, eager)
 
 
-_FRESH = textwrap.dedent("""
-    import json, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, transformers, ctxreplay
-    config = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+_FRESH = real_models.QWEN2_FRESH + textwrap.dedent("""
     def generate():
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
             return model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)

@@ -22,22 +22,19 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
 from torch import nn
 
-from ..artifacts.formats import get_format
-from ..backends import get_backend
 from ..capture.checker import Checker
 from ..capture.fold import Trial, rules_from_json, rules_to_json
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture
-from ..capture.variant import CaptureFailed, Source
+from ..capture.variant import Source
 from ..core.probe import ContextProbe
 from ..fidelity.levels import checked_by
 from ..specs.specjson import call_to_json, resolve_opaque, spec_from_json, spec_to_json
 from .keys import variant_key
 from .store import Entry
-from .use import CaptureCache, Stored, deferred_capture, fill_record, program_source
+from .use import CaptureCache, deferred_capture, fill_record, read_entry, run_entry
 
 __all__ = ["cached_fold"]
 
@@ -91,9 +88,11 @@ def _use(cache: CaptureCache, entry: Entry, example: VariantRequest,
          pending: Sequence[VariantRequest], trial: Trial, module: Any,
          modules: Mapping[str, nn.Module], options: CaptureOptions,
          baseline: tuple[ContextProbe[Any], ...], run: FoldRun) -> Capture | None:
+    read = read_entry(cache, entry, example)
+    if read is None:
+        return None
+    stored, fmt, backend = read
     try:
-        stored = Stored.read(entry.record)
-        fmt, backend = get_format(stored.format), get_backend(stored.backend)
         fold = entry.record["fold"]
         rules = rules_from_json(fold["rules"])
         sizes = {str(s["inputs"]): resolve_opaque(spec_from_json(s["outputs"]))
@@ -113,13 +112,10 @@ def _use(cache: CaptureCache, entry: Entry, example: VariantRequest,
                                   ambient_only=stored.ambient_only)
                 trial.checked[r.variant] = checker.run(modules)
     else:
-        try:
-            capture = run(program_source(fmt, entry.program, stored, backend))
-        except CaptureFailed as failed:
-            cache.store.discard(entry.key, f"not usable ({failed.failure.reason})")
+        ran = run_entry(cache, entry, stored, fmt, backend, run)
+        if ran is None:
             return None
-        capture = attrs.evolve(capture, graph_digest=stored.graph_digest,
-                               fingerprint=stored.fingerprint)
+        capture = ran
     if not capture.fidelity.ok or not trial.agreed():
         cache.store.discard(entry.key, "a fold that does not reproduce the live calls at "
                             f"verify={options.verify!r}")

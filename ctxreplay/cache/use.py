@@ -36,7 +36,8 @@ from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
 from .keys import KEY_SCHEMA, variant_key
 from .store import CacheDir, Entry
 
-__all__ = ["CaptureCache", "Stored", "deferred_capture", "fill_record", "program_source"]
+__all__ = ["CaptureCache", "Stored", "deferred_capture", "fill_record", "program_source",
+           "read_entry", "run_entry"]
 
 Run = Callable[[Source | None], Capture]
 
@@ -127,27 +128,18 @@ class CaptureCache:
              baseline: tuple[ContextProbe[Any], ...], run: Run) -> Capture | None:
         """The capture ``entry`` holds, checked; ``None`` (the entry
         discarded) where it cannot be read or does not pass."""
-        try:
-            stored = Stored.read(entry.record)
-            fmt = get_format(stored.format)
-            backend = get_backend(stored.backend)
-        except Exception as exc:
-            self.store.discard(entry.key, f"unreadable ({type(exc).__name__})")
+        read = read_entry(self, entry, request)
+        if read is None:
             return None
-        if stored.binding != _binding(request):
-            self.store.discard(entry.key, "for another calling convention of the variant")
-            return None
+        stored, fmt, backend = read
         if set(checked_by(options.verify)) <= {"signature"}:
             capture = deferred_capture(entry, stored, fmt, backend, request, module, modules,
                                         options, baseline)
         else:
-            try:
-                capture = run(program_source(fmt, entry.program, stored, backend))
-            except CaptureFailed as failed:
-                self.store.discard(entry.key, f"not usable ({failed.failure.reason})")
+            ran = run_entry(self, entry, stored, fmt, backend, run)
+            if ran is None:
                 return None
-            capture = attrs.evolve(capture, graph_digest=stored.graph_digest,
-                                   fingerprint=stored.fingerprint)
+            capture = ran
         if not capture.fidelity.ok:
             self.store.discard(entry.key, "a program that does not reproduce the live calls "
                                f"at verify={options.verify!r}")
@@ -159,6 +151,37 @@ class CaptureCache:
         """Store ``capture`` when it passed its check (``fill_record``)."""
         if capture.fidelity.ok:
             fill_record(self, key, capture, request, module, options, {})
+
+
+def read_entry(cache: CaptureCache, entry: Entry, request: VariantRequest
+               ) -> tuple[Stored, ArtifactFormat, Backend] | None:
+    """What ``entry``'s record says, its format and backend; ``None`` (the
+    entry discarded) where it cannot be read or binds ``request``'s call
+    another way."""
+    try:
+        stored = Stored.read(entry.record)
+        fmt = get_format(stored.format)
+        backend = get_backend(stored.backend)
+    except Exception as exc:
+        cache.store.discard(entry.key, f"unreadable ({type(exc).__name__})")
+        return None
+    if stored.binding != _binding(request):
+        cache.store.discard(entry.key, "for another calling convention of the variant")
+        return None
+    return stored, fmt, backend
+
+
+def run_entry(cache: CaptureCache, entry: Entry, stored: Stored, fmt: ArtifactFormat,
+              backend: Backend, run: Run) -> Capture | None:
+    """``run`` given ``entry``'s program as its source (checked as a traced
+    artifact is); ``None`` (the entry discarded) where it cannot be used."""
+    try:
+        capture = run(program_source(fmt, entry.program, stored, backend))
+    except CaptureFailed as failed:
+        cache.store.discard(entry.key, f"not usable ({failed.failure.reason})")
+        return None
+    return attrs.evolve(capture, graph_digest=stored.graph_digest,
+                        fingerprint=stored.fingerprint)
 
 
 def fill_record(cache: CaptureCache, key: str, capture: Capture, request: VariantRequest,

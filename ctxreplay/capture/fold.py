@@ -32,7 +32,15 @@ from torch import nn
 
 from ..fidelity.levels import checked_by, level
 from ..fidelity.verify import Fidelity
-from ..specs.dims import DynamicDim, Folding, SymbolRange, parse_expr, size_free, varying_dims
+from ..specs.dims import (
+    DynamicDim,
+    Folding,
+    SymbolRange,
+    parse_expr,
+    size_free,
+    symbols,
+    varying_dims,
+)
 from ..specs.signature import CallSpec
 from .checker import GUARD_FAILED, Checker
 from .mutation import with_mutations
@@ -44,6 +52,8 @@ __all__ = ["MAX_FOLDS", "FoldRun", "Trial", "families", "fold_family", "folds", 
 
 #: graphs tried per family before the rest are captured one by one
 MAX_FOLDS = 3
+#: a symbol's upper bound where the graph sets none
+UNBOUNDED = 2**62
 
 #: ``(request, dynamic dims, after) -> Capture`` (``capture_variant``'s
 #: ``dims`` and ``after``), or ``CaptureFailed``
@@ -105,8 +115,9 @@ def _foldable(family: Sequence[VariantRequest]) -> tuple[list[VariantRequest],
 
 
 def _example(family: Sequence[VariantRequest]) -> VariantRequest:
-    """The variant to trace: the most distinct varying sizes (sizes equal by
-    chance are not taken for a relation), then the largest."""
+    """The variant to trace: among those with the most distinct varying sizes
+    (sizes equal by chance are not taken for a relation), the median by
+    total size."""
     dims = varying_dims([r.inputs for r in family])
 
     def score(r: VariantRequest) -> tuple[int, int]:
@@ -133,10 +144,14 @@ class _Rules:
         return Folding(self.dims, tuple(SymbolRange(n, lo, hi)
                                         for n, (lo, hi) in sorted(ranges.items())), sizes)
 
+    def wide(self) -> Folding:
+        """The rules as a ``Folding`` over the graph's own bounds."""
+        return self.folding({n: (lo, UNBOUNDED if hi is None else hi)
+                             for n, (lo, hi) in self.bounds.items()}, 0)
+
     def takes(self, example: CallSpec, call: CallSpec) -> bool:
-        wide = {n: (lo, 2**62 if hi is None else hi) for n, (lo, hi) in self.bounds.items()}
         try:
-            return self.folding(wide, 0).accepts(example, call)
+            return self.wide().accepts(example, call)
         except ValueError:
             return False
 
@@ -180,7 +195,7 @@ def rules_of(artifact: Any, inputs: CallSpec) -> _Rules | None:
             except Exception:
                 return None
             dims.append(DynamicDim(i, path, d, expr))
-    used = {n for d in dims for n in _names(d.expr)}
+    used = {n for d in dims for n in symbols(d.expr)}
     bounds = {}
     for sym, vr in artifact.range_constraints.items():
         if str(sym) in used:
@@ -191,27 +206,16 @@ def rules_of(artifact: Any, inputs: CallSpec) -> _Rules | None:
 
 
 def rules_to_json(rules: _Rules) -> dict[str, Any]:
-    """A fold's rules as JSON (the capture cache keeps them)."""
-    return {"dims": [[d.leaf, d.path, d.dim, d.expr] for d in rules.dims],
-            "bounds": {n: [lo, hi] for n, (lo, hi) in rules.bounds.items()}}
+    """A fold's rules as JSON (the capture cache keeps them): a ``Folding``'s,
+    its ranges the graph's own bounds (``UNBOUNDED`` for none)."""
+    return rules.wide().to_json()
 
 
 def rules_from_json(doc: Any) -> _Rules:
-    """The inverse of ``rules_to_json``; ``ValueError`` on anything else."""
-    try:
-        dims = tuple(DynamicDim(int(leaf), str(path), int(dim), str(expr))
-                     for leaf, path, dim, expr in doc["dims"])
-        bounds = {str(n): (int(lo), None if hi is None else int(hi))
-                  for n, (lo, hi) in doc["bounds"].items()}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"fold rules: {exc}") from None
-    return _Rules(dims, bounds)
-
-
-def _names(expr: str) -> set[str]:
-    import ast
-
-    return {n.id for n in ast.walk(parse_expr(expr)) if isinstance(n, ast.Name)}
+    """The inverse of ``rules_to_json``; ``ValueError`` naming the bad field."""
+    folding = Folding.from_json(doc, "$.fold.rules")
+    return _Rules(folding.dims, {r.name: (r.low, None if r.high >= UNBOUNDED else r.high)
+                                 for r in folding.ranges})
 
 
 @attrs.define
@@ -310,9 +314,9 @@ def _folded(capture: Capture, taken: Sequence[VariantRequest], trial: Trial) -> 
     assert trial.rules is not None
     rules = trial.rules
     ranges: dict[str, tuple[int, int]] = {}
+    wide = rules.wide()
     for r in taken:
-        values = rules.folding({n: (0, 2**62) for n in rules.bounds}, 0).values(
-            [s.shape for _, s in r.inputs.leaves()]) or {}
+        values = wide.values([s.shape for _, s in r.inputs.leaves()]) or {}
         for n, v in values.items():
             lo, hi = ranges.get(n, (v, v))
             ranges[n] = (min(lo, v), max(hi, v))

@@ -41,6 +41,7 @@ from ..specs.signature import (
     ConstSpec,
     Spec,
     TensorSpec,
+    call_tensors,
     children,
     is_native,
     tensor_values,
@@ -393,8 +394,7 @@ def _dynamic_shapes(plan: _Plan, target: nn.Module, args: tuple[Any, ...],
     forward needs a fixed size (it then specialises, and the fold's checks
     say which sizes the graph takes)."""
     collection = torch.export.ShapesCollection()  # type: ignore[no-untyped-call]
-    leaves = [t for a in args for t in tensor_values(a)]
-    leaves += [t for v in kwargs.values() for t in tensor_values(v)]
+    leaves = call_tensors(args, kwargs)
     for i, dims in plan.dims.items():
         collection[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
     return collection.dynamic_shapes(target, args, kwargs)  # type: ignore[no-untyped-call]

@@ -39,9 +39,9 @@ from ..specs.signature import (
     ObjectSpec,
     PytreeSpec,
     Spec,
+    call_tensors,
     children,
     is_native,
-    tensor_values,
 )
 from ..specs.specjson import call_to_json, holds_objects
 
@@ -295,9 +295,7 @@ class Target:
             self.fn = fn
         try:
             if e.binding == "flattened":
-                leaves = [t for a in args for t in tensor_values(a)]
-                leaves += [t for v in kwargs.values() for t in tensor_values(v)]
-                out = fn(*leaves)
+                out = fn(*call_tensors(args, kwargs))
             else:
                 out = fn(*args, **kwargs)
         except AssertionError as exc:

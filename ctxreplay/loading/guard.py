@@ -18,7 +18,7 @@ from ..core.observer import Observer
 from ..core.snapshots import ContextSnapshot
 from ..errors import Error, Warning
 from ..specs.dims import Folding
-from ..specs.signature import tensor_values
+from ..specs.signature import call_tensors
 from .needs import (
     Difference,
     Needs,
@@ -44,11 +44,10 @@ def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any],
                 break
         else:  # positional tensors only: the common case, read directly
             return tuple([a.shape for a in args])
-    leaves = [t for a in args for t in tensor_values(a)]
     if kwargs:
         names = [n for n in order if n in kwargs] + [n for n in kwargs if n not in order]
-        leaves += [t for n in names for t in tensor_values(kwargs[n])]
-    return tuple([t.shape for t in leaves])
+        kwargs = {n: kwargs[n] for n in names}
+    return tuple([t.shape for t in call_tensors(args, kwargs)])
 
 
 #: ``on_mismatch``: what a guarded call does on a difference

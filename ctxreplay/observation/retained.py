@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..capture.options import RetainedCall
-from ..specs.signature import tensor_values
+from ..specs.signature import call_tensors, tensor_values
 
 __all__ = ["BETWEEN", "Kept", "Retention"]
 
@@ -88,7 +88,7 @@ class Retention:
         """CPU copies of a call's input tensors, or ``None`` past the budget
         (``kept``'s sampled calls and last call given up first to make room:
         this call is its newest)."""
-        tensors = [t for a in (*args, *kwargs.values()) for t in tensor_values(a)]
+        tensors = call_tensors(args, kwargs)
         need = _nbytes(tensors)
         with self.lock:
             if not self._reserve(need, kept):

@@ -38,10 +38,11 @@ from .signature import (
     Spec,
     TensorSpec,
     children,
+    map_leaves,
 )
 
 __all__ = ["DynamicDim", "Folding", "SymbolRange", "concrete", "contiguous", "parse_expr",
-           "size_free", "size_free_key", "varying_dims"]
+           "size_free", "size_free_key", "symbols", "varying_dims"]
 
 
 def contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
@@ -126,25 +127,18 @@ def _hint(d: Any) -> int:
     return int(hint) if hint is not None else int(d)
 
 
+def _concrete_tensor(spec: Spec) -> Spec:
+    if not isinstance(spec, TensorSpec) or \
+            all(type(d) is int for d in (*spec.shape, *spec.stride)):
+        return spec
+    return attrs.evolve(spec, shape=tuple(_hint(d) for d in spec.shape),
+                        stride=tuple(_hint(d) for d in spec.stride))
+
+
 def concrete(spec: Spec) -> Spec:
     """``spec`` (a traced graph's, whose sizes may be symbols) at the sizes the
     trace ran with."""
-    if isinstance(spec, TensorSpec):
-        if all(type(d) is int for d in (*spec.shape, *spec.stride)):
-            return spec
-        return attrs.evolve(spec, shape=tuple(_hint(d) for d in spec.shape),
-                            stride=tuple(_hint(d) for d in spec.stride))
-    if isinstance(spec, SeqSpec):
-        return SeqSpec(spec.kind, tuple(concrete(c) for c in spec.items))
-    if isinstance(spec, DictSpec):
-        return DictSpec(spec.kind, spec.keys, tuple(concrete(c) for c in spec.values))
-    if isinstance(spec, DataclassSpec):
-        return DataclassSpec(spec.cls, spec.names, tuple(concrete(c) for c in spec.values))
-    if isinstance(spec, ObjectSpec):
-        return ObjectSpec(spec.cls, spec.names, tuple(concrete(c) for c in spec.values))
-    if isinstance(spec, PytreeSpec):
-        return PytreeSpec(spec.cls, spec.context, tuple(concrete(c) for c in spec.children))
-    return spec
+    return map_leaves(spec, _concrete_tensor)
 
 
 # -- expressions -------------------------------------------------------------------
@@ -185,6 +179,11 @@ def _evaluate(node: ast.expr, values: Mapping[str, int]) -> int:
         return -_evaluate(node.operand, values)
     assert isinstance(node, ast.BinOp)
     return _BINARY[type(node.op)](_evaluate(node.left, values), _evaluate(node.right, values))
+
+
+def symbols(expr: str) -> set[str]:
+    """The symbols a size expression names."""
+    return set(_symbols(parse_expr(expr)))
 
 
 def _symbols(node: ast.expr) -> Iterator[str]:

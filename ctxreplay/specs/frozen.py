@@ -34,6 +34,7 @@ from .signature import (
     PytreeSpec,
     SeqSpec,
     Spec,
+    map_leaves,
 )
 
 __all__ = ["copy_generator", "freeze_constants", "is_object"]
@@ -114,19 +115,7 @@ def _copy(spec: ConstSpec) -> Spec:
 
 
 def _freeze(spec: Spec) -> Spec:
-    if isinstance(spec, ConstSpec):
-        return _copy(spec)
-    if isinstance(spec, SeqSpec):
-        return SeqSpec(spec.kind, tuple(_freeze(s) for s in spec.items))
-    if isinstance(spec, DictSpec):
-        return DictSpec(spec.kind, spec.keys, tuple(_freeze(s) for s in spec.values))
-    if isinstance(spec, DataclassSpec):
-        return DataclassSpec(spec.cls, spec.names, tuple(_freeze(s) for s in spec.values))
-    if isinstance(spec, ObjectSpec):
-        return ObjectSpec(spec.cls, spec.names, tuple(_freeze(s) for s in spec.values))
-    if isinstance(spec, PytreeSpec):
-        return PytreeSpec(spec.cls, spec.context, tuple(_freeze(s) for s in spec.children))
-    return spec
+    return map_leaves(spec, lambda s: _copy(s) if isinstance(s, ConstSpec) else s)
 
 
 def _any_mutable(spec: Spec) -> bool:

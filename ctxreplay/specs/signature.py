@@ -46,10 +46,12 @@ __all__ = [
     "TensorSpec",
     "call_key",
     "call_spec",
+    "call_tensors",
     "children",
     "flatten_spec",
     "is_native",
     "layout_of",
+    "map_leaves",
     "spec_of",
     "tensor_leaves",
     "tensor_values",
@@ -356,6 +358,15 @@ def tensor_values(value: object, _depth: int = 0) -> Iterator[Tensor]:
         yield from tensor_values(child, _depth + 1)
 
 
+def call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors a call takes, in ``CallSpec.leaves()`` order (keyword
+    arguments in the order given)."""
+    out = [t for a in args for t in tensor_values(a)]
+    if kwargs:
+        out += [t for v in kwargs.values() for t in tensor_values(v)]
+    return out
+
+
 _CONTENT_BUDGET = 256  # values looked at to key one constant by content
 _MAX_ATTRS = 64
 
@@ -472,6 +483,24 @@ def children(spec: Spec) -> list[tuple[str, Spec]] | None:
     if isinstance(spec, PytreeSpec):
         return [(f".<{i}>", s) for i, s in enumerate(spec.children)]
     return None
+
+
+def map_leaves(spec: Spec, fn: Any) -> Spec:
+    """``spec`` with every container rebuilt and ``fn`` applied to each leaf
+    (a ``TensorSpec`` or a ``ConstSpec``)."""
+    if isinstance(spec, SeqSpec):
+        return SeqSpec(spec.kind, tuple(map_leaves(c, fn) for c in spec.items))
+    if isinstance(spec, DictSpec):
+        return DictSpec(spec.kind, spec.keys, tuple(map_leaves(c, fn) for c in spec.values))
+    if isinstance(spec, DataclassSpec):
+        return DataclassSpec(spec.cls, spec.names, tuple(map_leaves(c, fn) for c in spec.values))
+    if isinstance(spec, ObjectSpec):
+        return ObjectSpec(spec.cls, spec.names, tuple(map_leaves(c, fn) for c in spec.values))
+    if isinstance(spec, PytreeSpec):
+        return PytreeSpec(spec.cls, spec.context,
+                          tuple(map_leaves(c, fn) for c in spec.children))
+    result: Spec = fn(spec)
+    return result
 
 
 def tensor_leaves(spec: Spec, path: str = "") -> Iterator[tuple[str, TensorSpec]]:
