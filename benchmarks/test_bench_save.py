@@ -1,12 +1,15 @@
 """Artifact work at the cost of the capture: ``report.save_all(dir)`` of N
 captures beside the ``finalize()`` that made them, in the same run, round by
-round.  Target <= 1.0x, at each verification level: after ``verify="execute"``
-the files hold the programs finalize() already ran, so each is loaded back
-and compared by its graph; after ``verify="signature"`` each file runs once.
+round.  Target <= 1.0x, at each verification level.  The files hold the
+programs finalize() checked, so each is written (``torch.export.save``),
+read back (``Pt2Format.reload``: torch's archive reader and deserialiser)
+and compared with the checked program by its graph and weights; none is
+run.  The collector is held off while each is written and read
+(``saving.collector_paused``).
 
 N = 8 variants of a TinyDiT block, live under CPU bfloat16 autocast and
-inference mode, replay embedded (the programs hold ``wrap_with_autocast``,
-which saving once lowered with a re-trace).  Speed is printed, never asserted.
+inference mode, replay embedded (the programs hold ``wrap_with_autocast``).
+Speed is printed, never asserted.
 """
 
 from __future__ import annotations

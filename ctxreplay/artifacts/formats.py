@@ -71,6 +71,12 @@ class ArtifactFormat(ABC):
     def load(self, path: Path) -> Any:
         """The artifact written to ``path``."""
 
+    def reload(self, path: Path) -> Any:
+        """The artifact just written to ``path``, read back to check the file
+        (``Capture.save``); by default ``load``.  A format may read it a
+        cheaper way than ``load`` that still goes through its own reader."""
+        return self.load(path)
+
     @abstractmethod
     def detect(self, path: Path) -> bool:
         """Whether the file at ``path`` is one of this format's, by its content."""

@@ -12,7 +12,7 @@ import json
 import struct
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,20 @@ class Pt2Format(ArtifactFormat):
     def load(self, path: Path) -> Any:
         """``torch.export.load``."""
         return torch.export.load(path)
+
+    def reload(self, path: Path) -> Any:
+        """The program just written, read back through torch's own archive
+        reader and graph deserialiser (``_read_archive``), its JSON decoded
+        with each schema class's type hints resolved once (``_decode``)
+        rather than at every node as ``torch.export.load`` does -- the
+        larger part of what loading a small program costs.  Where this
+        torch's archive does not have the layout that reader knows, or it
+        fails, ``torch.export.load`` reads the file (its error stands)."""
+        try:
+            program = _read_archive(path)
+        except Exception:
+            program = None
+        return torch.export.load(path) if program is None else program
 
     def detect(self, path: Path) -> bool:
         """A zip archive: what ``torch.export.save`` writes."""
@@ -155,6 +169,30 @@ class Pt2Format(ArtifactFormat):
         return ExportedProgramDeserializer(None).deserialize(serialized, state, constants, None)
 
 
+def _read_archive(path: Path) -> Any:
+    """A one-program ``.pt2`` archive read as ``torch.export.load`` reads it
+    (``pt2_archive._package._load_exported_programs``): the archive version,
+    the weights, the constants and the example inputs by torch's own
+    readers, the program by torch's deserialiser; ``None`` where the
+    archive or this torch is not laid out so."""
+    from torch._export.serde.schema import ExportedProgram as Schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer
+    from torch.export.pt2_archive import _package as pkg
+    from torch.export.pt2_archive import constants as names
+
+    with pkg.PT2ArchiveReader(str(path)) as reader:
+        if reader.read_string(names.ARCHIVE_VERSION_PATH) != names.ARCHIVE_VERSION_VALUE:
+            return None
+        model = names.MODELS_FILENAME_FORMAT.format("model")
+        if [n for n in reader.get_file_names() if n.startswith(names.MODELS_DIR)] != [model]:
+            return None
+        serialized = _decode(Schema, json.loads(reader.read_bytes(model)))
+        inputs = reader.read_bytes(names.SAMPLE_INPUTS_FILENAME_FORMAT.format("model"))
+        state = pkg._load_state_dict(reader, "model")
+        constants = pkg._load_constants(reader, "model")
+    return ExportedProgramDeserializer(None).deserialize(serialized, state, constants, inputs)
+
+
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     from torch._export.serde import schema
@@ -164,34 +202,65 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _decode(cls: Any, data: Any) -> Any:
     """torch's JSON-to-schema decoding (``serialize._dict_to_dataclass``),
-    with each class's type hints resolved once instead of at every node --
-    most of what loading a small program costs."""
+    by a decoder made once per schema type (``_decoder``) instead of
+    resolving each class's type hints at every node -- most of what
+    loading a small program costs."""
+    return _decoder(cls)(data)
+
+
+Decoder = Callable[[Any], Any]
+
+
+@functools.cache
+def _decoder(cls: Any) -> Decoder:
+    """The decoder of one schema type, as ``serialize._dict_to_dataclass``
+    decodes it: an optional's ``None`` stays ``None``; a union (one key:
+    its member's name) is made with ``create``; a dataclass from the fields
+    the data has (torch ignores unknown keys); a list or dict by its data,
+    element by element; a float is made a float.  Nested types are looked
+    up when first met, so recursive schema types need no special case."""
     from torch._export.serde import schema
     from torch._export.serde.union import _Union
 
     if isinstance(cls, typing.ForwardRef):
-        cls = cls.__forward_arg__
+        return _decoder(cls.__forward_arg__)
     if isinstance(cls, str):
-        cls = getattr(schema, cls)
+        return _decoder(getattr(schema, cls))
     origin = typing.get_origin(cls)
     if origin is typing.Annotated:
-        return _decode(cls.__origin__, data)
-    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(cls):
-        return None if data is None else _decode(typing.get_args(cls)[0], data)
+        return _decoder(cls.__origin__)
+    args = typing.get_args(cls)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        return lambda data: None if data is None else _decoder(args[0])(data)
     if isinstance(cls, type) and issubclass(cls, _Union):
-        cls = typing.cast(Any, cls)
-        (name, value), = data.items()
-        create: Any = cls.create
-        return create(**{name: _decode(_hints(cls)[name], value)})
+        return _union_decoder(cls)
     if dataclasses.is_dataclass(cls):
         hints = _hints(cls)  # type: ignore[arg-type]
-        return cls(**{f.name: _decode(hints[f.name], data[f.name])  # type: ignore[operator]
-                      for f in dataclasses.fields(cls) if f.name in data})
+        fields = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+        return lambda data: cls(**{name: _decoder(hint)(data[name])  # type: ignore[operator]
+                                   for name, hint in fields if name in data})
+    return functools.partial(_plain, cls, args)
+
+
+def _union_decoder(cls: Any) -> Decoder:
+    hints = _hints(cls)
+    create = cls.create
+
+    def union(data: Any) -> Any:
+        (name, value), = data.items()
+        return create(**{name: _decoder(hints[name])(value)})
+    return union
+
+
+def _plain(cls: Any, args: tuple[Any, ...], data: Any) -> Any:
     if isinstance(data, list):
-        return [_decode(typing.get_args(cls)[0], d) for d in data] if data else data
+        if not data:
+            return data
+        item = _decoder(args[0])
+        return [item(d) for d in data]
     if isinstance(data, dict):
-        v_type = typing.get_args(cls)[1]
-        return {k: _decode(v_type, v) for k, v in data.items()}
+        value = _decoder(args[1])
+        return {k: value(v) for k, v in data.items()}
     return float(data) if cls is float else data
 
 
