@@ -351,30 +351,56 @@ class Counts(nn.Module):
         return out
 
 
-def test_object_arguments_stay_eager_by_default_where_no_walk_ran() -> None:
-    # Strict export traces the forward with Dynamo, not by running it in
-    # Python, so the walk of the arguments sees nothing: the capture holds
-    # no argument mismatch although its forward changes the argument, and
-    # nothing in it says the walk did not run.  The default policy runs such
-    # calls eagerly; dispatching them (the control) leaves the live object
-    # unchanged.
+@pytest.mark.parametrize("backend", [ExportBackend(strict=True), "dynamo"],
+                         ids=["strict_export", "dynamo"])
+def test_a_change_dynamo_traces_past_is_seen_by_a_watched_run(backend: Any) -> None:
+    # Strict export and the dynamo backend trace the forward with Dynamo,
+    # not by running it in Python, so the trace's own walk of the
+    # arguments sees nothing; at verify="signature" nothing else runs.  The
+    # member's forward then runs once on fresh inputs, its arguments
+    # watched: the change is named and the capture is not ok.
     torch.manual_seed(0)
     model = Counts()
     x = torch.rand(2, 4)
-    with ctxreplay.capture_with(model, backend=ExportBackend(strict=True),
+    with ctxreplay.capture_with(model, backend=backend,
                                 verify="signature") as session, torch.no_grad():
         model(x, Counted())
     report = session.finalize()
-    assert isinstance(report.captures[0].artifact, torch.export.ExportedProgram)
+    assert not report.ok
+    [m] = _argument_mismatches(report)
+    assert (m.path, m.live) == ("args[1].calls", "Counted.calls: assigned (new int)")
+    if not isinstance(report.captures[0].artifact, torch.export.ExportedProgram):
+        return  # dynamo's graph module: install never dispatches it
     with ctxreplay.install(model, report) as handle, torch.no_grad():
         live = Counted()
         model(x, live)
-        assert handle.stats().reasons == {"object_arguments": 1}
+        assert handle.stats().reasons == {"mutates_argument": 1}
     assert live.calls == 1  # eager ran
-    if _argument_mismatches(report):
-        return  # the walk saw it after all: nothing left to show
-    with ctxreplay.install(model, report, object_args="dispatch") as handle, torch.no_grad():
-        live = Counted()
-        model(x, live)
-        assert handle.stats().total_hits == 1
-    assert live.calls == 0  # the graph left the live object as it was
+
+
+def test_a_forward_given_only_tensors_is_not_run_again_at_signature() -> None:
+    # the watched run is only for calls whose inputs hold something the
+    # forward could change in Python
+    runs: list[int] = []
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.lin(x) + y
+            return out
+
+    torch.manual_seed(0)
+    model = Plain()
+    model.register_forward_pre_hook(lambda m, a: runs.append(1) and None)
+    x = torch.rand(2, 4)
+    with ctxreplay.capture_with(model, backend="dynamo",
+                                verify="signature") as session, torch.no_grad():
+        model(x, x)
+    live_runs = len(runs)
+    report = session.finalize()
+    assert report.ok, report.problems
+    assert report.captures[0].fidelity.checked == ("signature",)
+    assert live_runs == 1 and len(runs) == 1

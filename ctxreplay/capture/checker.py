@@ -228,6 +228,25 @@ class Checker:
         return compare_values(reference, produced, "execute", hint=self.hint, member=name) + \
             self._updates(updated, ran, name)
 
+    def watch_arguments(self, modules: Mapping[str, nn.Module]) -> list[Mismatch]:
+        """One run of the traced member's forward on fresh inputs, its
+        arguments watched (``self.watch``), for a variant whose trace ran no
+        Python forward that could be watched (Dynamo compiles it instead) at
+        a level that runs nothing else: without it, a change the forward
+        makes to an argument object would go unseen.  A forward that cannot
+        run is a mismatch: its arguments were not watched."""
+        module = modules.get(self.request.traced.name)
+        if module is None:
+            return [_mismatch("execution", "member", "released", "argument", None, None)]
+        leaves = materialize_leaves(self.request.inputs)
+        with self._isolated(module) as view:
+            try:
+                self._eager(view, _clone(leaves))
+            except Exception as exc:
+                return [_mismatch("execution", "the run watching its arguments",
+                                  exception_message(exc)[0], "argument", None, None)]
+        return []
+
     def _updates(self, want: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...],
                  name: str | None) -> list[Mismatch]:
         """The input tensors after the reference run against those after the

@@ -165,6 +165,8 @@ class Watch:
     """Collects the changes runs of a forward made to their arguments."""
 
     found: list[Mutation] = attrs.field(factory=list)
+    #: the runs it watched
+    runs: int = 0
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
@@ -179,6 +181,7 @@ class Watch:
              kwargs: dict[str, Any]) -> None:
         """Note what a run changed in its arguments since ``before`` (their
         ``state_of`` walk, whose objects the caller kept alive)."""
+        self.runs += 1
         after, _ = state_of(args, kwargs)
         for m in changes(before, after):
             if m not in self.found:

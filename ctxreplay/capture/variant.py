@@ -35,6 +35,7 @@ from ..errors import Error
 from ..fidelity.levels import level
 from ..fidelity.verify import Fidelity, is_neutral, neutral_replay
 from ..specs.dims import concrete
+from ..specs.frozen import may_change_in_python
 from ..specs.materialize import inputs_for, materialize_leaves
 from ..specs.signature import (
     CallSpec,
@@ -236,6 +237,14 @@ def _checked(checker: Checker, plan: _Plan, modules: Mapping[str, nn.Module],
         fidelity = checker.run(modules)
     except Exception as exc:
         raise fail("verify_failed", exc) from None
+    if not (plan.watch.runs or checker.watch.runs) and may_change_in_python(checker.request.inputs):
+        try:
+            unwatched = checker.watch_arguments(modules)
+        except Exception as exc:
+            raise fail("verify_failed", exc) from None
+        if unwatched:
+            fidelity = attrs.evolve(fidelity, ok=False,
+                                    mismatches=(*fidelity.mismatches, *unwatched))
     fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
     if after is not None:
         try:

@@ -34,10 +34,11 @@ from .signature import (
     PytreeSpec,
     SeqSpec,
     Spec,
+    children,
     map_leaves,
 )
 
-__all__ = ["copy_generator", "freeze_constants", "is_object"]
+__all__ = ["copy_generator", "freeze_constants", "is_object", "may_change_in_python"]
 
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
               torch.layout, torch.memory_format, torch.Size, frozenset, range, slice)
@@ -92,6 +93,23 @@ def is_object(value: Any) -> bool:
     (its attributes, a container's items): not a scalar, a callable, a
     module, a tensor, an enum or a generator."""
     return not isinstance(value, torch.Generator) and not callable(value) and _mutable(value)
+
+
+def may_change_in_python(spec: Spec | CallSpec) -> bool:
+    """Whether a call's inputs hold something its forward could change in
+    Python, which no graph op does: a list or dict (its items), an object,
+    dataclass or pytree node (its attributes), or a constant that is such
+    an object.  Tensors, tuples of them and plain values cannot be."""
+    if isinstance(spec, CallSpec):
+        return any(may_change_in_python(s) for _, s in spec.items())
+    if isinstance(spec, (DataclassSpec, ObjectSpec, PytreeSpec)):
+        return True
+    if isinstance(spec, ConstSpec):
+        return is_object(spec.value)
+    if isinstance(spec, DictSpec) or (isinstance(spec, SeqSpec) and
+                                      issubclass(spec.kind, list)):
+        return True
+    return any(may_change_in_python(c) for _, c in children(spec) or ())
 
 
 def _copy(spec: ConstSpec) -> Spec:
