@@ -74,6 +74,11 @@ class Counting(ExportBackend):
             raise RuntimeError("this rank's backend broke")
         return super().capture(module, args, kwargs)
 
+    def capture_dynamic(self, module: nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any], dynamic_shapes: Any) -> Any:
+        self.calls += 1  # a fold's trace
+        return super().capture_dynamic(module, args, kwargs, dynamic_shapes)
+
 
 def _doc(report: ctxreplay.CaptureReport) -> dict[str, Any]:
     doc = report.to_json()
@@ -211,4 +216,84 @@ def save_all(rank: int, world: int, port: int, out: str) -> None:
         "wrote": sorted(s.path.name for s in saved.saved),
         "elsewhere": [list(e) for e in saved.elsewhere],
         "manifest_there": saved.manifest.is_file()}))
+    _teardown()
+
+
+class SeqBlock(nn.Module):
+    """A block over ``(batch, length, 8)``: its graph folds over lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.lin(x), dim=1) * x.shape[1]
+
+
+class SeqStack(nn.Module):
+    def __init__(self, n: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SeqBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+#: the lengths each rank runs: some only it sees, some every rank sees
+def fold_lengths(rank: int) -> list[int]:
+    return [4, 6, 8, 10 + 2 * rank, 13 + 2 * rank]
+
+
+def folds_lengths(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank runs several lengths; every capture this rank holds is run
+    again here, by value, at every length it stands for, with the weights
+    of every block it covers, against the block itself."""
+    _setup(rank, world, port)
+    torch.manual_seed(0)
+    model = SeqStack().eval()
+    backend = Counting()
+    with ctxreplay.capture_with(model, targets="repeated", backend=backend,
+                                verify="execute") as session, torch.no_grad():
+        for n in fold_lengths(rank):
+            model(torch.rand(2, n, 8))
+    report = session.finalize()
+    every = sorted({n for r in range(world) for n in fold_lengths(r)})
+    wrong, ran = [], []
+    for c in report.captures:
+        if c.rank != rank:
+            continue  # its program stayed on the rank that made it
+        program = c.artifact.module()
+        for n in every:
+            x = torch.rand(2, n, 8)
+            shape = [list(x.shape)]
+            if c.folding is None and list(next(c.signature.leaves())[1].shape) != shape[0]:
+                continue
+            if c.folding is not None and not c.folding.within(shape):
+                continue
+            for name in c.members:  # each block it stands for, with its own weights
+                block = model.get_submodule(name)
+                program.load_state_dict(block.state_dict())
+                ran.append([c.variant, name, n])
+                with torch.no_grad():
+                    if not torch.equal(program(x), block(x)):
+                        wrong.append([c.variant, name, n])
+    Path(out, f"{rank}.json").write_text(json.dumps({
+        "report": _doc(report), "backend_calls": backend.calls, "wrong": wrong,
+        "ran": ran}))
+    _teardown()
+
+
+def folds_collectives(rank: int, world: int, port: int, out: str) -> None:
+    """A block with an all_reduce at three lengths on every rank: its graph
+    is not run alone to fold it (that would wait for the other ranks)."""
+    _setup(rank, world, port)
+    torch.manual_seed(0)
+    model = ReduceBlock().eval()
+    with ctxreplay.capture_with(model, backend="export", verify="execute") as session, \
+            torch.no_grad():
+        for n in (4, 6, 8):
+            model(torch.rand(2, n, 8))
+    Path(out, f"{rank}.json").write_text(json.dumps({"report": _doc(session.finalize())}))
     _teardown()

@@ -215,3 +215,47 @@ def test_the_torchrun_example_runs_under_torchrun(tmp_path: Path) -> None:
     assert docs[0] == docs[1] and docs[0]["ok"]
     assert {tuple(c["observed_on"]) for c in docs[0]["captures"]} >= {(0, 1), (0,), (1,)}
     assert "captured on rank" in done.stdout
+
+
+def _covered(report: dict[str, Any]) -> list[int]:
+    return sorted(v for c in report["captures"] for v in [c["variant"], *c["folded"]])
+
+
+def test_each_rank_folds_the_lengths_it_captures(tmp_path: Path) -> None:
+    results = _run(cases.folds_lengths, 2, tmp_path)
+    docs = [r["report"] for r in results]
+    assert docs[0] == docs[1], "the merged report differs between ranks"
+    report = docs[0]
+    assert report["ok"], (report["problems"], report["failures"])
+    lengths = sorted({n for r in range(2) for n in cases.fold_lengths(r)})
+    # one variant per length (the blocks differ in weights only), every one
+    # covered exactly once: by a capture of its own or by a fold
+    assert _covered(report) == list(range(len(lengths)))
+    folded = [c for c in report["captures"] if c["folded"]]
+    assert folded and all(c["dynamic"] for c in folded)
+    assert len(report["captures"]) < len(lengths)
+    assert sum(r["backend_calls"] for r in results) < len(lengths)
+    # every call is counted once, by the capture that stands for it
+    assert sum(c["calls"] for c in report["captures"]) == sum(
+        2 * len(cases.fold_lengths(r)) for r in range(2))
+    for c in report["captures"]:
+        assert sum(n for _, n in c["rank_calls"]) == c["calls"]
+    # the oracle: each rank ran every capture it holds at every length it
+    # claims, with each block's weights, against the block itself
+    for r in results:
+        assert r["wrong"] == []
+    ran = [tuple(x) for r in results for x in r["ran"]]
+    assert {n for _, _, n in ran} == set(lengths)
+
+
+def test_a_graph_with_an_all_reduce_is_not_folded_and_its_ranks_check_it_together(
+        tmp_path: Path) -> None:
+    results = _run(cases.folds_collectives, 2, tmp_path)
+    docs = [r["report"] for r in results]
+    assert docs[0] == docs[1]
+    report = docs[0]
+    assert report["ok"], (report["problems"], report["failures"])
+    assert len(report["captures"]) == 3
+    for c in report["captures"]:
+        assert c["collective"] and not c["folded"] and c["dynamic"] is None
+        assert c["fidelity"]["checked"] == ["signature", "execute"]

@@ -111,9 +111,10 @@ class Pt2Format(ArtifactFormat):
                     and _same_tensors(written.constants, loaded.constants))
 
     def to_bytes(self, artifact: Any) -> bytes:
-        """``torch.export.save`` into memory."""
+        """``torch.export.save`` into memory (a context wrapper over no op
+        left out: torch's loader refuses the form the serialiser gives it)."""
         buf = io.BytesIO()
-        torch.export.save(artifact, buf)
+        torch.export.save(_without_empty_wrappers(artifact), buf)
         return buf.getvalue()
 
     def from_bytes(self, data: bytes) -> Any:

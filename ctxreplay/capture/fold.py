@@ -30,6 +30,7 @@ import attrs
 import torch
 from torch import nn
 
+from ..backends.passes import has_collectives
 from ..fidelity.levels import checked_by, level
 from ..fidelity.verify import Fidelity
 from ..specs.dims import (
@@ -60,14 +61,16 @@ UNBOUNDED = 2**62
 FoldRun = Callable[[VariantRequest, Mapping[int, tuple[int, ...]], Any], Capture]
 
 
-def folds(options: CaptureOptions, *, alone: bool) -> bool:
+def folds(options: CaptureOptions) -> bool:
     """Whether a session folds: asked for, a backend that traces dynamic
-    sizes, a verification that runs graphs (a fold is only kept once run at
-    every size), and one process (ranks number variants among themselves)."""
-    return not_folding(options, alone=alone) is None
+    sizes, and a verification that runs graphs (a fold is only kept once
+    run at every size).  In a distributed finalize each rank folds the
+    variants it was given to capture: a family spread over ranks folds once
+    per rank, the ranks tracing at the same time."""
+    return not_folding(options) is None
 
 
-def not_folding(options: CaptureOptions, *, alone: bool) -> str | None:
+def not_folding(options: CaptureOptions) -> str | None:
     """Why a session does not fold, in words (``None``: it does)."""
     if not options.fold:
         return "fold=False"
@@ -75,8 +78,6 @@ def not_folding(options: CaptureOptions, *, alone: bool) -> str | None:
         return f"backend {options.backend.name!r} traces fixed sizes"
     if options.verify == "off":
         return "verify='off' (a fold is kept only once run at every size)"
-    if not alone:
-        return "a distributed finalize captures each size apart"
     return None
 
 
@@ -242,6 +243,9 @@ class Trial:
         """Run as ``capture_variant``'s ``after``: the graph at the sizes of
         every variant whose rules it meets (the example too, unless the
         session's own check already ran it)."""
+        gm = getattr(artifact, "graph_module", None)
+        if gm is not None and has_collectives(gm):
+            return  # run alone it would wait for the other ranks: no fold
         self.rules = rules_of(artifact, self.example.inputs)
         if self.rules is None:
             return

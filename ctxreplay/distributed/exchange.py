@@ -249,16 +249,24 @@ class Collective:
     def plan(self, observed: list[Observed]) -> Plan:
         return make_plan(self.gather(observed))
 
-    def relabel(self, result: Capture | CaptureFailure, key: str,
-                plan: Plan) -> Capture | CaptureFailure:
+    def relabel(self, result: Capture | CaptureFailure, key: str, plan: Plan,
+                folded: Sequence[str] = ()) -> Capture | CaptureFailure:
         variant = plan.variant[key]
         if isinstance(result, CaptureFailure):
             return attrs.evolve(result, variant=variant)
-        members = plan.members[key]
+        calls: dict[str, int] = {}
+        per_rank: dict[int, int] = {}
+        for k in (key, *folded):  # a fold's calls are those of every variant it takes
+            for name, n in plan.members[k]:
+                calls[name] = calls.get(name, 0) + n
+            for r, n in plan.rank_calls[k]:
+                per_rank[r] = per_rank.get(r, 0) + n
+        members = tuple(calls.items())
         return attrs.evolve(
             result, variant=variant, rank=self.ranks[self.rank],
-            observed_on=tuple(self.ranks[r] for r in plan.observed_on[key]),
-            rank_calls=tuple((self.ranks[r], n) for r, n in plan.rank_calls[key]),
+            folded=tuple(plan.variant[k] for k in folded),
+            observed_on=tuple(self.ranks[r] for r in sorted(per_rank)),
+            rank_calls=tuple((self.ranks[r], n) for r, n in sorted(per_rank.items())),
             members=tuple(n for n, _ in members), member_calls=members,
             calls=sum(n for _, n in members))
 
@@ -348,9 +356,10 @@ class Exchange(Protocol):
     def plan(self, observed: list[Observed]) -> Plan:
         """Who captures which variant, and its number in the report."""
 
-    def relabel(self, result: Capture | CaptureFailure, key: str,
-                plan: Plan) -> Capture | CaptureFailure:
-        """A result as the merged report names it."""
+    def relabel(self, result: Capture | CaptureFailure, key: str, plan: Plan,
+                folded: Sequence[str] = ()) -> Capture | CaptureFailure:
+        """A result as the merged report names it (``folded``: the keys of
+        the variants a folded capture stands for besides its own)."""
 
     def share(self, mine: RankResults, options: CaptureOptions) -> list[RankResults]:
         """Every rank's results, in rank order (this rank's as they are)."""
@@ -389,8 +398,8 @@ class Alone:
                     variant={o.key: o.index for o in observed},
                     scope={o.key: o.scope for o in observed})
 
-    def relabel(self, result: Capture | CaptureFailure, key: str,
-                plan: Plan) -> Capture | CaptureFailure:
+    def relabel(self, result: Capture | CaptureFailure, key: str, plan: Plan,
+                folded: Sequence[str] = ()) -> Capture | CaptureFailure:
         return result
 
     def share(self, mine: RankResults, options: CaptureOptions) -> list[RankResults]:

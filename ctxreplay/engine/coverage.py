@@ -76,7 +76,7 @@ def _limit_names(scope: Any, options: CaptureOptions) -> tuple[str, ...]:
     """What a ``variant_limit`` problem names: whether sizes folded (or why
     not), how many calls each limit dropped, and the dimensions whose sizes
     varied among the variants kept."""
-    off = not_folding(options, alone=True)
+    off = not_folding(options)
     names = ["fold:on" if off is None else f"fold:off:{off}"]
     names += [f"dropped:{why}:{n}" for why, n in sorted(scope.dropped_why.items())]
     groups: dict[Any, list[Any]] = {}

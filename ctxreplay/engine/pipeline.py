@@ -9,7 +9,7 @@ runs these steps over an exchange -- ``Alone`` for one process, the group's
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -127,21 +127,30 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
     distributed = len(exchange.ranks) > 1
     keys = {id(r): k for k, r in mine}
     requests = [r for _, r in mine]
-    groups = families(requests) if folds(job.options, alone=not distributed) \
-        else [[r] for r in requests]
+    local = {(r.scope, r.variant): k for k, r in mine}
+    groups = families(requests) if folds(job.options) else [[r] for r in requests]
     try:
         for group in groups:
-            _fold(job, group, modules, baseline, net, bar, cache)
+            _fold(job, group, modules, baseline, net, bar, cache, distributed)
             for request in group:
                 where = (request.scope, request.variant)
                 if where not in job.done:
                     job.done[where] = _one(job, request, modules, baseline, net,
                                            distributed, cache)
                     bar.step(f"{request.scope}#{plan.variant[keys[id(request)]]}")
-                out += [exchange.relabel(r, keys[id(request)], plan) for r in job.done[where]]
+                out += [exchange.relabel(r, keys[id(request)], plan, _folded_keys(r, local))
+                        for r in job.done[where]]
     finally:
         bar.close()
     return out
+
+
+def _folded_keys(result: Result, local: Mapping[tuple[str, int], str]) -> tuple[str, ...]:
+    """The keys of the variants a folded capture stands for besides its own
+    (this rank numbers them as it observed them)."""
+    if not isinstance(result, Capture):
+        return ()
+    return tuple(local[(result.scope, v)] for v in result.folded)
 
 
 def _one(job: Finalizing, request: VariantRequest, modules: dict[str, nn.Module],
@@ -156,10 +165,12 @@ def _one(job: Finalizing, request: VariantRequest, modules: dict[str, nn.Module]
 
 def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Module],
           baseline: tuple[ContextProbe[Any], ...], net: Baseline, bar: Progress,
-          cache: CaptureCache | None) -> None:
+          cache: CaptureCache | None, distributed: bool) -> None:
     """Fold the variants of ``group`` (one family) not captured yet: each
     folded capture is recorded under its example, the variants it stands
-    for as done with nothing of their own."""
+    for as done with nothing of their own.  ``distributed``: a graph that
+    holds collectives is not run here (it would wait for the other ranks),
+    so it folds nothing."""
     todo = [r for r in group if (r.scope, r.variant) not in job.done]
     if len(todo) < 2 or job.interrupted:
         return
@@ -167,7 +178,8 @@ def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Mo
     def trace(request: VariantRequest, dims: Any, after: Any, source: Any) -> Capture:
         try:
             return capture_variant(request, modules, job.options, baseline=baseline,
-                                   dims=dims, after=after, source=source)
+                                   dims=dims, after=after, source=source,
+                                   defer_collectives=distributed)
         finally:
             if net.restore():  # a fold that leaks state is not used
                 raise CaptureFailed(CaptureFailure(request.scope, request.variant,

@@ -60,7 +60,7 @@ class CaptureSession:
             max_variants=options.max_variants, max_scopes=options.max_scopes,
             profile=options.profile_ranges,
             retain_bytes=options.retain_bytes if level(options.verify).retains else None,
-            ignore=options.ignore_attributes, fold=folds(options, alone=True))
+            ignore=options.ignore_attributes, fold=folds(options))
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None
