@@ -297,3 +297,36 @@ def folds_collectives(rank: int, world: int, port: int, out: str) -> None:
             model(torch.rand(2, n, 8))
     Path(out, f"{rank}.json").write_text(json.dumps({"report": _doc(session.finalize())}))
     _teardown()
+
+
+class ReduceWithList(nn.Module):
+    """An all_reduce in a forward that takes a list: reads it, or appends to it."""
+
+    def __init__(self, appends: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.appends = appends
+
+    def forward(self, x: torch.Tensor, extra: list[Any]) -> torch.Tensor:
+        y = fc.wait_tensor(fc.all_reduce(self.lin(x) + extra[0], "sum", dist.group.WORLD))
+        if self.appends:
+            extra.append(1)  # a Python-level change of the argument: no graph op
+        return y * 0.5
+
+
+def collective_arguments(rank: int, world: int, port: int, out: str) -> None:
+    """Strict export traces with Dynamo, so only a run of the forward sees
+    what it does to its arguments; a graph holding collectives runs only
+    with every rank."""
+    _setup(rank, world, port)
+    results = {}
+    for label, appends, verify in (("reads", False, "execute"), ("appends", True, "execute"),
+                                   ("appends_signature", True, "signature")):
+        torch.manual_seed(0)
+        model = ReduceWithList(appends).eval()
+        with ctxreplay.capture_with(model, backend=ExportBackend(strict=True),
+                                    verify=verify) as session, torch.no_grad():
+            model(torch.rand(2, 8), [torch.rand(2, 8)])
+        results[label] = _doc(session.finalize())
+    Path(out, f"{rank}.json").write_text(json.dumps(results))
+    _teardown()

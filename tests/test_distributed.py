@@ -259,3 +259,22 @@ def test_a_graph_with_an_all_reduce_is_not_folded_and_its_ranks_check_it_togethe
     for c in report["captures"]:
         assert c["collective"] and not c["folded"] and c["dynamic"] is None
         assert c["fidelity"]["checked"] == ["signature", "execute"]
+
+
+def test_what_a_collective_forward_does_to_its_arguments_is_watched_with_every_rank(
+        tmp_path: Path) -> None:
+    # no rank runs the forward (and its all_reduce) alone: the ranks' run
+    # together watches the arguments, and at a level that runs nothing the
+    # capture says they were not watched
+    results = _run(cases.collective_arguments, 2, tmp_path)
+    assert results[0] == results[1]
+    docs = results[0]
+    assert docs["reads"]["ok"], docs["reads"]["problems"]
+    (c,) = docs["appends"]["captures"]
+    assert c["collective"] and not docs["appends"]["ok"]
+    assert [(m["field"], m["live"]) for m in c["fidelity"]["mismatches"]] == [
+        ("argument", "list: appended (1 -> 2 items)")]
+    (c,) = docs["appends_signature"]["captures"]
+    assert not docs["appends_signature"]["ok"]
+    assert [(m["field"], m["live"], m["level"]) for m in c["fidelity"]["mismatches"]] == [
+        ("execution", "the run watching its arguments", "argument")]

@@ -404,3 +404,32 @@ def test_a_forward_given_only_tensors_is_not_run_again_at_signature() -> None:
     assert report.ok, report.problems
     assert report.captures[0].fidelity.checked == ("signature",)
     assert live_runs == 1 and len(runs) == 1
+
+
+class KeepsAverage(nn.Module):
+    """Updates a parameter in place (an average kept as a frozen Parameter)
+    and reads a list argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.avg = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
+        self.avg.mul_(0.5).add_(x.mean(0))
+        out: torch.Tensor = self.lin(x) + self.avg + extra[0]
+        return out
+
+
+def test_the_run_watching_arguments_leaves_the_live_weights_alone() -> None:
+    torch.manual_seed(0)
+    model = KeepsAverage().eval()
+    with ctxreplay.capture_with(model, backend=ExportBackend(strict=True),
+                                verify="signature") as session, torch.no_grad():
+        model(torch.ones(2, 4), [torch.zeros(4)])
+    live = model.avg.detach().clone()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    report = session.finalize()
+    assert report.captures  # the watched run happened (its inputs hold a list)
+    assert torch.equal(model.avg.detach(), live)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())

@@ -38,7 +38,7 @@ from ..fidelity.verify import (
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
 from .isolate import isolated, rng_guard
-from .mutation import Watch
+from .mutation import ARGUMENT_FIELD, Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 
@@ -230,21 +230,23 @@ class Checker:
 
     def watch_arguments(self, modules: Mapping[str, nn.Module]) -> list[Mismatch]:
         """One run of the traced member's forward on fresh inputs, its
-        arguments watched (``self.watch``), for a variant whose trace ran no
-        Python forward that could be watched (Dynamo compiles it instead) at
-        a level that runs nothing else: without it, a change the forward
-        makes to an argument object would go unseen.  A forward that cannot
-        run is a mismatch: its arguments were not watched."""
+        arguments watched (``self.watch``): for a variant no run of whose
+        forward was watched (Dynamo traced it, and the level runs nothing
+        else), a change the forward makes to an argument object would go
+        unseen.  A forward that cannot run is a mismatch: its arguments
+        were not watched."""
         module = modules.get(self.request.traced.name)
         if module is None:
-            return [_mismatch("execution", "member", "released", "argument", None, None)]
+            return [_mismatch("execution", "member", "released", ARGUMENT_FIELD, None, None)]
         leaves = materialize_leaves(self.request.inputs)
-        with self._isolated(module) as view:
+        # its outputs are not compared: the view holds copies of the weights,
+        # so a forward that updates one in place leaves the live one alone
+        with self._isolated(module, own_parameters=True) as view:
             try:
                 self._eager(view, _clone(leaves))
             except Exception as exc:
                 return [_mismatch("execution", "the run watching its arguments",
-                                  exception_message(exc)[0], "argument", None, None)]
+                                  exception_message(exc)[0], ARGUMENT_FIELD, None, None)]
         return []
 
     def _updates(self, want: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...],
@@ -289,10 +291,11 @@ class Checker:
         return found
 
     @contextmanager
-    def _isolated(self, module: nn.Module) -> Iterator[nn.Module]:
+    def _isolated(self, module: nn.Module, *, own_parameters: bool = False
+                  ) -> Iterator[nn.Module]:
         """An isolated view of ``module`` in the state the variant ran in:
         its ``training`` flags and the attributes it held then."""
-        with isolated(module, self.request.training) as view:
+        with isolated(module, self.request.training, own_parameters=own_parameters) as view:
             restore_state(view, self.request.state)
             yield view
 

@@ -30,7 +30,6 @@ import attrs
 import torch
 from torch import nn
 
-from ..backends.passes import has_collectives
 from ..fidelity.levels import checked_by, level
 from ..fidelity.verify import Fidelity
 from ..specs.dims import (
@@ -243,9 +242,6 @@ class Trial:
         """Run as ``capture_variant``'s ``after``: the graph at the sizes of
         every variant whose rules it meets (the example too, unless the
         session's own check already ran it)."""
-        gm = getattr(artifact, "graph_module", None)
-        if gm is not None and has_collectives(gm):
-            return  # run alone it would wait for the other ranks: no fold
         self.rules = rules_of(artifact, self.example.inputs)
         if self.rules is None:
             return

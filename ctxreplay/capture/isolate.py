@@ -106,12 +106,15 @@ def _isolating() -> Iterator[None]:
 
 
 @contextmanager
-def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
-             ) -> Iterator[nn.Module]:
+def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = (), *,
+             own_parameters: bool = False) -> Iterator[nn.Module]:
     """A view of ``module`` that capture and execution may change freely,
     with each submodule path in ``training`` set to that mode (the mode the
-    live call ran in, whatever the model is in now)."""
-    view = _copy(module)  # raises NotIsolable: never run on the user's module
+    live call ran in, whatever the model is in now).  Its parameters are
+    the module's own tensors (a copy of every weight per check would cost
+    what the weights weigh) unless ``own_parameters``: then copies, so a
+    forward that updates a parameter in place leaves the module's alone."""
+    view = _copy(module, share_parameters=not own_parameters)  # raises NotIsolable
     _set_training(view, training)
     with _isolating():
         yield view
@@ -131,9 +134,9 @@ class NotIsolable(Error, TypeError):
     it rather than run the user's own module."""
 
 
-def _copy(module: nn.Module) -> nn.Module:
+def _copy(module: nn.Module, *, share_parameters: bool = True) -> nn.Module:
     memo: dict[int, Any] = {}
-    for p in module.parameters():
+    for p in module.parameters() if share_parameters else ():
         memo[id(p)] = p
     # Most trees copy at the first try; the walk below (bounded, but ~150
     # objects for a small block) only runs for those that do not.

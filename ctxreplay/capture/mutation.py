@@ -35,8 +35,8 @@ from ..fidelity.verify import Fidelity, Mismatch
 from ..specs.signature import PRIMITIVES
 from .isolate import forward_wrapped
 
-__all__ = ["ARGUMENT_FIELD", "Mutation", "Watch", "changes", "state_of", "watched",
-           "with_mutations"]
+__all__ = ["ARGUMENT_FIELD", "Mutation", "Watch", "changes", "mutation_mismatches", "state_of",
+           "watched", "with_mutations"]
 
 #: ``Mismatch.field`` (and ``level``) of a change to an argument object: a
 #: capture holding one is not ok, and ``install`` never dispatches it
@@ -221,8 +221,13 @@ def with_mutations(fidelity: Fidelity, found: list[Mutation]) -> Fidelity:
     trace, so ``checked`` names it when no other check ran."""
     if not found:
         return fidelity
-    extra = tuple(Mismatch(m.path, ARGUMENT_FIELD, m.describe(), _NOT_IN_GRAPH,
-                           ARGUMENT_FIELD)
-                  for m in list(dict.fromkeys(found))[:_MAX_REPORTED])
-    return attrs.evolve(fidelity, ok=False, mismatches=(*fidelity.mismatches, *extra),
+    return attrs.evolve(fidelity, ok=False,
+                        mismatches=(*fidelity.mismatches, *mutation_mismatches(found)),
                         checked=fidelity.checked or (ARGUMENT_FIELD,), ok_with_needs=None)
+
+
+def mutation_mismatches(found: list[Mutation]) -> tuple[Mismatch, ...]:
+    """A mismatch per change found (the first few), field and level
+    ``argument``: no graph op makes it."""
+    return tuple(Mismatch(m.path, ARGUMENT_FIELD, m.describe(), _NOT_IN_GRAPH, ARGUMENT_FIELD)
+                 for m in list(dict.fromkeys(found))[:_MAX_REPORTED])

@@ -33,7 +33,7 @@ from ..backends.passes import (
 from ..core.probe import ContextProbe
 from ..errors import Error
 from ..fidelity.levels import level
-from ..fidelity.verify import Fidelity, is_neutral, neutral_replay
+from ..fidelity.verify import Fidelity, Mismatch, is_neutral, neutral_replay
 from ..specs.dims import concrete
 from ..specs.frozen import may_change_in_python
 from ..specs.materialize import inputs_for, materialize_leaves
@@ -50,7 +50,7 @@ from ..specs.signature import (
 from ..specs.specjson import call_to_json
 from .checker import Checker
 from .isolate import forward_alone, forward_wrapped, isolated, rng_guard
-from .mutation import Watch, watched, with_mutations
+from .mutation import ARGUMENT_FIELD, Watch, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 from .results import Capture, CaptureFailure
@@ -186,8 +186,9 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         embedded, carried, ambient_only = _context_split(request, plan, options, real)
         gm = real.graph_module(artifact)
         collective = gm is not None and has_collectives(gm)
+        alone = not (collective and defer_collectives)  # it may run on this rank alone
         check_options = options
-        if collective and defer_collectives and level(options.verify).executes:
+        if not alone and level(options.verify).executes:
             check_options = attrs.evolve(options, verify="signature")
 
         def checker_for(other: VariantRequest, outputs: Spec | None = None) -> Checker:
@@ -195,8 +196,10 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                            binding=plan.binding, flatten_out=plan.flatten_out,
                            carried=carried, baseline=baseline, ambient_only=ambient_only)
 
-        fidelity = _checked(checker_for(request, graph_outputs), plan, modules, fail, after,
-                            artifact, checker_for)
+        together = not alone and level(options.verify).executes
+        fidelity = _checked(checker_for(request, graph_outputs), plan, modules, fail,
+                            after if alone else None, artifact, checker_for,
+                            runs="here" if alone else "ranks" if together else "nowhere")
     return _record(request, options, plan, real, artifact, graph_outputs, fidelity,
                    (embedded, ambient_only), collective, source is not None, t0, fail)
 
@@ -229,22 +232,21 @@ def _record(request: VariantRequest, options: CaptureOptions, plan: _Plan, real:
 
 def _checked(checker: Checker, plan: _Plan, modules: Mapping[str, nn.Module],
              fail: Callable[..., CaptureFailed], after: After | None, artifact: Any,
-             checker_for: Callable[[VariantRequest], Checker]) -> Fidelity:
+             checker_for: Callable[[VariantRequest], Checker], *, runs: str) -> Fidelity:
     """The artifact checked against the variant's calls (what the trace and
     the reference runs changed in their arguments included), then handed
-    to ``after`` with a checker for other requests of the same view."""
+    to ``after`` with a checker for other requests of the same view.
+    ``runs``: where the member may run -- ``"here"``, only with the other
+    ranks (``"ranks"``: a graph holding collectives at a level that
+    executes) or ``"nowhere"`` (the same at a level that does not)."""
     try:
         fidelity = checker.run(modules)
+        unwatched = _unwatched(checker, plan, modules, runs)
     except Exception as exc:
         raise fail("verify_failed", exc) from None
-    if not (plan.watch.runs or checker.watch.runs) and may_change_in_python(checker.request.inputs):
-        try:
-            unwatched = checker.watch_arguments(modules)
-        except Exception as exc:
-            raise fail("verify_failed", exc) from None
-        if unwatched:
-            fidelity = attrs.evolve(fidelity, ok=False,
-                                    mismatches=(*fidelity.mismatches, *unwatched))
+    if unwatched:
+        fidelity = attrs.evolve(fidelity, ok=False, ok_with_needs=None,
+                                mismatches=(*fidelity.mismatches, *unwatched))
     fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
     if after is not None:
         try:
@@ -252,6 +254,25 @@ def _checked(checker: Checker, plan: _Plan, modules: Mapping[str, nn.Module],
         except Exception as exc:
             raise fail("verify_failed", exc) from None
     return fidelity
+
+
+def _unwatched(checker: Checker, plan: _Plan, modules: Mapping[str, nn.Module],
+               runs: str) -> list[Mismatch]:
+    """Where no run of the forward was watched (Dynamo traced it, and the
+    level runs nothing) and its inputs hold what it could change in Python,
+    one run of the member with its arguments watched; what it finds lands
+    in ``checker.watch``, and a run that could not happen is a mismatch.  A
+    graph holding collectives is run only with the other ranks: at a level
+    that executes they watch it together, else it stays unwatched."""
+    if plan.watch.runs or checker.watch.runs or not may_change_in_python(checker.request.inputs):
+        return []
+    if runs == "here":
+        return checker.watch_arguments(modules)
+    if runs == "ranks":
+        return []  # the ranks' run together watches it
+    return [Mismatch("out", "execution", "the run watching its arguments",
+                     "not run: its graph holds collectives (verify='execute' runs it with "
+                     "the other ranks)", ARGUMENT_FIELD)]
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..artifacts.formats import artifact_bytes, artifact_from_bytes
 from ..capture.isolate import isolated
+from ..capture.mutation import Watch, mutation_mismatches
 from ..capture.results import Capture
 from ..core.probe import ContextProbe
 from ..fidelity.levels import checked_by
@@ -80,6 +81,7 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
     name = next((m for m in (c.weights_from, *c.members) if m in modules), None)
     leaves = materialize_leaves(c.signature)
     runs: list[Any] = []
+    watch = Watch()
     try:
         gm = program.module()
         if name is not None:
@@ -88,7 +90,7 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
                          for k, v in view.state_dict(keep_vars=True).items()}
                 gm.load_state_dict(state, strict=False, assign=True)
                 runs.append(_call(gm, c, leaves, baseline, full=False))
-                runs.append(_eager(view, c, leaves, baseline))
+                runs.append(_eager(view, c, leaves, baseline, watch))
         else:  # the same collectives, in the same order, as the other ranks
             runs.append(_call(gm, c, leaves, baseline, full=False))
             runs.append(_call(gm, c, leaves, baseline, full=False))
@@ -96,8 +98,9 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
         return [Mismatch("out", "execution", "ran", type(exc).__name__, "execute")]
     if name is None:
         return []
-    return compare_values(runs[1], runs[0], "execute",
-                          member=None if len(c.members) == 1 else name)
+    return [*compare_values(runs[1], runs[0], "execute",
+                            member=None if len(c.members) == 1 else name),
+            *mutation_mismatches(watch.found)]
 
 
 def _call(gm: Callable[..., Any], c: Capture, leaves: tuple[torch.Tensor, ...],
@@ -109,7 +112,7 @@ def _call(gm: Callable[..., Any], c: Capture, leaves: tuple[torch.Tensor, ...],
 
 
 def _eager(view: nn.Module, c: Capture, leaves: tuple[torch.Tensor, ...],
-           baseline: tuple[ContextProbe[Any], ...]) -> Any:
+           baseline: tuple[ContextProbe[Any], ...], watch: Watch) -> Any:
     it = iter(tuple(t.clone() for t in leaves))
     args, kwargs = bind_call(c.signature, lambda _s: next(it))
     try:
@@ -120,8 +123,9 @@ def _eager(view: nn.Module, c: Capture, leaves: tuple[torch.Tensor, ...],
         replay.__enter__()
     try:
         # forward alone, as the live call was observed: the member's own
-        # hooks ran around the observation wrapper, not inside the graph
-        out = view.forward(*args, **kwargs)
+        # hooks ran around the observation wrapper, not inside the graph;
+        # what it changes in its arguments is what no graph op does
+        out = watch.call(view.forward, args, kwargs)
     finally:
         replay.__exit__(None, None, None)
     return tuple(tensor_values(out)) if c.binding == "flattened" else out
