@@ -785,3 +785,89 @@ def test_empty_containers_a_module_holds_stay_empty_and_aliased(verify: str) -> 
         assert view.ordered is not model.ordered and view.log.seen is not model.log.seen
         assert view._forward_hooks is not model._forward_hooks
         assert type(view.ordered) is collections.OrderedDict
+
+
+class KeepsAverage(nn.Module):
+    """Keeps a running average in a parameter it updates in place (a frozen
+    ``nn.Parameter``), as some normalisation and EMA layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.avg = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.avg.mul_(0.5).add_(x.mean(0))
+        out: torch.Tensor = self.lin(x) + self.avg
+        return out
+
+
+def _finalized_weights(model: nn.Module, backend: Any, verify: str
+                       ) -> tuple[ctxreplay.CaptureReport, dict[str, torch.Tensor]]:
+    with ctxreplay.capture_with(model, backend=backend, verify=verify) as session, \
+            torch.no_grad():
+        model(torch.ones(2, 4))
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    report = session.finalize()
+    return report, before
+
+
+@pytest.mark.parametrize("verify", ["execute", "values"])
+@pytest.mark.parametrize("backend", ["export", "symbolic"])
+def test_a_forward_updating_a_parameter_in_place_leaves_the_live_weights(
+        verify: str, backend: str) -> None:
+    # the checks run the program and the member on the live weights (an
+    # isolated view shares them): what they write is put back
+    torch.manual_seed(0)
+    model = KeepsAverage().eval()
+    report, before = _finalized_weights(model, backend, verify)
+    (c,) = report.captures
+    # the graph writes it too; "values" then holds the live call, made when
+    # the average was another, to a run now
+    assert not [m for m in c.fidelity.mismatches if m.path.startswith("parameter")]
+    assert report.ok or verify == "values"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_the_weights_guard_sees_a_bare_run() -> None:
+    # the control: the same runs without the guard change the live weight
+    model = KeepsAverage().eval()
+    before = model.avg.detach().clone()
+    with ctxreplay.capture.isolate.isolated(model) as view, torch.no_grad():
+        view(torch.rand(2, 4))
+    assert not torch.equal(model.avg.detach(), before)
+    model = KeepsAverage().eval()
+    before = model.avg.detach().clone()
+    with ctxreplay.capture.isolate.isolated(model) as view, \
+            ctxreplay.capture.isolate.weights_kept(view) as written, torch.no_grad():
+        view(torch.rand(2, 4))
+    assert torch.equal(model.avg.detach(), before)
+    assert list(written.values()) == ["avg"]
+
+
+class _DropsWrites(ctxreplay.backends.builtin.SymbolicBackend):
+    """A backend whose graph computes the update of the parameter but leaves
+    the parameter as it was (an in-place method made out of place)."""
+
+    name = "drops_writes"
+
+    def capture(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        gm = super().capture(module, args, kwargs)
+        for node in gm.graph.nodes:
+            if node.op == "call_method" and node.target in ("mul_", "add_"):
+                node.target = node.target[:-1]
+        gm.recompile()
+        return gm
+
+
+def test_a_graph_that_leaves_out_a_parameter_update_is_not_ok() -> None:
+    torch.manual_seed(0)
+    model = KeepsAverage().eval()
+    report, before = _finalized_weights(model, _DropsWrites(), "execute")
+    assert not report.ok
+    (c,) = report.captures
+    assert ("parameter avg", "written in place", "not written") in [
+        (m.path, m.live, m.captured) for m in c.fidelity.mismatches]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

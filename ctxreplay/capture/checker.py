@@ -37,7 +37,7 @@ from ..fidelity.verify import (
 )
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
-from .isolate import isolated, rng_guard
+from .isolate import isolated, rng_guard, weights_kept
 from .mutation import ARGUMENT_FIELD, Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
@@ -73,6 +73,8 @@ class Checker:
         self.by_value = 0  # live calls run and compared by value in this pass
         #: what the reference runs changed in their arguments
         self.watch = Watch()
+        #: the live parameters the last run wrote in place (storage -> name), put back
+        self.wrote: dict[int, str] = {}
         self._fresh: tuple[Any, dict[str, str] | None] | None = None
 
     def run(self, modules: Mapping[str, nn.Module]) -> Fidelity:
@@ -195,6 +197,7 @@ class Checker:
             ran = _clone(leaves)  # the inputs the artifact updates in place, if it does
             try:
                 produced = self._call(program, ran)
+                by_program = self.wrote
             except AssertionError as exc:
                 if not str(exc).startswith("Guard failed"):
                     raise
@@ -226,7 +229,7 @@ class Checker:
             return [_mismatch("execution", "reference run",
                               "FakeTensor left by trace", "execute", None, name)]
         return compare_values(reference, produced, "execute", hint=self.hint, member=name) + \
-            self._updates(updated, ran, name)
+            self._updates(updated, ran, name) + _weight_writes(self.wrote, by_program, name)
 
     def watch_arguments(self, modules: Mapping[str, nn.Module]) -> list[Mismatch]:
         """One run of the traced member's forward on fresh inputs, its
@@ -305,16 +308,19 @@ class Checker:
         return live
 
     def _call(self, program: Callable[..., Any], leaves: tuple[torch.Tensor, ...]) -> Any:
-        """``program`` on ``leaves`` (the caller's copies: it may update them)."""
+        """``program`` on ``leaves`` (the caller's copies: it may update them);
+        the live parameters it wrote in place are put back (``self.wrote``)."""
         args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=leaves)
-        with rng_guard(), neutral_replay(self.request.snapshot, self.baseline,
-                                         needs=self.needs):
+        with weights_kept(program) as self.wrote, rng_guard(), \
+                neutral_replay(self.request.snapshot, self.baseline, needs=self.needs):
             return program(*args, **kwargs)
 
     def _eager(self, view: nn.Module, leaves: tuple[torch.Tensor, ...]) -> Any:
-        """The member's forward on ``leaves`` (the caller's copies)."""
+        """The member's forward on ``leaves`` (the caller's copies); the live
+        parameters it wrote in place are put back (``self.wrote``)."""
         args, kwargs = bind_call(self.request.inputs, _taker(leaves))
-        with rng_guard(), neutral_replay(self.request.snapshot, self.baseline, full=True):
+        with weights_kept(view) as self.wrote, rng_guard(), \
+                neutral_replay(self.request.snapshot, self.baseline, full=True):
             # ``forward`` alone, as observation saw the live call: the hooks
             # ``nn.Module.__call__`` runs at the member's own level ran
             # around it (``isolate.forward_alone``), those of its
@@ -348,6 +354,19 @@ def _mismatch(field: str, live: str, captured: str, level: str, hint: str | None
               member: str | None) -> Mismatch:
     return Mismatch("out", field, live, captured, level, hint,
                     () if member is None else (member,))
+
+
+def _weight_writes(by_forward: Mapping[int, str], by_program: Mapping[int, str],
+                   member: str | None) -> list[Mismatch]:
+    """The parameters the member's forward updated in place and its program
+    did not, or the other way round (``torch.export`` leaves an in-place
+    update of a parameter out of the graph): a live call and a dispatched
+    one would leave different weights behind."""
+    return [Mismatch(f"parameter {by_forward.get(ptr) or by_program[ptr]}", "execution",
+                     "written in place" if ptr in by_forward else "not written",
+                     "not written" if ptr in by_forward else "written in place",
+                     "execute", None, () if member is None else (member,))
+            for ptr in sorted(by_forward.keys() ^ by_program.keys())]
 
 
 def _fake(value: Any) -> bool:

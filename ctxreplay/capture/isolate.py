@@ -21,7 +21,8 @@ hooks ``nn.Module.__call__`` runs around it at the member's own level.
 
 ``rng_guard()`` puts back the global CPU (and, once initialised, CUDA)
 generator state and the state of every ``torch.Generator`` any torch call
-inside it received as ``generator=``.
+inside it received as ``generator=``; ``weights_kept(view)`` puts back the
+parameters a run wrote into in place.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import Error
 
 __all__ = ["NotIsolable", "forward_alone", "isolated", "isolating", "isolating_as",
-           "isolation_depth", "rng_guard", "unwatch", "watch"]
+           "isolation_depth", "rng_guard", "unwatch", "watch", "weights_kept"]
 
 _MAX_OBJECTS = 4096
 
@@ -450,6 +451,100 @@ class _GeneratorWatch(TorchFunctionMode):
         if isinstance(g, torch.Generator) and id(g) not in self.seen:
             self.seen[id(g)] = (g, g.get_state())
         return func(*args, **kwargs)
+
+
+class _WeightWrites(TorchFunctionMode):
+    """Keeps a copy of each watched tensor (a parameter an isolated view
+    shares with the live module) before the first torch call that writes
+    into its storage in place: a method ending in ``_``, an augmented
+    assignment, item assignment, or ``out=``."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.watched: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, t in tensors:
+            if t.numel() and t.device.type != "meta":
+                self.watched.setdefault(t.untyped_storage().data_ptr(), []).append((name, t))
+        self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for t in _written(func, args, kwargs):
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:  # a tensor without storage (a functional wrapper)
+                continue
+            for name, p in self.watched.get(ptr, ()):
+                if name not in self.kept:
+                    self.kept[name] = (p, p.detach().clone(), ptr)
+        return func(*args, **kwargs)
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors a torch call writes into in place: an operator's
+    arguments its schema marks written (``Tensor(a!)``, what a graph's
+    ``torch.ops.aten.mul_.Tensor`` shows), else -- a Python-level function
+    or method -- the first argument of one named in place and ``out=``."""
+    written = _schema_writes(func)
+    if written is not None:
+        if not written:
+            return []
+        targets = [args[i] if i < len(args) else kwargs.get(n) for i, n in written]
+    else:
+        name = getattr(func, "__name__", "")
+        in_place = (name.endswith("_") and not name.endswith("__")) \
+            or name.startswith("__i") or name == "__setitem__"
+        targets = [args[0] if in_place and args else None, kwargs.get("out")]
+    out: list[torch.Tensor] = []
+    for t in targets:
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+        elif isinstance(t, (tuple, list)):
+            out += [x for x in t if isinstance(x, torch.Tensor)]
+    return out
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...] | None] = {}
+
+
+def _schema_writes(func: Any) -> tuple[tuple[int, str], ...] | None:
+    """``(position, name)`` of each argument an operator's schema marks
+    written, read once per operator; ``None`` for a function without one."""
+    try:
+        return _WRITES[func]
+    except KeyError:
+        pass
+    except TypeError:  # not hashable
+        return None
+    schema = getattr(func, "_schema", None)
+    found = None if schema is None else tuple(
+        (i, a.name) for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write)
+    _WRITES[func] = found
+    return found
+
+
+@contextmanager
+def weights_kept(module: Any) -> Iterator[dict[int, str]]:
+    """Inside, each parameter of ``module`` (an isolated view's, or a
+    program bound to one: the live module's own tensors) that a torch call
+    writes in place is put back as it was when the block ends, whatever is
+    raised; the dict yielded then maps each one's storage to its name.  A
+    check's runs work on the live weights (a copy of every weight per run
+    would cost what the weights weigh), so a forward that updates a
+    parameter in place would otherwise change the user's."""
+    params = module.named_parameters() if isinstance(module, nn.Module) else ()
+    mode = _WeightWrites(params)
+    written: dict[int, str] = {}
+    try:
+        with mode:
+            yield written
+    finally:
+        with torch.no_grad():
+            for name, (p, saved, ptr) in mode.kept.items():
+                p.detach().copy_(saved)
+                written[ptr] = name
 
 
 @contextmanager
