@@ -37,7 +37,7 @@ from ..fidelity.verify import (
 )
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
-from .isolate import isolated, rng_guard, weights_kept
+from .isolate import isolated, rng_guard
 from .mutation import ARGUMENT_FIELD, Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
@@ -311,7 +311,7 @@ class Checker:
         """``program`` on ``leaves`` (the caller's copies: it may update them);
         the live parameters it wrote in place are put back (``self.wrote``)."""
         args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=leaves)
-        with weights_kept(program) as self.wrote, rng_guard(), \
+        with rng_guard(weights=program) as self.wrote, \
                 neutral_replay(self.request.snapshot, self.baseline, needs=self.needs):
             return program(*args, **kwargs)
 
@@ -319,7 +319,7 @@ class Checker:
         """The member's forward on ``leaves`` (the caller's copies); the live
         parameters it wrote in place are put back (``self.wrote``)."""
         args, kwargs = bind_call(self.request.inputs, _taker(leaves))
-        with weights_kept(view) as self.wrote, rng_guard(), \
+        with rng_guard(weights=view) as self.wrote, \
                 neutral_replay(self.request.snapshot, self.baseline, full=True):
             # ``forward`` alone, as observation saw the live call: the hooks
             # ``nn.Module.__call__`` runs at the member's own level ran

@@ -27,6 +27,7 @@ parameters a run wrote into in place.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import threading
@@ -34,7 +35,7 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -437,30 +438,17 @@ def _own_call(cls: type[nn.Module], active: list[bool]) -> Callable[..., Any]:
     return call
 
 
-class _GeneratorWatch(TorchFunctionMode):
-    """Remembers the state of every generator passed to a torch call."""
+class _RunWatch(TorchFunctionMode):
+    """Remembers the state of every generator passed to a torch call, and
+    keeps a copy of each watched tensor (a parameter an isolated view shares
+    with the live module) before the first torch call that writes into its
+    storage in place.  One mode for both: each is a Python call per torch
+    call of the run."""
 
-    def __init__(self) -> None:
+    def __init__(self, generators: bool, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().__init__()
+        self.generators = generators
         self.seen: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        g = kwargs.get("generator")
-        if isinstance(g, torch.Generator) and id(g) not in self.seen:
-            self.seen[id(g)] = (g, g.get_state())
-        return func(*args, **kwargs)
-
-
-class _WeightWrites(TorchFunctionMode):
-    """Keeps a copy of each watched tensor (a parameter an isolated view
-    shares with the live module) before the first torch call that writes
-    into its storage in place: a method ending in ``_``, an augmented
-    assignment, item assignment, or ``out=``."""
-
-    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().__init__()
         self.watched: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for name, t in tensors:
             if t.numel() and t.device.type != "meta":
@@ -470,6 +458,15 @@ class _WeightWrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.generators:
+            g = kwargs.get("generator")
+            if isinstance(g, torch.Generator) and id(g) not in self.seen:
+                self.seen[id(g)] = (g, g.get_state())
+        if self.watched:
+            self._keep(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _keep(self, func: Any, args: Any, kwargs: Any) -> None:
         for t in _written(func, args, kwargs):
             try:
                 ptr = t.untyped_storage().data_ptr()
@@ -478,26 +475,21 @@ class _WeightWrites(TorchFunctionMode):
             for name, p in self.watched.get(ptr, ()):
                 if name not in self.kept:
                     self.kept[name] = (p, p.detach().clone(), ptr)
-        return func(*args, **kwargs)
 
 
 def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors a torch call writes into in place: an operator's
-    arguments its schema marks written (``Tensor(a!)``, what a graph's
-    ``torch.ops.aten.mul_.Tensor`` shows), else -- a Python-level function
-    or method -- the first argument of one named in place and ``out=``."""
-    written = _schema_writes(func)
-    if written is not None:
-        if not written:
-            return []
-        targets = [args[i] if i < len(args) else kwargs.get(n) for i, n in written]
-    else:
-        name = getattr(func, "__name__", "")
-        in_place = (name.endswith("_") and not name.endswith("__")) \
-            or name.startswith("__i") or name == "__setitem__"
-        targets = [args[0] if in_place and args else None, kwargs.get("out")]
+    """The tensors a torch call writes into in place (``_write_spots``), and
+    whatever it is given as ``out=``."""
+    try:
+        spots = _SPOTS[func]
+    except (KeyError, TypeError):
+        spots = _write_spots(func)
+    target = kwargs.get("out")
+    if not spots and target is None:
+        return []
+    found = [args[i] if i < len(args) else kwargs.get(n) for i, n in spots]
     out: list[torch.Tensor] = []
-    for t in targets:
+    for t in (*found, target):
         if isinstance(t, torch.Tensor):
             out.append(t)
         elif isinstance(t, (tuple, list)):
@@ -505,64 +497,64 @@ def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
     return out
 
 
-_WRITES: dict[Any, tuple[tuple[int, str], ...] | None] = {}
+#: torch callable -> where its in-place targets are, read once per callable
+_SPOTS: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
-def _schema_writes(func: Any) -> tuple[tuple[int, str], ...] | None:
-    """``(position, name)`` of each argument an operator's schema marks
-    written, read once per operator; ``None`` for a function without one."""
-    try:
-        return _WRITES[func]
-    except KeyError:
-        pass
-    except TypeError:  # not hashable
-        return None
+def _write_spots(func: Any) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of each argument ``func`` writes into: those an
+    operator's schema marks written (``Tensor(a!)``, what a graph's
+    ``torch.ops.aten.mul_.Tensor`` shows), else -- a Python-level function
+    or method -- the first of one named in place (``mul_``, ``__iadd__``,
+    ``__setitem__``)."""
     schema = getattr(func, "_schema", None)
-    found = None if schema is None else tuple(
-        (i, a.name) for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write)
-    _WRITES[func] = found
-    return found
+    if schema is not None:
+        spots = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                      if a.alias_info is not None and a.alias_info.is_write)
+    else:
+        name = getattr(func, "__name__", "")
+        in_place = (name.endswith("_") and not name.endswith("__")) \
+            or name.startswith("__i") or name == "__setitem__"
+        spots = ((0, "self"),) if in_place else ()
+    with contextlib.suppress(TypeError):  # not hashable: looked at again next time
+        _SPOTS[func] = spots
+    return spots
 
 
 @contextmanager
-def weights_kept(module: Any) -> Iterator[dict[int, str]]:
-    """Inside, each parameter of ``module`` (an isolated view's, or a
-    program bound to one: the live module's own tensors) that a torch call
-    writes in place is put back as it was when the block ends, whatever is
-    raised; the dict yielded then maps each one's storage to its name.  A
-    check's runs work on the live weights (a copy of every weight per run
-    would cost what the weights weigh), so a forward that updates a
-    parameter in place would otherwise change the user's."""
-    params = module.named_parameters() if isinstance(module, nn.Module) else ()
-    mode = _WeightWrites(params)
+def rng_guard(*, watch_generators: bool = True, weights: Any = None
+              ) -> Iterator[dict[int, str]]:
+    """Random state as it was, whatever runs inside; with ``weights`` (a
+    module: an isolated view, or a program bound to one -- the live
+    module's own tensors), each of its parameters that a torch call writes
+    in place is put back as it was too, and the dict yielded then maps each
+    one's storage to its name.  A check's runs work on the live weights (a
+    copy of every weight per run would cost what the weights weigh), so a
+    forward that updates a parameter in place would otherwise change the
+    user's."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    params = weights.named_parameters() if isinstance(weights, nn.Module) else ()
+    mode = _RunWatch(watch_generators, params)
     written: dict[int, str] = {}
     try:
-        with mode:
+        if not (watch_generators or mode.watched):
             yield written
+        else:
+            with mode:
+                yield written
     finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        for g, state in mode.seen.values():
+            g.set_state(state)
         with torch.no_grad():
             for name, (p, saved, ptr) in mode.kept.items():
                 p.detach().copy_(saved)
                 written[ptr] = name
 
 
-@contextmanager
-def rng_guard(*, watch_generators: bool = True) -> Iterator[None]:
-    """Random state as it was, whatever runs inside."""
-    cpu = torch.random.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
-    mode = _GeneratorWatch() if watch_generators else None
-    try:
-        if mode is None:
-            yield
-        else:
-            with mode:
-                yield
-    finally:
-        torch.random.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        if mode is not None:
-            for g, state in mode.seen.values():
-                g.set_state(state)
+def weights_kept(module: nn.Module) -> AbstractContextManager[dict[int, str]]:
+    """``rng_guard`` for ``module``'s weights alone."""
+    return rng_guard(watch_generators=False, weights=module)

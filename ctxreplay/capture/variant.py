@@ -49,7 +49,7 @@ from ..specs.signature import (
 )
 from ..specs.specjson import call_to_json
 from .checker import Checker
-from .isolate import forward_alone, forward_wrapped, isolated, rng_guard, weights_kept
+from .isolate import forward_alone, forward_wrapped, isolated, rng_guard
 from .mutation import ARGUMENT_FIELD, Watch, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
@@ -481,7 +481,7 @@ def _resolve(raw: Any, plan: _Plan, options: CaptureOptions, args: tuple[Any, ..
         unrecorded = plan.inside is not None and not real.records_embedded
         # a backend may run the module here (symbolic): random state, the
         # generators it reaches and the live weights it writes are put back
-        with rng_guard(), weights_kept(gm if gm is not None else artifact), \
+        with rng_guard(weights=gm if gm is not None else artifact), \
                 plan.inside() if plan.inside and unrecorded else nullcontext():
             spec = real.output_spec(artifact, args, kwargs)
         if plan.dims and spec is not None:  # at the sizes it was traced at
