@@ -209,11 +209,11 @@ def _decode(cls: Any, data: Any) -> Any:
     return _decoder(cls)(data)
 
 
-Decoder = Callable[[Any], Any]
+_Decoder = Callable[[Any], Any]
 
 
 @functools.cache
-def _decoder(cls: Any) -> Decoder:
+def _decoder(cls: Any) -> _Decoder:
     """The decoder of one schema type, as ``serialize._dict_to_dataclass``
     decodes it: an optional's ``None`` stays ``None``; a union (one key:
     its member's name) is made with ``create``; a dataclass from the fields
@@ -243,7 +243,7 @@ def _decoder(cls: Any) -> Decoder:
     return functools.partial(_plain, cls, args)
 
 
-def _union_decoder(cls: Any) -> Decoder:
+def _union_decoder(cls: Any) -> _Decoder:
     hints = _hints(cls)
     create = cls.create
 
