@@ -330,3 +330,33 @@ def collective_arguments(rank: int, world: int, port: int, out: str) -> None:
         results[label] = _doc(session.finalize())
     Path(out, f"{rank}.json").write_text(json.dumps(results))
     _teardown()
+
+
+class ReduceKeepsAverage(nn.Module):
+    """An all_reduce in a forward that also updates a frozen parameter in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.avg = nn.Parameter(torch.zeros(8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.avg.mul_(0.5).add_(x.mean(0))
+        y = fc.wait_tensor(fc.all_reduce(self.lin(x), "sum", dist.group.WORLD))
+        return y + self.avg
+
+
+def collective_weights(rank: int, world: int, port: int, out: str) -> None:
+    """The ranks' run together of a graph holding collectives leaves every
+    rank's live weights as they were."""
+    _setup(rank, world, port)
+    torch.manual_seed(0)
+    model = ReduceKeepsAverage().eval()
+    with ctxreplay.capture_with(model, backend="export", verify="execute") as session, \
+            torch.no_grad():
+        model(torch.ones(2, 8))
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    report = session.finalize()
+    kept = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    Path(out, f"{rank}.json").write_text(json.dumps({"report": _doc(report), "kept": kept}))
+    _teardown()

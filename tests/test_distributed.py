@@ -278,3 +278,10 @@ def test_what_a_collective_forward_does_to_its_arguments_is_watched_with_every_r
     assert not docs["appends_signature"]["ok"]
     assert [(m["field"], m["live"], m["level"]) for m in c["fidelity"]["mismatches"]] == [
         ("execution", "the run watching its arguments", "argument")]
+
+
+def test_the_ranks_run_of_a_collective_graph_leaves_the_live_weights(tmp_path: Path) -> None:
+    results = _run(cases.collective_weights, 2, tmp_path)
+    (c,) = results[0]["report"]["captures"]
+    assert c["collective"] and c["fidelity"]["checked"] == ["signature", "execute"]
+    assert [r["kept"] for r in results] == [True, True]

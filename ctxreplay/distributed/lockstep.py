@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..artifacts.formats import artifact_bytes, artifact_from_bytes
-from ..capture.isolate import isolated
+from ..capture.isolate import isolated, rng_guard
 from ..capture.mutation import Watch, mutation_mismatches
 from ..capture.results import Capture
 from ..core.probe import ContextProbe
@@ -107,7 +107,9 @@ def _call(gm: Callable[..., Any], c: Capture, leaves: tuple[torch.Tensor, ...],
           baseline: tuple[ContextProbe[Any], ...], *, full: bool) -> Any:
     args, kwargs = inputs_for(c.signature, c.binding,
                               leaves=tuple(t.clone() for t in leaves))
-    with neutral_replay(c.snapshot, baseline, full=full):
+    # the random state, the generators it reaches and the live weights it
+    # writes in place are put back, as in a check on one rank
+    with rng_guard(weights=gm), neutral_replay(c.snapshot, baseline, full=full):
         return gm(*args, **kwargs)
 
 
@@ -125,7 +127,8 @@ def _eager(view: nn.Module, c: Capture, leaves: tuple[torch.Tensor, ...],
         # forward alone, as the live call was observed: the member's own
         # hooks ran around the observation wrapper, not inside the graph;
         # what it changes in its arguments is what no graph op does
-        out = watch.call(view.forward, args, kwargs)
+        with rng_guard(weights=view):
+            out = watch.call(view.forward, args, kwargs)
     finally:
         replay.__exit__(None, None, None)
     return tuple(tensor_values(out)) if c.binding == "flattened" else out
