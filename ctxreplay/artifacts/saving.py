@@ -152,7 +152,9 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
 @contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector held off while one artifact is
-    written and read back, then left as it was (off stays off).
+    written and read back, then left as it was (off stays off).  The switch
+    is process-wide: a thread that turns the collector off while a file is
+    written finds it on again after that file.
 
     torch's serialiser deep-copies the program's schema (tens of thousands
     of small objects for one transformer block), and the loader builds as
