@@ -840,7 +840,7 @@ def test_the_weights_guard_sees_a_bare_run() -> None:
     model = KeepsAverage().eval()
     before = model.avg.detach().clone()
     with ctxreplay.capture.isolate.isolated(model) as view, \
-            ctxreplay.capture.isolate.weights_kept(view) as written, torch.no_grad():
+            ctxreplay.capture.isolate.rng_guard(weights=view) as written, torch.no_grad():
         view(torch.rand(2, 4))
     assert torch.equal(model.avg.detach(), before)
     assert list(written.values()) == ["avg"]

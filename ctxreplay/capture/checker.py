@@ -242,9 +242,7 @@ class Checker:
         if module is None:
             return [_mismatch("execution", "member", "released", ARGUMENT_FIELD, None, None)]
         leaves = materialize_leaves(self.request.inputs)
-        # its outputs are not compared: the view holds copies of the weights,
-        # so a forward that updates one in place leaves the live one alone
-        with self._isolated(module, own_parameters=True) as view:
+        with self._isolated(module) as view:
             try:
                 self._eager(view, _clone(leaves))
             except Exception as exc:
@@ -294,11 +292,10 @@ class Checker:
         return found
 
     @contextmanager
-    def _isolated(self, module: nn.Module, *, own_parameters: bool = False
-                  ) -> Iterator[nn.Module]:
+    def _isolated(self, module: nn.Module) -> Iterator[nn.Module]:
         """An isolated view of ``module`` in the state the variant ran in:
         its ``training`` flags and the attributes it held then."""
-        with isolated(module, self.request.training, own_parameters=own_parameters) as view:
+        with isolated(module, self.request.training) as view:
             restore_state(view, self.request.state)
             yield view
 

@@ -21,8 +21,8 @@ hooks ``nn.Module.__call__`` runs around it at the member's own level.
 
 ``rng_guard()`` puts back the global CPU (and, once initialised, CUDA)
 generator state and the state of every ``torch.Generator`` any torch call
-inside it received as ``generator=``; ``weights_kept(view)`` puts back the
-parameters a run wrote into in place.
+inside it received as ``generator=``; with ``weights=`` (a view), the
+parameters a run wrote into in place too.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import Error
 
 __all__ = ["NotIsolable", "forward_alone", "isolated", "isolating", "isolating_as",
-           "isolation_depth", "rng_guard", "unwatch", "watch", "weights_kept"]
+           "isolation_depth", "rng_guard", "unwatch", "watch"]
 
 _MAX_OBJECTS = 4096
 
@@ -108,15 +108,15 @@ def _isolating() -> Iterator[None]:
 
 
 @contextmanager
-def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = (), *,
-             own_parameters: bool = False) -> Iterator[nn.Module]:
+def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
+             ) -> Iterator[nn.Module]:
     """A view of ``module`` that capture and execution may change freely,
     with each submodule path in ``training`` set to that mode (the mode the
     live call ran in, whatever the model is in now).  Its parameters are
     the module's own tensors (a copy of every weight per check would cost
-    what the weights weigh) unless ``own_parameters``: then copies, so a
-    forward that updates a parameter in place leaves the module's alone."""
-    view = _copy(module, share_parameters=not own_parameters)  # raises NotIsolable
+    what the weights weigh): a run on it puts back the ones it writes in
+    place (``rng_guard(weights=view)``)."""
+    view = _copy(module)  # raises NotIsolable: never run on the user's module
     _set_training(view, training)
     with _isolating():
         yield view
@@ -136,9 +136,9 @@ class NotIsolable(Error, TypeError):
     it rather than run the user's own module."""
 
 
-def _copy(module: nn.Module, *, share_parameters: bool = True) -> nn.Module:
+def _copy(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
-    for p in module.parameters() if share_parameters else ():
+    for p in module.parameters():
         memo[id(p)] = p
     # Most trees copy at the first try; the walk below (bounded, but ~150
     # objects for a small block) only runs for those that do not.
@@ -554,7 +554,3 @@ def rng_guard(*, watch_generators: bool = True, weights: Any = None
                 p.detach().copy_(saved)
                 written[ptr] = name
 
-
-def weights_kept(module: nn.Module) -> AbstractContextManager[dict[int, str]]:
-    """``rng_guard`` for ``module``'s weights alone."""
-    return rng_guard(watch_generators=False, weights=module)

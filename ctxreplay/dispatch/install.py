@@ -386,9 +386,10 @@ def install(model: nn.Module,
         object_args: ``"eager"`` (default) runs calls whose arguments hold
             Python objects (a KV cache) eagerly, since a forward may update
             such an object in Python where no graph records it -- a capture
-            found doing so is never dispatched (``mutates_argument``), but a
-            capture does not record whether its arguments were watched (a
-            strict export traces without running the forward in Python);
+            found doing so is never dispatched (``mutates_argument``), but
+            the walk of the arguments sees only what a forward does when it
+            runs, and an object can change in ways it does not follow (state
+            in ``__slots__``, past its depth and size bounds);
             ``"dispatch"`` dispatches them too, a loaded capture's included
             (matched through its document: classes by import path,
             constants by key digest).
