@@ -42,8 +42,9 @@ from ..observation.targets import held_objects
 from ..observation.watch import Watch as AttributeWatch
 from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
+from ..specs.rematch import Rematcher, rematcher
 from ..specs.signature import NotRealError, call_key, call_spec
-from .programs import REFUSED, Call, Compiler, Entry, Programs, Target, entry, sources
+from .programs import REFUSED, UNFIT, Call, Compiler, Entry, Programs, Target, entry, sources
 
 _log = logging.getLogger("ctxreplay")
 
@@ -58,7 +59,7 @@ OBJECT_POLICIES = ("eager", "dispatch")
 MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
                 "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
                 "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
-                "observe_error", "size_guard")
+                "observe_error", "size_guard", "weights")
 
 _is_tracing = torch._C._is_tracing
 _MEMO_LIMIT = 4096
@@ -84,7 +85,13 @@ class DispatchStats:
     the matching capture cannot be used here -- ``unusable`` says which
     capture, and why; ``size_guard``: a folded capture's ranges take the
     call's sizes but its graph's own guard refused them, e.g. a size the
-    trace found had to be even).  ``compiled``: labels compiled so far (per member)."""
+    trace found had to be even; ``weights``: a tensor of the member no longer
+    has the shape, dtype or device its program takes -- converted in place
+    since install, ``module.to(torch.float64)`` -- or, for a program that
+    holds the member's tensors (compiled), was replaced in its module
+    without an assignment).  ``compiled``: labels compiled so far (per member);
+    ``unflattened``: labels whose program runs as torch's ``program.module()``
+    (correct, but a dispatched call then costs ~10x more), and why."""
 
     hits: dict[str, int]
     """``scope#variant`` -> calls that ran that capture's program."""
@@ -96,6 +103,8 @@ class DispatchStats:
     """``scope#variant`` -> why that capture cannot be used here (a reason code)."""
     compiled: tuple[str, ...] = ()
     """Labels of the programs compiled so far (per member)."""
+    unflattened: dict[str, str] = attrs.field(factory=dict)
+    """``scope#variant`` -> why its program runs as ``program.module()``, not flattened."""
 
     @property
     def total_hits(self) -> int:
@@ -111,8 +120,8 @@ class DispatchStats:
 class _Slot(Wrapper):
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
-    __slots__ = ("entries", "groups", "handle", "last", "memo", "misses", "name", "reasons",
-                 "targets", "training")
+    __slots__ = ("entries", "groups", "handle", "last", "memo", "misses", "name", "near",
+                 "reasons", "rematch", "targets", "training")
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module) -> None:
         super().__init__(module)
@@ -123,6 +132,10 @@ class _Slot(Wrapper):
         self.memo: dict[Any, Any] = {}
         #: the last hit of a call of positional tensors: (snapshot, count, check, target)
         self.last: tuple[Any, int, Any, Target] | None = None
+        #: the last call of any other kind: (snapshot, rematch, target or reason)
+        self.near: tuple[Any, Rematcher, Any] | None = None
+        #: call key -> the rematch made for it (``None``: it cannot have one)
+        self.rematch: dict[Any, Rematcher | None] = {}
         self.targets: dict[int, Target] = {}
         self.misses = 0
         self.reasons: Counter[str] = Counter()
@@ -135,6 +148,7 @@ class _Slot(Wrapper):
             self.reasons["training"] += 1
             return self.orig(*args, **kwargs)
         target: Any
+        leaves: list[Any] | None = None
         try:
             groups = self.groups
             if not self.handle.active:  # called outside the model: check those flags here
@@ -144,18 +158,15 @@ class _Slot(Wrapper):
                 snaps: Any = groups[0][0]()
             else:
                 snaps = tuple(g[0]() for g in groups)
-            last = self.last
+            last, near = self.last, self.near
             if last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
                     and last[2].check(*args):
                 target = last[3]
+            elif near is not None and near[0] is snaps and \
+                    (leaves := near[1](args, kwargs)) is not None:
+                target = near[2]
             else:
-                key = (snaps, call_key(args, kwargs))
-                target = self.memo.get(key)
-                if target is None:
-                    target = self._resolve(snaps, key, args, kwargs)
-                if type(target) is Target and not kwargs:
-                    check = tensor_guard(args) if args else None
-                    self.last = None if check is None else (snaps, len(args), check, target)
+                target = self._keyed(snaps, args, kwargs)
         except NotRealError:  # a tracer's stand-ins: not a live call
             return self.orig(*args, **kwargs)
         except Exception:  # dispatch must never break the forward
@@ -165,10 +176,14 @@ class _Slot(Wrapper):
             if target.failed:
                 target = "compile_failed"
                 break
-            out = target.run(args, kwargs)
+            out = target.run(args, kwargs, leaves)
+            if out is UNFIT:
+                target = "weights"
+                break
             if out is REFUSED:  # its graph's own guard: another capture may take it
                 skip = {id(target.entry)} if skip is None else skip | {id(target.entry)}
                 target = self._refused(args, kwargs, skip)
+                leaves = None
                 continue
             if target.failed:
                 target = "compile_failed"
@@ -178,6 +193,26 @@ class _Slot(Wrapper):
         self.misses += 1
         self.reasons[target] += 1
         return self.orig(*args, **kwargs)
+
+    def _keyed(self, snaps: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What a call runs (a ``Target``, or why it runs eagerly), by its full key.
+        The next call of the same key is answered without it: for positional
+        plain tensors by a check of those tensors (``last``, hits only), for
+        any other call by a generated rematch (``near``: keywords, objects)."""
+        key = (snaps, call_key(args, kwargs))
+        target = self.memo.get(key)
+        if target is None:
+            target = self._resolve(snaps, key, args, kwargs)
+        check = tensor_guard(args) if args and not kwargs else None
+        if check is not None:
+            if type(target) is Target:
+                self.last = (snaps, len(args), check, target)
+            return target
+        if key not in self.rematch:
+            self.rematch[key] = rematcher(args, kwargs)
+        again = self.rematch[key]
+        self.near = None if again is None else (snaps, again, target)
+        return target
 
     def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any], skip: set[int] | frozenset[int] = frozenset()) -> Any:
@@ -213,6 +248,7 @@ class _Slot(Wrapper):
         result = found if found is not None else reason
         if len(self.memo) >= _MEMO_LIMIT:
             self.memo.clear()
+            self.rematch.clear()
         self.memo[key] = result
         return result
 
@@ -220,7 +256,7 @@ class _Slot(Wrapper):
         """A folded graph's guard refused this call's sizes: the next capture
         that takes them (a fold of the other side of a branch), remembered
         for calls of these sizes; else ``size_guard`` (the call runs eagerly)."""
-        self.last = None
+        self.last = self.near = None
         try:
             snaps = self.groups[0][0]() if len(self.groups) == 1 \
                 else tuple(g[0]() for g in self.groups)
@@ -236,14 +272,16 @@ class _Slot(Wrapper):
     def stop(self) -> None:
         self.off = True
         self.memo.clear()
-        self.last = None
+        self.rematch.clear()
+        self.last = self.near = None
         self.targets.clear()
 
     def invalidate(self) -> None:
         """The member's tensors, submodules or attributes were replaced: bind
         again (checking its identity again)."""
-        self.last = None
+        self.last = self.near = None
         self.memo.clear()
+        self.rematch.clear()
         self.targets.clear()
         self.handle._programs.forget(self.name)
 
@@ -332,7 +370,8 @@ class InstallHandle:
         unusable.update(self._programs.unfit)
         return DispatchStats({e.label: e.hits for e in self._entries},
                              {s.name: s.misses for s in self._slots}, dict(reasons),
-                             unusable, tuple(self._programs.compiled))
+                             unusable, tuple(self._programs.compiled),
+                             dict(self._programs.unflattened))
 
     def remove(self) -> None:
         """Put back every member's ``forward`` as it was; a wrapper another

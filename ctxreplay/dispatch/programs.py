@@ -44,12 +44,18 @@ from ..specs.signature import (
     is_native,
 )
 from ..specs.specjson import call_to_json, holds_objects
+from .bound import Bound
+from .flat import Flat, flatten
 
-__all__ = ["REFUSED", "Call", "Entry", "Programs", "Target", "entry", "sources"]
+__all__ = ["REFUSED", "UNFIT", "Call", "Entry", "Programs", "Target", "entry", "sources"]
 
 #: what ``Target.run`` returns when a folded graph's own guard refuses the
 #: call's sizes (the call then runs eagerly)
 REFUSED: Any = object()
+#: what ``Target.run`` returns when the member's tensors no longer fit the
+#: program: a shape, dtype or device changed in place since it was bound
+#: (``module.to(torch.float64)`` keeps the parameter objects); the call runs eagerly
+UNFIT: Any = object()
 
 Compiler = Callable[[nn.Module], Callable[..., Any]]
 
@@ -209,15 +215,39 @@ def sources(source: object) -> list[Capture | LoadedCapture]:
 class Programs:
     """Each capture's program per member, made once: bound to the member's
     weights, or the reason it cannot be (``unfit``), and compiled with
-    ``compile`` on first use."""
+    ``compile`` on first use.
+
+    Without ``compile`` a capture's program is flattened once (``flat``) and
+    every member runs that one function with its own tensors (``Bound``);
+    a program that cannot be flattened -- and every program to be compiled
+    -- runs as ``program.module()`` with the member's tensors assigned,
+    one module per member."""
 
     def __init__(self, compile: Compiler | None) -> None:
         self.compile = compile
-        self._built: dict[tuple[int, str], nn.Module | None] = {}
+        self._built: dict[tuple[int, str], tuple[nn.Module | None, Bound] | None] = {}
+        self._flat: dict[int, Flat | None] = {}
         #: ``label@member`` -> why that member cannot run that capture
         self.unfit: dict[str, str] = {}
         #: ``label@member`` compiled so far
         self.compiled: list[str] = []
+        #: label -> why its program runs as ``program.module()`` (slower)
+        self.unflattened: dict[str, str] = {}
+
+    def flat(self, e: Entry) -> Flat | None:
+        """``e``'s program flattened (once), or ``None``: ``compile`` is set, or it cannot be."""
+        if self.compile is not None:
+            return None
+        key = id(e)
+        if key not in self._flat:
+            try:
+                made = flatten(e.program, keep_guards=e.folding is not None)
+            except Exception as exc:  # torch's module of another form: the general path
+                made = f"{type(exc).__name__}: {exc}"
+            self._flat[key] = made if isinstance(made, Flat) else None
+            if not isinstance(made, Flat):
+                self.unflattened[e.label] = made
+        return self._flat[key]
 
     def fits(self, e: Entry, name: str, module: nn.Module) -> str | None:
         """Whether member ``name`` can run ``e``'s program (``None``), or why not: it is
@@ -225,23 +255,33 @@ class Programs:
         key = (id(e), name)
         if key not in self._built:
             where = f"{e.label}@{name}"
+            flat = self.flat(e)
+            built: tuple[nn.Module | None, Bound] | None
             try:
-                gm: nn.Module | None = bind_weights(e.program, module, e.binding)
+                built = (None, Bound.of(flat, module, _prefix(e.binding))) if flat is not None \
+                    else _bind_module(e, module)
             except WeightsError:
-                gm = None
+                built = None
                 self.unfit[where] = "structure"
-            if gm is not None and e.identities.get(name, "") not in (
+            if built is not None and e.identities.get(name, "") not in (
                     "", _identity(module, e.ignore_attributes)):
-                gm = None
+                built = None
                 self.unfit[where] = "identity"
-            self._built[key] = gm
+            self._built[key] = built
         if self._built[key] is not None:
             return None
         return self.unfit.get(f"{e.label}@{name}", "structure")
 
+    def bound(self, e: Entry, name: str) -> tuple[Flat | None, Bound | None]:
+        """``e``'s flat program (``None``: it runs as a module) and member ``name``'s
+        tensors for it."""
+        built = self._built.get((id(e), name))
+        return self._flat.get(id(e)), None if built is None else built[1]
+
     def make(self, e: Entry, name: str) -> Callable[..., Any] | None:
         """The callable member ``name`` runs for ``e`` (compiled where asked)."""
-        gm = self._built.get((id(e), name))
+        built = self._built.get((id(e), name))
+        gm = None if built is None else built[0]
         if gm is None:
             return None
         if self.compile is None:
@@ -271,19 +311,75 @@ class Programs:
     def clear(self) -> None:
         """Drop every program (``remove()``)."""
         self._built.clear()
+        self._flat.clear()
+
+
+def _bind_module(e: Entry, module: nn.Module) -> tuple[nn.Module, Bound]:
+    """``program.module()`` with the member's tensors assigned, and those tensors."""
+    gm = bind_weights(e.program, module, e.binding)
+    sig = e.program.graph_signature
+    return gm, Bound((*sig.parameters, *sig.buffers), None, module, _prefix(e.binding))
+
+
+def _prefix(binding: str) -> str:
+    """A flattened capture's program names the member's tensors under ``inner.``."""
+    return "inner." if binding == "flattened" else ""
 
 
 class Target:
-    """One capture's program for one member: built (and compiled) on first use."""
+    """One capture's program for one member: built (and compiled) on first use.
 
-    __slots__ = ("entry", "failed", "fn", "name", "programs")
+    ``run`` returns the call's outputs, ``REFUSED`` (a folded graph's guard
+    refused the sizes), ``UNFIT`` (the member's tensors no longer have the
+    shapes, dtypes or devices the program takes), or ``None`` with
+    ``failed`` set (compiling failed)."""
+
+    __slots__ = ("bound", "direct", "entry", "failed", "flat", "fn", "name", "programs")
 
     def __init__(self, entry: Entry, programs: Programs, name: str) -> None:
         self.entry, self.programs, self.name = entry, programs, name
         self.fn: Callable[..., Any] | None = None
         self.failed = False
+        self.flat, self.bound = programs.bound(entry, name)
+        #: how many positional arguments a call that passes them as the
+        #: program's leaves has (a native capture of plain leaves), else -1
+        self.direct = self.flat.positional if self.flat is not None and \
+            entry.binding == "native" else -1
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+            tensors: list[Any] | None = None) -> Any:
+        """``tensors``: the call's tensors in ``call_tensors`` order, where known."""
+        flat, bound = self.flat, self.bound
+        try:
+            state = bound.state() if bound is not None else ()
+        except KeyError:  # a tensor deleted from its module without an assignment
+            return UNFIT
+        if bound is not None and not bound.holds(state):
+            return UNFIT
+        if flat is None:
+            # the module holds the tensors bound: one replaced since runs eagerly
+            if bound is not None and not bound.same(state):
+                return UNFIT
+            return self._run_module(args, kwargs)
+        e = self.entry
+        if kwargs or len(args) != self.direct:
+            if e.binding != "flattened":
+                args = tuple(flat.leaves(args, kwargs))
+            else:
+                args = tuple(tensors if tensors is not None else call_tensors(args, kwargs))
+        try:
+            out = flat.fn(*state, *args)
+        except AssertionError as exc:
+            if e.folding is not None and str(exc).startswith("Guard failed"):
+                return REFUSED
+            raise
+        if e.flatten_out:
+            it = iter(out)
+            assert e.outputs is not None
+            return build(e.outputs, lambda _s: next(it))
+        return flat.rebuild(out)
+
+    def _run_module(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         e = self.entry
         fn = self.fn
         first = fn is None

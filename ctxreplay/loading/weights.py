@@ -10,7 +10,7 @@ from torch import nn
 
 from ..errors import Error
 
-__all__ = ["Weights", "WeightsError", "bind_weights"]
+__all__ = ["Weights", "WeightsError", "bind_weights", "misfit", "problems_error"]
 
 
 class WeightsError(Error, ValueError):
@@ -28,6 +28,22 @@ def _tensor_at(gm: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor |
     if t is None:
         t = owner._buffers.get(leaf)
     return owner, leaf, t
+
+
+def misfit(key: str, src: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+           device: torch.device) -> str | None:
+    """Why ``src`` cannot stand for the program's tensor ``key`` of that shape,
+    dtype and device (``None``: it can)."""
+    if tuple(src.shape) == shape and src.dtype == dtype and src.device == device:
+        return None
+    return (f"{key}: {str(src.dtype).removeprefix('torch.')}{list(src.shape)} on {src.device}, "
+            f"the program has {str(dtype).removeprefix('torch.')}{list(shape)} on {device}")
+
+
+def problems_error(problems: list[str]) -> WeightsError:
+    """One error listing the first few problems."""
+    shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
+    return WeightsError(f"weights do not fit the program: {shown}")
 
 
 def bind_weights(program: Any, weights: Weights, binding: str) -> nn.Module:
@@ -63,17 +79,13 @@ def bind_weights(program: Any, weights: Weights, binding: str) -> nn.Module:
         if mine is None:
             problems.append(f"{key}: not a tensor of the program")
             continue
-        if tuple(src.shape) != tuple(mine.shape) or src.dtype != mine.dtype or \
-                src.device != mine.device:
-            problems.append(f"{key}: {str(src.dtype).removeprefix('torch.')}"
-                            f"{list(src.shape)} on {src.device}, the program has "
-                            f"{str(mine.dtype).removeprefix('torch.')}{list(mine.shape)} on "
-                            f"{mine.device}")
+        problem = misfit(key, src, tuple(mine.shape), mine.dtype, mine.device)
+        if problem is not None:
+            problems.append(problem)
             continue
         plan.append((owner, leaf, src, leaf in owner._parameters))
     if problems:
-        shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
-        raise WeightsError(f"weights do not fit the program: {shown}")
+        raise problems_error(problems)
     for owner, leaf, src, is_param in plan:
         if is_param:
             owner._parameters[leaf] = src if isinstance(src, nn.Parameter) else \

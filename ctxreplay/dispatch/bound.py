@@ -1,0 +1,130 @@
+"""A member's own parameters and buffers, as a flat program takes them.
+
+``Bound`` finds, once, the dict that holds each tensor the program names
+(the owning submodule's ``_parameters`` or ``_buffers``) and makes a
+function that reads them all on every call: a tensor replaced in that dict
+without an assignment torch's registration hooks see (accelerate's
+offloading hooks put a freshly loaded parameter there before each forward)
+is the one the call runs with, as it is for the eager forward.  Weights
+changed in place -- an optimizer step, ``p.data = ...``, ``load_state_dict``
+-- are the same tensor objects, so nothing needs noticing.
+
+What does need noticing is a tensor whose shape, dtype or device changed
+in place: ``module.to(torch.float64)`` converts parameters through
+``p.data = ...``, keeping the objects.  ``holds`` checks every tensor's
+metadata on each call, with torch's C-level ``TensorGuards`` where this
+torch has it (~0.15 us a tensor, measured), else in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._base.torchcaps import TensorGuards
+from ..loading.weights import misfit, problems_error
+from .flat import Flat
+
+__all__ = ["Bound"]
+
+_Meta = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+class Bound:
+    """``state()``: the member's tensors named ``names`` (a program's names, under
+    ``prefix``), read now; ``holds(state)``: whether each still has the shape,
+    dtype and device in ``meta`` (the program's own tensors'; ``None``: the
+    member's when bound, for a program it was bound to already); ``first``:
+    the tensors read when bound.
+
+    Raises ``WeightsError`` (from the constructor) when the member lacks a
+    tensor the program takes or one does not fit it."""
+
+    __slots__ = ("_guard", "first", "meta", "state")
+
+    def __init__(self, names: tuple[str, ...], meta: tuple[_Meta, ...] | None,
+                 module: nn.Module, prefix: str) -> None:
+        pairs: list[tuple[dict[str, Any], str]] = []
+        problems: list[str] = []
+        for i, name in enumerate(names):
+            key = name[len(prefix):] if name.startswith(prefix) else name
+            where = _holder(module, key)
+            if where is None:
+                problems.append(f"{key}: missing")
+                continue
+            problem = None if meta is None else misfit(key, where[0][where[1]], *meta[i])
+            if problem is not None:
+                problems.append(problem)
+                continue
+            pairs.append(where)
+        if problems:
+            raise problems_error(problems)
+        self.state: Callable[[], tuple[torch.Tensor, ...]] = _reader(pairs)
+        self.first = self.state()
+        self.meta: tuple[_Meta, ...] = meta if meta is not None else \
+            tuple((tuple(t.shape), t.dtype, t.device) for t in self.first)
+        self._guard: Any = _guard(self.first)
+
+    @classmethod
+    def of(cls, flat: Flat, module: nn.Module, prefix: str) -> Bound:
+        """The member's tensors for a flat program."""
+        return cls(flat.state_names, flat.state_meta, module, prefix)
+
+    def same(self, state: tuple[torch.Tensor, ...]) -> bool:
+        """Whether ``state`` holds the very tensors read when bound."""
+        return all(a is b for a, b in zip(state, self.first))
+
+    def holds(self, state: tuple[torch.Tensor, ...]) -> bool:
+        """Whether ``state`` (just read) fits the program; a guard that fails
+        on a state that fits (made under another dispatch-key state:
+        inference mode) is made again."""
+        guard = self._guard
+        if guard is not None and guard.check(*state):
+            return True
+        for t, (shape, dtype, device) in zip(state, self.meta):
+            if t.dtype != dtype or t.device != device or tuple(t.shape) != shape:
+                return False
+        self._guard = _guard(state)
+        return True
+
+
+def _holder(module: nn.Module, key: str) -> tuple[dict[str, Any], str] | None:
+    owner_name, _, leaf = key.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name) if owner_name else module
+    except AttributeError:
+        return None
+    for d in (owner._parameters, owner._buffers):
+        if d.get(leaf) is not None:
+            return d, leaf
+    return None
+
+
+def _reader(pairs: list[tuple[dict[str, Any], str]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """One generated function returning each ``d[key]`` in a tuple (the dicts
+    and keys go in its namespace, never in its source): one call and one
+    tuple per dispatched call."""
+    namespace: dict[str, Any] = {}
+    terms = []
+    for i, (d, key) in enumerate(pairs):
+        namespace[f"d{i}"], namespace[f"k{i}"] = d, key
+        terms.append(f"d{i}[k{i}]")
+    source = "def state():\n    return (" + "".join(t + ", " for t in terms) + ")\n"
+    exec(compile(source, "<ctxreplay member state>", "exec"), namespace)
+    reader: Callable[[], tuple[torch.Tensor, ...]] = namespace["state"]
+    return reader
+
+
+def _guard(state: tuple[torch.Tensor, ...]) -> Any:
+    if TensorGuards is None or not state or \
+            any(not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, nn.Parameter)
+                for t in state):
+        return None
+    try:
+        return TensorGuards(*state, dynamic_dims_sizes=[list(t.shape) for t in state],
+                            dynamic_dims_strides=[list(t.stride()) for t in state])
+    except Exception:  # this torch's TensorGuards takes other arguments
+        return None
