@@ -155,7 +155,9 @@ def _check(loader: str, data: Any) -> str:
 
 # -- strategies -----------------------------------------------------------------
 
-PROBES = sorted(ctxreplay.probes.available_probes())
+# the usable ones: an installed package whose entry point is broken is listed
+# with its error (``loaded`` false) and has no probe to fuzz
+PROBES = sorted(n for n, info in ctxreplay.probes.available_probes().items() if info.loaded)
 FIELDS = ["schema", "probes", "portable", "state", "type", "enabled", "cache_enabled",
           "grad_enabled", "inference_mode", "deterministic_algorithms", "warn_only",
           "cudnn_deterministic", "cudnn_benchmark", "fill_uninitialized_memory",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import textwrap
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,8 +302,10 @@ def test_broken_entry_points_warn_and_everything_else_works(fake_dist: MakeDist)
         assert info[name].origin == "entry_point"
         assert info[name].distribution == "fake-pkg"
         assert not info[name].default
-        if "@" not in name:
-            with pytest.raises(ctxreplay.probes.UnknownProbeError):
+        if "@" not in name:  # the lookup agrees with the listing, and says why
+            with pytest.raises(ctxreplay.probes.UnknownProbeError,
+                               match=f"{name!r} from fake-pkg is installed but could not be "
+                                     "registered"):
                 ctxreplay.probes.get_probe(name)
 
     # A duplicate of a built-in name leaves the built-in in place, and is
@@ -340,3 +346,48 @@ def test_a_broken_entry_point_fixed_at_runtime(fake_dist: MakeDist,
     ctxreplay.probes.register_probe(Counter)
     info = ctxreplay.probes.available_probes()["test_counter"]
     assert info.loaded and info.origin == "runtime"
+
+
+def test_the_suite_collects_and_a_session_runs_with_a_broken_probe_package_installed(
+        tmp_path: Path) -> None:
+    """An installed package whose probe entry point no longer loads (its
+    module moved) is listed with its error: it must never stop ctxreplay's
+    own test collection (every test module imports ctxreplay and lists the
+    probes), nor a user's session in that environment."""
+    root = tmp_path / "site"
+    info = root / "moved_probe_pkg-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: moved-probe-pkg\n"
+                                   "Version: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[ctxreplay.probes]\nmoved_probe = moved_probe_pkg_gone.probes:MovedProbe\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    tests = Path(__file__).resolve().parent
+    collect = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         str(tests), str(tests.parent / "benchmarks")],
+        capture_output=True, text=True, env=env, cwd=tests.parent, timeout=900)
+    assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-3000:]
+    assert " error" not in collect.stdout.splitlines()[-1], collect.stdout[-2000:]
+    session = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import warnings, torch, ctxreplay
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            info = ctxreplay.probes.available_probes()["moved_probe"]
+        assert not info.loaded and info.error.startswith("ModuleNotFoundError"), info
+        assert any("moved_probe" in str(w.message) for w in seen)
+        assert "moved_probe" not in ctxreplay.probes.default_probes()
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        with ctxreplay.capture_with(model) as session, torch.no_grad():
+            model(torch.rand(2, 4))
+        assert session.finalize().ok
+        try:
+            ctxreplay.probes.get_probe("moved_probe")
+        except ctxreplay.probes.UnknownProbeError as exc:
+            assert "could not be registered" in str(exc), exc
+        else:
+            raise AssertionError("a broken probe was looked up")
+        print("ok")
+    """)], capture_output=True, text=True, env=env, timeout=300)
+    assert session.returncode == 0 and session.stdout.strip() == "ok", session.stderr[-3000:]

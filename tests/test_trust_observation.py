@@ -31,7 +31,6 @@ from typing import Any
 
 import pytest
 import torch
-from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from metadata_check import finalize_checked
 from torch import nn
 from trust_oracle import record, unreproduced
@@ -43,6 +42,11 @@ import ctxreplay.observation.wrapper as wrapper_module
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 DIM = 8
+
+
+def _accelerate() -> Any:
+    """accelerate's hooks module (an optional test dependency: skipped without it)."""
+    return pytest.importorskip("accelerate.hooks")
 
 
 class Block(nn.Module):
@@ -87,15 +91,16 @@ def _calls(report: ctxreplay.CaptureReport) -> int:
 # -- case 6: a forward set anew by another tool ------------------------------------------
 
 def test_accelerate_removing_its_hook_mid_session_is_rewrapped_and_named() -> None:
+    hooks = _accelerate()
     model = Net()
     for b in model.blocks:
-        add_hook_to_module(b, ModelHook())
+        hooks.add_hook_to_module(b, hooks.ModelHook())
     saved = [b._old_forward for b in model.blocks]
     with record(model, MEMBERS) as calls:
         with ctxreplay.capture_with(model, targets="repeated") as session:
             _run(model, 2)
             for b in model.blocks:
-                remove_hook_from_module(b)  # module.forward = the forward it saved
+                hooks.remove_hook_from_module(b)  # module.forward = the forward it saved
             _run(model, 3, 4)
         report = finalize_checked(session)
     assert len(calls) == 6
@@ -117,13 +122,14 @@ def test_accelerate_removing_its_hook_mid_session_is_rewrapped_and_named() -> No
 
 
 def test_a_forward_set_anew_before_any_call_is_observed_and_ok() -> None:
+    hooks = _accelerate()
     model = Net()
     for b in model.blocks:
-        add_hook_to_module(b, ModelHook())
+        hooks.add_hook_to_module(b, hooks.ModelHook())
     with record(model, MEMBERS) as calls:
         with ctxreplay.capture_with(model, targets="repeated") as session:
             for b in model.blocks:
-                remove_hook_from_module(b)
+                hooks.remove_hook_from_module(b)
             _run(model, 2, 3, 2)
         report = finalize_checked(session, strict=True)
     assert report.ok and report.problems == ()
@@ -132,12 +138,13 @@ def test_a_forward_set_anew_before_any_call_is_observed_and_ok() -> None:
 
 
 def test_a_forward_set_anew_inside_a_model_call_is_never_a_silent_ok() -> None:
+    hooks = _accelerate()
     model = Net()
-    add_hook_to_module(model.blocks[1], ModelHook())
+    hooks.add_hook_to_module(model.blocks[1], hooks.ModelHook())
 
     def remove_later_hook(*_: Any) -> None:  # a user hook on blocks.0 removes it
         if hasattr(model.blocks[1], "_hf_hook"):
-            remove_hook_from_module(model.blocks[1])
+            hooks.remove_hook_from_module(model.blocks[1])
 
     handle = model.blocks[0].register_forward_hook(remove_later_hook)
     with record(model, MEMBERS) as calls:
@@ -163,14 +170,15 @@ def _calling(inner: Any) -> Any:
 def _chained_session(model: Net) -> tuple[ctxreplay.CaptureReport, list[Any]]:
     # each size its own capture (fold=False): the oracle tells the forwards
     # apart by the sizes each ran at, not by the identity install holds to
+    hooks = _accelerate()
     with record(model, MEMBERS) as calls:
         with ctxreplay.capture_with(model, targets="repeated", fold=False) as session:
             _run(model, 2)
             for b in model.blocks:  # wraps ours: its __wrapped__ is our wrapper
-                add_hook_to_module(b, ModelHook())
+                hooks.add_hook_to_module(b, hooks.ModelHook())
             _run(model, 3)
             for b in model.blocks:  # puts ours back
-                remove_hook_from_module(b)
+                hooks.remove_hook_from_module(b)
             _run(model, 4)
             saved = [b.forward for b in model.blocks]
             for b in model.blocks:  # a user's wrapper holding ours in a closure

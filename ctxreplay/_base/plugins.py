@@ -111,7 +111,8 @@ class Registry(Generic[T]):
             return entry.value
 
     def get(self, name: str) -> T:
-        """What ``name`` holds; an unknown name lists the known ones."""
+        """What ``name`` holds; an unknown name lists the known ones, and a name
+        the listing gives as broken (an entry point that failed) says so."""
         self.load_entry_points()
         entry = self._entries.get(name)
         if entry is None:
@@ -126,8 +127,15 @@ class Registry(Generic[T]):
             return dict(self._entries), dict(self._broken)
 
     def unknown(self, name: object) -> Exception:
-        """The error for an unknown name: close matches and every known name."""
+        """The error for an unknown name: close matches and every known name;
+        for the name of a broken entry point, what went wrong loading it."""
         known = sorted(self._entries)
+        broken = self._broken.get(str(name))
+        if broken is not None:
+            return self._unknown(
+                f"{self.kind} {name!r} from {broken.distribution or '?'} is installed but "
+                f"could not be registered ({broken.error}); usable {self.kind}s: "
+                f"{', '.join(known)}{self._unknown_hint}")
         close = difflib.get_close_matches(str(name), known, n=3)
         hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
         return self._unknown(f"unknown {self.kind} {name!r}{hint}; known {self.kind}s: "
