@@ -210,8 +210,12 @@ def _cache_line(data: Mapping[str, Any]) -> list[str]:
     cache = data.get("cache")
     if not isinstance(cache, Mapping):
         return []
-    return [f"capture cache {cache.get('directory')}: {cache.get('from_cache')} captures "
-            f"loaded from it and checked ([cache]), {cache.get('traced')} traced"]
+    refused = cache.get("not_stored")
+    lines = [f"capture cache {cache.get('directory')}: {cache.get('from_cache')} captures "
+             f"loaded from it and checked ([cache]), {cache.get('traced')} traced"]
+    if isinstance(refused, Mapping):
+        lines += [f"  not stored: {label} ({why})" for label, why in refused.items()]
+    return lines
 
 
 _HEAD = ("capture", "members", "weights", "inputs", "fidelity", "checked", "saved", "file")

@@ -118,7 +118,8 @@ def test_unchanged_model_hits_every_variant(tmp_path: Path, verify: str) -> None
     second, calls = run(model, tmp_path, verify=verify)
     assert second.ok and cached(second) == [True] * n
     assert [c.folding for c in second.captures] == [c.folding for c in first.captures]
-    assert second.cache == {"directory": str(tmp_path), "from_cache": n, "traced": 0}
+    assert second.cache == {"directory": str(tmp_path), "from_cache": n, "traced": 0,
+                            "not_stored": {}}
     assert second.cache_summary is not None and f"{n} of {n}" in second.cache_summary
     if verify == "signature":  # a hit keeps no program in memory until it is used
         assert not any(c.artifact_loaded for c in second.captures)
@@ -451,3 +452,127 @@ def test_a_cached_capture_saves_and_dispatches_like_a_traced_one(tmp_path: Path)
             got = model(x)
             assert handle.stats().total_misses == 0 and sum(handle.stats().hits.values()) == 2
         assert torch.equal(got, expected)  # each member ran the program with its own weights
+
+
+# -- what a cache cannot keep ---------------------------------------------------------
+
+LINEAR_JOB = '''
+import sys, warnings
+import torch
+from torch import nn
+import ctxreplay
+from ctxreplay.cache.store import CacheWarning
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+torch.manual_seed(0)
+model = Net().eval()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    with ctxreplay.capture_with(model, targets="repeated", cache=sys.argv[1]) as session, \\
+            torch.no_grad():
+        model(torch.rand(2, 16))
+        model(torch.rand(5, 16))
+    report = session.finalize()
+print(report.ok, sum(c.from_cache for c in report.captures), len(report.captures),
+      sum(issubclass(w.category, CacheWarning) for w in seen))
+'''
+
+
+def test_linear_blocks_under_no_grad_are_stored_and_loaded_in_a_new_process(
+        tmp_path: Path) -> None:
+    """``nn.Linear``'s forward argument is named ``input``: the program's
+    placeholder of that name was renamed when the empty ``no_grad`` wrapper
+    was dropped for serialising, torch's verifier refused the copy, and the
+    cache stored nothing, silently."""
+    import os
+    import subprocess
+
+    script = tmp_path / "job.py"
+    script.write_text(LINEAR_JOB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout.split())
+    ok, hits, n, warned = outs[0]
+    assert ok == "True" and hits == "0" and warned == "0" and int(n) >= 1, outs
+    assert len(entries(tmp_path / "cache")) == int(n)
+    assert outs[1] == ["True", n, n, "0"], outs  # every capture loaded
+
+
+#: forward arguments named like a builtin (which torch's graph copy renames) or like
+#: the nodes torch generates (``linear``, ``getitem``, ``submod_1``, ``wrap_with_...``)
+NAMES = ("input", "type", "linear", "getitem", "submod_1", "wrap_with_set_grad_enabled")
+
+
+def _named(name: str) -> type[nn.Module]:
+    source = (f"def forward(self, {name}):\n"
+              f"    return torch.relu(self.lin({name})) + {name}\n")
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(source, namespace)
+
+    def init(self: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(8, 8)
+
+    return type(f"Takes_{name}", (nn.Module,), {"__init__": init,
+                                                "forward": namespace["forward"]})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_any_argument_name_is_stored_and_hits(tmp_path: Path, name: str,
+                                              quiet: list[warnings.WarningMessage]) -> None:
+    block = _named(name)
+
+    def job(verify: str) -> ctxreplay.CaptureReport:
+        torch.manual_seed(0)
+        model = nn.Sequential(block(), block()).eval()
+        with ctxreplay.capture_with(model, targets="repeated", verify=verify,
+                                    cache=tmp_path) as session, torch.no_grad():
+            model(torch.rand(2, 8))
+        return session.finalize()
+
+    first = job("signature")
+    assert first.ok and cache_warnings(quiet) == []
+    assert first.cache is not None and first.cache["not_stored"] == {}
+    assert len(entries(tmp_path)) == len(first.captures)
+    second = job("execute")  # the stored program loaded and run by value
+    assert second.ok and cached(second) == [True] * len(second.captures)
+    assert cache_warnings(quiet) == []
+
+
+def test_a_capture_the_cache_cannot_keep_warns_once_with_its_cause(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        quiet: list[warnings.WarningMessage]) -> None:
+    from ctxreplay.artifacts.pt2 import Pt2Format
+
+    def refuse(self: Any, artifact: Any) -> bytes:
+        raise RuntimeError("the serialiser refuses this graph")
+
+    monkeypatch.setattr(Pt2Format, "program_bytes", refuse)
+    torch.manual_seed(0)
+    report, calls = run(Stack(), tmp_path)
+    assert report.ok and trust_oracle.unreproduced(report, calls) == []
+    labels = sorted(f"{c.scope}#{c.variant}" for c in report.captures)
+    found = cache_warnings(quiet)
+    assert len(found) == len(labels) == CAPTURES
+    for label in labels:
+        (one,) = [m for m in found if f" {label} " in m]
+        assert "is not stored" in one and "the serialiser refuses this graph" in one
+    assert report.cache is not None
+    assert report.cache["not_stored"] == {label: "not_serialisable" for label in labels}
+    assert report.cache_summary is not None and \
+        f"{CAPTURES} of them could not be stored" in report.cache_summary
+    assert entries(tmp_path) == []
+    assert_metadata_only(report.to_json())

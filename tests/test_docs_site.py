@@ -32,6 +32,7 @@ from test_docs import _resolve  # as mkdocstrings resolves a ::: path
 
 import ctxreplay
 from ctxreplay.artifacts import sidecar
+from ctxreplay.cache import use as cache_use
 from ctxreplay.capture import results as records
 from ctxreplay.dispatch import install as dispatch
 from ctxreplay.fidelity import verify
@@ -361,6 +362,7 @@ CODES: dict[str, tuple[str, ...]] = {
     "saving": (*sidecar.ARTIFACT_ERRORS, *manifest.NOT_SAVED_REASONS),
     "loading-and-checking": (*needs.DIFFERENCE_KINDS, *needs.ENVIRONMENT_FIELDS),
     "dispatch-misses": dispatch.MISS_REASONS,
+    "capture-cache": cache_use.NOT_STORED_REASONS,
 }
 
 

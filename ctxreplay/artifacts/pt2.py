@@ -281,9 +281,29 @@ def _without_empty_wrappers(program: Any) -> Any:
                for n in graph_nodes(program.graph_module)):
         return program
     gm = copy.deepcopy(program.graph_module)  # the graph alone: the weights are not in it
+    # the copy renames a node whose name shadows a builtin (a forward argument
+    # named ``input``, as ``nn.Linear``'s is, becomes ``input_1``), which the
+    # signature still names: it follows the copy's names
+    renamed = {a.name: b.name for a, b in zip(program.graph_module.graph.nodes, gm.graph.nodes)
+               if a.name != b.name}
     if not drop_empty_wrappers(gm):
         return program
-    return program._update(gm, program.graph_signature)
+    return program._update(gm, renamed_signature(program.graph_signature, renamed))
+
+
+def renamed_signature(sig: Any, renamed: dict[str, str]) -> Any:
+    """``sig`` (an ``ExportGraphSignature``) naming the nodes ``renamed`` maps by
+    their new names."""
+    if not renamed:
+        return sig
+
+    def spec(s: Any) -> Any:
+        name = getattr(s.arg, "name", None)
+        if name not in renamed:
+            return s
+        return dataclasses.replace(s, arg=dataclasses.replace(s.arg, name=renamed[name]))
+
+    return type(sig)([spec(s) for s in sig.input_specs], [spec(s) for s in sig.output_specs])
 
 
 def _same_tensors(a: Any, b: Any) -> bool:

@@ -80,8 +80,7 @@ def cached_fold(cache: CaptureCache, example: VariantRequest,
             return hit
         trial.reset()
     capture = run(None)
-    _fill(cache, key, capture, trial, pending, example, module, options)
-    return capture
+    return _fill(cache, key, capture, trial, pending, example, module, options)
 
 
 def _use(cache: CaptureCache, entry: Entry, example: VariantRequest,
@@ -125,16 +124,19 @@ def _use(cache: CaptureCache, entry: Entry, example: VariantRequest,
 
 def _fill(cache: CaptureCache, key: str, capture: Capture, trial: Trial,
           pending: Sequence[VariantRequest], example: VariantRequest, module: nn.Module,
-          options: CaptureOptions) -> None:
+          options: CaptureOptions) -> Capture:
     """Store a fold whose every size agreed, with what each size's live
-    outputs were (a later signature-level hit compares against them)."""
+    outputs were (a later signature-level hit compares against them);
+    returns the capture, with why it was not stored where it could not be."""
     if trial.rules is None or not capture.fidelity.ok or not trial.agreed():
-        return
+        return capture
     taken = [r for r in pending if r is not example and r.variant in trial.checked]
     try:
         fold = {"rules": rules_to_json(trial.rules),
                 "sizes": [{"inputs": _sig(r), "outputs": spec_to_json(r.outputs)}
                           for r in taken if r.outputs is not None]}
-    except Exception:  # what cannot be written back faithfully is not kept
-        return
-    fill_record(cache, key, capture, example, module, options, {"fold": fold})
+    except Exception as exc:  # what cannot be written back faithfully is not kept
+        return cache.kept(capture, ("not_serialisable", "its size rules cannot be written: "
+                                                        f"{type(exc).__name__}"))
+    return cache.kept(capture, fill_record(cache, key, capture, example, module, options,
+                                           {"fold": fold}))

@@ -14,6 +14,7 @@ check is stored.  The cache never makes a report worse than none would.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,10 @@ from ..fidelity.levels import checked_by
 from ..specs.signature import Spec, is_native
 from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
 from .keys import KEY_SCHEMA, variant_key
-from .store import CacheDir, Entry
+from .store import CacheDir, CacheWarning, Entry
 
-__all__ = ["CaptureCache", "Stored", "deferred_capture", "fill_record", "program_source",
-           "read_entry", "run_entry"]
+__all__ = ["NOT_STORED_REASONS", "CaptureCache", "Stored", "deferred_capture", "fill_record",
+           "program_source", "read_entry", "run_entry"]
 
 Run = Callable[[Source | None], Capture]
 
@@ -120,8 +121,7 @@ class CaptureCache:
             if hit is not None:
                 return hit
         capture = run(None)
-        self._fill(key, capture, request, module, options)
-        return capture
+        return self._fill(key, capture, request, module, options)
 
     def _use(self, entry: Entry, request: VariantRequest, module: nn.Module,
              modules: Mapping[str, nn.Module], options: CaptureOptions,
@@ -147,10 +147,26 @@ class CaptureCache:
         return capture
 
     def _fill(self, key: str, capture: Capture, request: VariantRequest, module: nn.Module,
-              options: CaptureOptions) -> None:
-        """Store ``capture`` when it passed its check (``fill_record``)."""
-        if capture.fidelity.ok:
-            fill_record(self, key, capture, request, module, options, {})
+              options: CaptureOptions) -> Capture:
+        """Store ``capture`` when it passed its check (``fill_record``); returns it,
+        with why it was not stored where it could not be."""
+        if not capture.fidelity.ok:
+            return capture
+        return self.kept(capture, fill_record(self, key, capture, request, module, options,
+                                              {}))
+
+    def kept(self, capture: Capture, refused: tuple[str, str] | None) -> Capture:
+        """``capture``, told why the cache could not keep it (``refused``: a code
+        of ``NOT_STORED_REASONS`` and the cause in words), and the user too:
+        once, a ``CacheWarning`` naming the capture and the cause."""
+        if refused is None:
+            return capture
+        code, why = refused
+        if why:
+            warnings.warn(f"capture cache {self.store.root}: {capture.scope}#{capture.variant} "
+                          f"is not stored: {why}; later runs trace it again", CacheWarning,
+                          stacklevel=2)
+        return attrs.evolve(capture, not_cached=code)
 
 
 def read_entry(cache: CaptureCache, entry: Entry, request: VariantRequest
@@ -184,26 +200,48 @@ def run_entry(cache: CaptureCache, entry: Entry, stored: Stored, fmt: ArtifactFo
                         fingerprint=stored.fingerprint)
 
 
+#: why the cache did not keep a capture that passed its check, as
+#: ``CaptureReport.cache["not_stored"]`` names it (the warning says more)
+NOT_STORED_REASONS = ("collective", "no_artifact", "no_format", "not_serialisable",
+                      "unwritable")
+
+
 def fill_record(cache: CaptureCache, key: str, capture: Capture, request: VariantRequest,
-                module: nn.Module, options: CaptureOptions, extra: Mapping[str, Any]) -> None:
+                module: nn.Module, options: CaptureOptions,
+                extra: Mapping[str, Any]) -> tuple[str, str] | None:
     """Write ``capture`` (which passed its check) under ``key``, with
     ``extra`` fields in its record, where its format can keep the program
-    without weights (a graph holding collectives is not stored: it is
-    checked with the other ranks, after this)."""
-    if capture.collective or capture.artifact is None:
-        return
+    without weights; returns why it was not written, as a code of
+    ``NOT_STORED_REASONS`` and in words (``None``: written, or another
+    process wrote the key first).  A graph holding collectives is not
+    stored: it is checked with the other ranks, after this."""
+    if capture.collective:
+        return "collective", "its graph holds collectives, checked with the other ranks"
+    if capture.artifact is None:
+        return "no_artifact", "it holds no artifact"
     fmt, _ = format_for(capture.artifact)
+    if fmt is None:
+        return "no_format", f"no artifact format keeps a {type(capture.artifact).__name__}"
     try:
-        program = None if fmt is None else fmt.program_bytes(capture.artifact)
+        program = fmt.program_bytes(capture.artifact)
         stored = _stored(capture, request, options, fmt)
         Stored.read({"capture": stored.to_json(), "about": {"verify": options.verify}})
-    except Exception:  # what cannot be written back faithfully is not kept
-        return
-    if program is None or fmt is None:
-        return
+    except Exception as exc:  # what cannot be written back faithfully is not kept
+        return "not_serialisable", (f"its program cannot be serialised: "
+                                    f"{type(exc).__name__}: {_short(exc)}")
+    if program is None:
+        return "no_format", f"the {fmt.name} format keeps no program of it"
     record = {"schema": KEY_SCHEMA, "key": key, "created": time.time(),
               "about": _about(capture, module, options), "capture": stored.to_json(), **extra}
-    cache.store.write(key, record, program)
+    if not cache.store.write(key, record, program) and not cache.store.entry_path(key).is_dir():
+        # (the store warns of that once per directory, not once per capture)
+        return "unwritable", ""
+    return None
+
+
+def _short(exc: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _stored(capture: Capture, request: VariantRequest, options: CaptureOptions,

@@ -154,6 +154,10 @@ class Capture:
     from_cache: bool = False
     """It came from the capture cache (``capture_with(..., cache=...)``):
     loaded instead of traced, and checked at the session's verify level."""
+    not_cached: str = ""
+    """Why the capture cache could not keep it, a code of
+    ``cache.use.NOT_STORED_REASONS`` (its program could not be serialised:
+    ``not_serialisable``), warned once as a ``CacheWarning``; ``""``: kept, or no cache."""
     folding: Folding | None = None
     """For a graph traced with dynamic sizes (size variants folded into one
     capture): its dynamic dimensions, the rule each follows and the range

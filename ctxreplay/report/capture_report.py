@@ -78,13 +78,17 @@ class CaptureReport:
     @property
     def cache(self) -> dict[str, Any] | None:
         """The capture cache's share (``capture_with(..., cache=...)``): its
-        ``directory``, the captures loaded ``from_cache`` and those
-        ``traced``; ``None`` when the session used no cache."""
+        ``directory``, the captures loaded ``from_cache``, those ``traced``, and
+        those it could not keep (``not_stored``: ``scope#variant`` -> a code of
+        ``cache.use.NOT_STORED_REASONS``); ``None``
+        when the session used no cache."""
         where = self.settings.get("cache")
         if where is None:
             return None
         hits = sum(1 for c in self.captures if c.from_cache)
-        return {"directory": where, "from_cache": hits, "traced": len(self.captures) - hits}
+        return {"directory": where, "from_cache": hits, "traced": len(self.captures) - hits,
+                "not_stored": {f"{c.scope}#{c.variant}": c.not_cached
+                               for c in self.captures if c.not_cached}}
 
     @property
     def cache_summary(self) -> str | None:
@@ -92,9 +96,12 @@ class CaptureReport:
         cache = self.cache
         if cache is None:
             return None
+        refused = len(cache["not_stored"])
         return (f"capture cache {cache['directory']}: {cache['from_cache']} of "
                 f"{len(self.captures)} captures loaded from it and checked, "
-                f"{cache['traced']} traced")
+                f"{cache['traced']} traced"
+                + (f", {refused} of them could not be stored (see the CacheWarning)"
+                   if refused else ""))
 
     def mismatches(self) -> Iterator[tuple[Capture, Mismatch]]:
         """Every ``(capture, mismatch)`` pair of the report, in capture order."""
