@@ -242,6 +242,36 @@ def test_math_sdpa_is_the_math_kernel_bit_for_bit(dtype: torch.dtype, mask: str 
     assert torch.equal(math_sdpa(q, k, v, **kw), ref)
 
 
+@pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("inputs", [torch.float32, torch.bfloat16, "mixed"])
+def test_math_sdpa_under_autocast_is_the_math_kernel_bit_for_bit(
+        autocast: torch.dtype, mask: str | None, inputs: Any) -> None:
+    """Under autocast the entry point casts its inputs and runs the kernel
+    below autocast; the math op alone is on no autocast list, so the lowering
+    must do both itself (float32 inputs, as a norm autocast keeps in float32
+    hands them over, are the case that was 0.016 away)."""
+    g = torch.Generator().manual_seed(0)
+    dtypes = (torch.float32, torch.bfloat16, torch.float32) if inputs == "mixed" \
+        else (inputs,) * 3
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g).to(d) for d in dtypes)
+    m = None if mask is None else (torch.rand(9, 9, generator=g) > 0.3 if mask == "bool"
+                                   else torch.randn(9, 9, generator=g))
+    with torch.autocast("cpu", dtype=autocast):
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        got = math_sdpa(q, k, v, attn_mask=m)
+        assert torch.is_autocast_enabled("cpu")  # left as it was
+    assert got.dtype == ref.dtype == autocast
+    assert torch.equal(got, ref)
+    # the control: the math op as it came, under autocast, is another value
+    with torch.autocast("cpu", dtype=autocast):
+        plain = torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, None if m is None or m.dtype == torch.bool else m)[0]
+    if mask != "bool":
+        assert not torch.equal(plain.to(ref.dtype), ref)
+
+
 class _MathAttention(nn.Module):
     """Chooses the math kernel inside its forward, as diffusers' _native_math does."""
 

@@ -29,7 +29,7 @@ from ..errors import Error
 from ..fidelity.compare import compare_specs
 from ..fidelity.verify import Mismatch, flat_tensor_spec
 from ..specs.dims import Folding
-from ..specs.materialize import materialize
+from ..specs.materialize import fresh_draws, materialize
 from ..specs.signature import CallSpec, SeqSpec, Spec, TensorSpec, spec_of
 from ..specs.specjson import resolve_opaque, spec_from_json, tensor_from_json
 from .formats import get_format
@@ -141,6 +141,7 @@ class ArtifactSidecar:
         tried (``binary_cross_entropy``, embeddings).  A flattened capture takes
         its tensor leaves positionally.  Raises :class:`ArtifactError` when the
         signature holds a value JSON cannot rebuild."""
+        fresh_draws()  # the same inputs whatever was drawn before
         if self.binding == "flattened":
             return tuple(materialize(s) for _, s in self.inputs), {}
         args = tuple(materialize(_buildable(a)) for a in self._args)

@@ -13,6 +13,16 @@ calls, so the program runs the math kernel wherever it runs (measured
 bit-identical to the live call in float32, bfloat16, float16 and float64,
 with no mask, a boolean or an additive mask, causal, and grouped-query
 attention; export, a saved ``.pt2`` and Dynamo alike).
+
+Under autocast the lowering does what autocast does for the SDPA entry point
+(it has an autocast kernel on CPU and CUDA: ``scaled_dot_product_attention``
+is on their lower-precision lists, the math op on none): the floating-point
+inputs that autocast casts (on the autocast device, not float64) are cast to
+the autocast dtype, and the math op runs with autocast off, as the entry
+point's kernel runs below autocast.  Without that the math op took the
+inputs as they came (float32 after a norm autocast keeps in float32) and its
+inner matmuls were autocast again: a bfloat16 block computed up to 0.016
+away from the live call, in whichever process ran the program.
 """
 
 from __future__ import annotations
@@ -28,6 +38,31 @@ __all__ = ["lowering_math_sdpa", "math_sdpa"]
 _math = getattr(torch.ops.aten, "_scaled_dot_product_attention_math", None)
 _flash_enabled = torch._C._get_flash_sdp_enabled
 _math_enabled = torch._C._get_math_sdp_enabled
+_has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+
+
+def _autocast_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts the SDPA entry point's inputs to on ``query``'s
+    device now (``None``: autocast is off there, or has no kernel for it)."""
+    device = query.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    key = "AutocastPrivateUse1" if device == "privateuseone" else f"Autocast{device.upper()}"
+    try:
+        if not _has_kernel("aten::scaled_dot_product_attention", key):
+            return None
+    except Exception:  # a device type without an autocast dispatch key
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def _cast(t: Any, dtype: torch.dtype, device: str) -> Any:
+    """What autocast's cast does to one argument: a floating-point tensor on its
+    device (float64 left alone) in ``dtype``."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
+            and t.device.type == device:
+        return t.to(dtype)
+    return t
 
 
 def math_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -36,6 +71,14 @@ def math_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the math kernel, as an explicit op."""
     assert _math is not None
+    dtype = _autocast_dtype(query)
+    if dtype is not None:
+        device = query.device.type
+        query, key, value, attn_mask = (_cast(t, dtype, device)
+                                        for t in (query, key, value, attn_mask))
+        with torch.autocast(device, enabled=False):
+            return math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         # what the SDPA entry point does before it selects a kernel: a
         # boolean mask becomes an additive one (-inf where False)

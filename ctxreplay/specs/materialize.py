@@ -4,7 +4,10 @@ way a capture takes them.
 Call these outside the live forward: created inside an inference-mode
 forward they would be inference tensors, which export cannot trace outside
 inference mode.  Values are drawn from a private generator, so materialising
-never moves the user's random state: floats uniform in [0, 1), integers zero,
+never moves the user's random state, and its draws start over for every
+call's inputs (``fresh_draws``), so a check sees the same inputs whatever
+ran before it in the process -- a verdict that depended on the order
+captures were checked in would not be one: floats uniform in [0, 1), integers zero,
 bools true (masks that keep everything) -- executed ops have domains
 (``binary_cross_entropy`` needs [0, 1], embeddings in-range indices), and
 these values were safe for every case tried.
@@ -34,8 +37,8 @@ from .signature import (
     TensorSpec,
 )
 
-__all__ = ["BINDINGS", "bind_call", "build", "inputs_for", "materialize", "materialize_leaves",
-           "tensor"]
+__all__ = ["BINDINGS", "bind_call", "build", "fresh_draws", "inputs_for", "materialize",
+           "materialize_leaves", "tensor"]
 
 #: ``native``: the module's own arguments; ``flattened``: the call's tensor
 #: leaves, positionally (arguments torch's pytree does not know are rebuilt
@@ -54,6 +57,13 @@ def _generator(device: torch.device) -> torch.Generator:
         gen.manual_seed(0)
         _generators[key] = gen
     return gen
+
+
+def fresh_draws() -> None:
+    """Start the private generators over: the inputs made next are those the
+    first call of a process gets, whatever was drawn before."""
+    for gen in _generators.values():
+        gen.manual_seed(0)
 
 
 def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -167,7 +177,9 @@ def bind_call(call: CallSpec, make: Callable[[TensorSpec], Tensor]
 
 
 def materialize_leaves(call: CallSpec, *, fill: str = "uniform") -> tuple[Tensor, ...]:
-    """Fresh tensors for a call's tensor leaves, in ``CallSpec.leaves()`` order."""
+    """Fresh tensors for a call's tensor leaves, in ``CallSpec.leaves()`` order
+    (drawn from the start, ``fresh_draws``)."""
+    fresh_draws()
     return tuple(tensor(s, fill) for _, s in call.leaves())
 
 
@@ -181,4 +193,6 @@ def inputs_for(call: CallSpec, binding: str, *, leaves: Iterable[Tensor] | None 
         return tuple(leaves), {}
     if binding != "native":
         raise ValueError(f"binding: {binding!r} is not one of {list(BINDINGS)}")
+    if leaves is None:
+        fresh_draws()
     return bind_call(call, _maker(leaves, fill))
