@@ -241,6 +241,22 @@ def test_tensor_guards_see_local_state() -> None:
     assert (not in_inference) == CAPS.tensor_guards_see_local_state
 
 
+@pytest.mark.skipif(not CAPS.tensor_guards, reason="TensorGuards unusable in this torch")
+def test_tensor_guards_see_dispatch_modes() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    x = torch.rand(2, 3)
+    guard = _tensor_guard(x)
+    with Passing():
+        seen = not guard.check(x)
+    assert guard.check(x) and seen == CAPS.tensor_guards_see_dispatch_modes
+
+
 def test_tensor_guard_checks_the_metadata_of_plain_tensors() -> None:
     x, y = torch.rand(2, 3), torch.zeros(4, dtype=torch.int64)
     guard = _torchcaps.tensor_guard((x, y))
@@ -260,15 +276,25 @@ def test_tensor_guarded_getters_are_states_a_tensor_guard_sees() -> None:
     """The getters a session skips after a passing TensorGuards check: each
     state flipped must fail a guard built before the flip, and one built
     after it once flipped back."""
-    flips = {torch.is_inference_mode_enabled: torch.inference_mode}
-    assert bool(_torchcaps.TENSOR_GUARDED_GETTERS) == (
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    flips: dict[Any, Any] = {torch.is_inference_mode_enabled: torch.inference_mode,
+                             torch._C._len_torch_dispatch_stack: Passing}
+    assert (torch.is_inference_mode_enabled in _torchcaps.TENSOR_GUARDED_GETTERS) == (
         CAPS.tensor_guards and CAPS.tensor_guards_see_local_state)
+    assert (torch._C._len_torch_dispatch_stack in _torchcaps.TENSOR_GUARDED_GETTERS) == (
+        CAPS.tensor_guards and CAPS.tensor_guards_see_dispatch_modes)
     for getter in _torchcaps.TENSOR_GUARDED_GETTERS:
         flip = flips[getter]  # a getter added there needs its flip here
         x = torch.rand(2, 3)
         before = _tensor_guard(x)
         with flip():
-            assert getter() is True
+            assert getter()  # on: True, or a stack of one mode
             assert not before.check(x)
             inside = _tensor_guard(x)
             assert inside.check(x)

@@ -136,6 +136,12 @@ class TorchCaps:
     #: tensor with CPU autocast on (the TLS dispatch-key sets are part of the
     #: check).  Detected with a probe; true on every release measured.
     tensor_guards_see_local_state: bool
+    #: a TensorGuards built with no ``TorchDispatchMode`` active fails
+    #: ``check`` on the same tensor while one is (an active mode puts the
+    #: Python dispatch keys in the thread-local include set), and one built
+    #: under a mode fails outside it.  Detected with a probe; true on 2.7
+    #: and 2.13 (measured).
+    tensor_guards_see_dispatch_modes: bool
 
     # -- torch.export --------------------------------------------------------
     #: non-strict ``torch.export.export`` records an autocast entered *inside*
@@ -356,6 +362,28 @@ def _tensor_guards_see_local_state() -> bool:
         return False
 
 
+def _tensor_guards_see_dispatch_modes() -> bool:
+    cls = _tensor_guards_cls()
+    if cls is None:
+        return False
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Passing(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                return func(*args, **(kwargs or {}))
+
+        x = torch.zeros(2, 3)
+        outside = _make_tensor_guard(cls, x)
+        with _Passing():
+            inside = _make_tensor_guard(cls, x)
+            seen = not outside.check(x) and bool(inside.check(x))
+        return seen and bool(outside.check(x)) and not inside.check(x)
+    except Exception:
+        return False
+
+
 def _returns_pair(name: str) -> bool:
     get = getattr(torch._C, name, None)
     if get is None:
@@ -379,6 +407,7 @@ def _detect() -> TorchCaps:
         guard_sees_autocast_dtype=_guard_sees_autocast_dtype(guard_cls, devices),
         tensor_guards=_tensor_guards(),
         tensor_guards_see_local_state=_tensor_guards_see_local_state(),
+        tensor_guards_see_dispatch_modes=_tensor_guards_see_dispatch_modes(),
         export_records_inner_autocast=records_inner,
         autocast_exit_swallows_errors=records_inner and v < (2, 9),
         dynamo_traces_contextmanager=v >= (2, 7),
@@ -427,8 +456,12 @@ def tensor_guard(args: tuple[Any, ...]) -> Any:
 
 #: getters of the state a passing ``TensorGuards`` check has seen already: the
 #: thread-local dispatch-key sets of the call are part of it
-#: (``tensor_guards_see_local_state``), and inference mode is one of them.  A
+#: (``tensor_guards_see_local_state``), and inference mode is one of them, as
+#: is whether a ``TorchDispatchMode`` is active (``tensor_guards_see_dispatch_modes``:
+#: the length of the dispatch-mode stack, 0 or not, is what a probe watches).  A
 #: caller whose inputs just passed such a check skips these.
 TENSOR_GUARDED_GETTERS: tuple[Callable[[], Any], ...] = (
-    (torch.is_inference_mode_enabled,) if CAPS.tensor_guards and CAPS.tensor_guards_see_local_state
-    else ())
+    ((torch.is_inference_mode_enabled,) if CAPS.tensor_guards
+     and CAPS.tensor_guards_see_local_state else ())
+    + ((torch._C._len_torch_dispatch_stack,) if CAPS.tensor_guards
+       and CAPS.tensor_guards_see_dispatch_modes else ()))
