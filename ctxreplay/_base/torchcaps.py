@@ -367,16 +367,17 @@ def _tensor_guards_see_dispatch_modes() -> bool:
     if cls is None:
         return False
     try:
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils import _python_dispatch
 
-        class _Passing(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                                   kwargs: Any = None) -> Any:
-                return func(*args, **(kwargs or {}))
+        def dispatch(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
 
+        # (untyped in torch's stubs: made through ``type``)
+        base: Any = _python_dispatch.TorchDispatchMode
+        passing: Any = type("_Passing", (base,), {"__torch_dispatch__": dispatch})
         x = torch.zeros(2, 3)
         outside = _make_tensor_guard(cls, x)
-        with _Passing():
+        with passing():
             inside = _make_tensor_guard(cls, x)
             seen = not outside.check(x) and bool(inside.check(x))
         return seen and bool(outside.check(x)) and not inside.check(x)
