@@ -180,13 +180,17 @@ class Checker:
             backend, artifact = self.backend, self.artifact
             return lambda *args, **kwargs: backend.run(artifact, args, kwargs)
         mine = dict(_tensors(view))
-        fresh.load_state_dict({n: mine[src] for n, src in names.items() if src in mine},
-                              strict=False, assign=True)
+        _assign(fresh, {n: mine[src] for n, src in names.items() if src in mine})
         return fresh
 
     def _execute(self, m: MemberCall, module: nn.Module | None,
                  name: str | None) -> list[Mismatch]:
         assert module is not None  # _check stops at a released member
+        if any(s.device == "meta" for _, s in self.request.inputs.leaves()):
+            # a call on ``meta`` tensors computed shapes only: there are no values
+            # to compare (``verify="signature"`` checks its graph's outputs)
+            return [_mismatch("execution", "inputs device=meta", "not run: values=none",
+                              "execute", None, name)]
         leaves = materialize_leaves(self.request.inputs)
         with self._isolated(module) as view:
             program = self._program(view, m)
@@ -393,6 +397,22 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
     out += module.named_buffers(remove_duplicate=False)
     return out
+
+
+def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Each named parameter or buffer of ``module`` set to the given tensor, the
+    object itself: ``load_state_dict(assign=True)`` makes a parameter anew
+    with the module's ``requires_grad``, which torch refuses for an inference
+    tensor outside inference mode (weights a ``.to()`` under inference mode
+    made, as a diffusers pipeline's model offload does)."""
+    for name, t in tensors.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = t if isinstance(t, nn.Parameter) else \
+                nn.Parameter(t, requires_grad=t.requires_grad)
+        elif leaf in owner._buffers:
+            owner._buffers[leaf] = t
 
 
 def _names_of(fresh: nn.Module, traced: nn.Module) -> dict[str, str]:

@@ -15,6 +15,15 @@ container and plain object around it; where even that copy cannot be made,
 Inside ``isolated`` the thread is ``isolating()``: an open session (a second
 ``capture_with`` on the same blocks) does not count the calls made there.
 
+A module tree whose weights hooks put in place around each forward
+(offloading: ``offload.weight_hooks``) is copied while its hooks have the
+weights in place, and the live module handed back to them at once: the view
+holds the weights the live forward ran with (its own parameter objects, over
+the same storage: an offloader that moves ``param.data`` back does not move
+the view's), and each hooked submodule of the view runs the forward its
+hook wraps, never the hook.  A tree whose hooks cannot be followed raises
+``HookedWeights``.
+
 ``forward_alone(module)`` makes calling the (isolated) member run its
 ``forward`` alone, the way observation saw the live call: without the
 hooks ``nn.Module.__call__`` runs around it at the member's own level.
@@ -43,9 +52,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import Error
+from .offload import weight_hooks
 
-__all__ = ["NotIsolable", "forward_alone", "isolated", "isolating", "isolating_as",
-           "isolation_depth", "rng_guard", "unwatch", "watch"]
+__all__ = ["HookedWeights", "NotIsolable", "forward_alone", "isolated", "isolating",
+           "isolating_as", "isolation_depth", "rng_guard", "unwatch", "watch"]
 
 _MAX_OBJECTS = 4096
 
@@ -136,10 +146,51 @@ class NotIsolable(Error, TypeError):
     it rather than run the user's own module."""
 
 
+class HookedWeights(NotIsolable):
+    """The module's weights are put in place by hooks that ctxreplay cannot
+    follow (``str()`` names them): no view holds what the live forward ran with."""
+
+
 def _copy(module: nn.Module) -> nn.Module:
-    memo: dict[int, Any] = {}
+    held = weight_hooks(module)
+    if held is None:
+        return _copy_tree(module, {})
+    if held.unknown:
+        raise HookedWeights(
+            "its weights are put in place by hooks beside others that change what the "
+            f"forward computes ({', '.join(held.unknown[:3])})")
+    shared: dict[int, Any] = {}
+    for _, _, hooks in held.entries:
+        for hook in hooks:  # shared, never copied: they hold the whole weights map
+            shared[id(hook)] = hook
+    for m in module.modules():
+        registry = m.__dict__.get("_diffusers_hook")
+        if registry is not None:
+            shared[id(registry)] = registry
+    with held.loaded():
+        for p in module.parameters():
+            if type(p) is nn.Parameter:  # the storage in place now, in an object of its own
+                shared[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
+        view = _copy_tree(module, shared)
+    for path in held.paths:
+        unhooked(view.get_submodule(path) if path else view)
+    return view
+
+
+def unhooked(module: nn.Module) -> None:
+    """``module`` (a view) runs the forward its hook wraps: accelerate keeps it as
+    ``_old_forward`` (bound to the view by the copy); diffusers' registry wraps
+    the class's."""
+    own = module.__dict__.get("_old_forward")
+    if own is not None and getattr(own, "__self__", None) is module:
+        module.forward = own
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def _copy_tree(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     for p in module.parameters():
-        memo[id(p)] = p
+        memo.setdefault(id(p), p)
     # Most trees copy at the first try; the walk below (bounded, but ~150
     # objects for a small block) only runs for those that do not.
     try:

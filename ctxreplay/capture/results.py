@@ -33,7 +33,7 @@ __all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure"
 FAILURE_REASONS = (*BACKEND_REASONS, "replay_failed", "timeout", "no_artifact", "bad_artifact",
                    "materialize_failed", "verify_failed", "module_released",
                    "isolation_failed", "internal_error", "interrupted", "state_leak",
-                   "unsupported_layout", "state_not_restorable")
+                   "unsupported_layout", "state_not_restorable", "hooked_weights")
 
 #: report-level reasons ``ok`` is False although no capture failed
 PROBLEMS = {

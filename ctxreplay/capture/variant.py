@@ -49,7 +49,7 @@ from ..specs.signature import (
 )
 from ..specs.specjson import call_to_json
 from .checker import Checker
-from .isolate import forward_alone, forward_wrapped, isolated, rng_guard
+from .isolate import HookedWeights, forward_alone, forward_wrapped, isolated, rng_guard
 from .mutation import ARGUMENT_FIELD, Watch, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
@@ -283,8 +283,17 @@ def _view(module: nn.Module, request: VariantRequest,
     try:
         view_cm = isolated(module, request.training)
         view = view_cm.__enter__()
+    except HookedWeights as exc:
+        raise fail("hooked_weights", exc) from None
     except Exception as exc:
         raise fail("isolation_failed", exc) from None
+    placeholders = _meta_weights(view, request)
+    if placeholders:
+        view_cm.__exit__(None, None, None)
+        raise fail("hooked_weights", HookedWeights(
+            f"{', '.join(placeholders[:3])} {'is' if len(placeholders) == 1 else 'are'} on the "
+            "meta device between calls, and no hook ctxreplay can follow puts the weights in "
+            "place (accelerate's and diffusers' offloading hooks are followed)")) from None
     try:
         try:
             restore_state(view, request.state)
@@ -294,6 +303,15 @@ def _view(module: nn.Module, request: VariantRequest,
         yield view
     finally:
         view_cm.__exit__(None, None, None)
+
+
+def _meta_weights(view: nn.Module, request: VariantRequest) -> list[str]:
+    """The view's parameters and buffers on the ``meta`` device, where the call's
+    inputs are not (a forward that only checks shapes runs on ``meta`` throughout)."""
+    if any(s.device == "meta" for _, s in request.inputs.leaves()):
+        return []
+    out = [n for n, p in view.named_parameters() if p.device.type == "meta"]
+    return out + [n for n, b in view.named_buffers() if b.device.type == "meta"]
 
 
 def _artifact(request: VariantRequest, plan: _Plan, view: nn.Module, options: CaptureOptions,

@@ -59,7 +59,7 @@ OBJECT_POLICIES = ("eager", "dispatch")
 MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
                 "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
                 "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
-                "observe_error", "size_guard", "weights")
+                "observe_error", "size_guard", "weights", "hooked_weights")
 
 _is_tracing = torch._C._is_tracing
 _MEMO_LIMIT = 4096
@@ -89,7 +89,9 @@ class DispatchStats:
     has the shape, dtype or device its program takes -- converted in place
     since install, ``module.to(torch.float64)`` -- or, for a program that
     holds the member's tensors (compiled), was replaced in its module
-    without an assignment).  ``compiled``: labels compiled so far (per member);
+    without an assignment); ``hooked_weights``: the member's weights are put
+    in place by hooks ctxreplay cannot follow (an offloading hook beside one
+    that changes what the forward computes).  ``compiled``: labels compiled so far (per member);
     ``unflattened``: labels whose program runs as torch's ``program.module()``
     (correct, but a dispatched call then costs ~10x more), and why."""
 

@@ -13,6 +13,7 @@ it on first use; a ``Target`` runs it.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from ..capture.mutation import ARGUMENT_FIELD
+from ..capture.offload import Held, weight_hooks
 from ..capture.results import Capture
 from ..core.snapshots import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
 from ..loading.load import LoadedCapture, LoadedManifest
@@ -233,6 +235,8 @@ class Programs:
         self.compiled: list[str] = []
         #: label -> why its program runs as ``program.module()`` (slower)
         self.unflattened: dict[str, str] = {}
+        #: member -> the hooks that put its weights in place around a forward
+        self.held: dict[str, Held] = {}
 
     def flat(self, e: Entry) -> Flat | None:
         """``e``'s program flattened (once), or ``None``: ``compile`` is set, or it cannot be."""
@@ -257,12 +261,21 @@ class Programs:
             where = f"{e.label}@{name}"
             flat = self.flat(e)
             built: tuple[nn.Module | None, Bound] | None
+            held = weight_hooks(module)
             try:
-                built = (None, Bound.of(flat, module, _prefix(e.binding))) if flat is not None \
-                    else _bind_module(e, module)
+                if held is not None and held.unknown:
+                    raise _Unfollowed
+                with held.loaded() if held is not None else contextlib.nullcontext():
+                    built = (None, Bound.of(flat, module, _prefix(e.binding))) \
+                        if flat is not None else _bind_module(e, module)
+            except _Unfollowed:
+                built = None
+                self.unfit[where] = "hooked_weights"
             except WeightsError:
                 built = None
                 self.unfit[where] = "structure"
+            if held is not None and built is not None:
+                self.held[name] = held
             if built is not None and e.identities.get(name, "") not in (
                     "", _identity(module, e.ignore_attributes)):
                 built = None
@@ -305,6 +318,7 @@ class Programs:
         """Member ``name``'s tensors or submodules were replaced: bind again."""
         for key in [k for k in self._built if k[1] == name]:
             del self._built[key]
+        self.held.pop(name, None)
         for where in [w for w in self.unfit if w.endswith(f"@{name}")]:
             del self.unfit[where]
 
@@ -321,6 +335,10 @@ def _bind_module(e: Entry, module: nn.Module) -> tuple[nn.Module, Bound]:
     return gm, Bound((*sig.parameters, *sig.buffers), None, module, _prefix(e.binding))
 
 
+class _Unfollowed(Exception):
+    """The member's weights are put in place by hooks ctxreplay cannot follow."""
+
+
 def _prefix(binding: str) -> str:
     """A flattened capture's program names the member's tensors under ``inner.``."""
     return "inner." if binding == "flattened" else ""
@@ -334,13 +352,15 @@ class Target:
     shapes, dtypes or devices the program takes), or ``None`` with
     ``failed`` set (compiling failed)."""
 
-    __slots__ = ("bound", "direct", "entry", "failed", "flat", "fn", "name", "programs")
+    __slots__ = ("bound", "direct", "entry", "failed", "flat", "fn", "held", "name",
+                 "programs")
 
     def __init__(self, entry: Entry, programs: Programs, name: str) -> None:
         self.entry, self.programs, self.name = entry, programs, name
         self.fn: Callable[..., Any] | None = None
         self.failed = False
         self.flat, self.bound = programs.bound(entry, name)
+        self.held = programs.held.get(name)
         #: how many positional arguments a call that passes them as the
         #: program's leaves has (a native capture of plain leaves), else -1
         self.direct = self.flat.positional if self.flat is not None and \
@@ -348,7 +368,21 @@ class Target:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any],
             tensors: list[Any] | None = None) -> Any:
-        """``tensors``: the call's tensors in ``call_tensors`` order, where known."""
+        """``tensors``: the call's tensors in ``call_tensors`` order, where known.
+        A member whose weights hooks put in place (offloading) has them put in
+        place for the call and taken away after, by those hooks, as its eager
+        forward does."""
+        held = self.held
+        if held is None:
+            return self._run(args, kwargs, tensors)
+        held.onload()
+        try:
+            return self._run(args, kwargs, tensors)
+        finally:
+            held.offload()
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+             tensors: list[Any] | None) -> Any:
         flat, bound = self.flat, self.bound
         try:
             state = bound.state() if bound is not None else ()
