@@ -17,6 +17,8 @@ import attrs
 import pytest
 
 from ctxreplay._base.plugins import Registry
+from ctxreplay.artifacts import available_formats
+from ctxreplay.artifacts import formats as format_registry
 from ctxreplay.backends import available_backends
 from ctxreplay.backends import registry as backend_registry
 from ctxreplay.core import registry as probe_registry
@@ -26,6 +28,7 @@ from ctxreplay.probes import available_probes
 REGISTRIES: dict[str, tuple[Callable[[], Mapping[str, Any]], Registry[Any]]] = {
     "probe registry": (available_probes, probe_registry._PROBES),
     "backend registry": (available_backends, backend_registry._BACKENDS),
+    "artifact format registry": (available_formats, format_registry._FORMATS),
 }
 
 #: name -> (public info, the very object registered, or None for an entry point's)

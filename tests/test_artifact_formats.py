@@ -162,7 +162,7 @@ def test_an_unknown_format_name_lists_the_known_ones() -> None:
     message = str(info.value)
     assert "'no_such_format'" in message
     assert all(name in message for name in available_formats())
-    with pytest.raises(UnknownFormatError, match=r"known formats: .*pt2"):
+    with pytest.raises(UnknownFormatError, match=r"known artifact formats: .*pt2"):
         unregister_format("no_such_format")
 
 
@@ -214,3 +214,44 @@ def test_bytes_name_their_format(toy: ToyFormat) -> None:
     assert _runs_like(model, artifact_from_bytes(payload), "native")
     with pytest.raises(UnknownFormatError):
         artifact_from_bytes(b"gone\0" + payload.partition(b"\0")[2])
+
+
+_FORMAT_PLUGIN = """
+from pathlib import Path
+from ctxreplay.artifacts import ArtifactFormat
+
+class Plugged(ArtifactFormat):
+    name = "plugged_fmt"
+    suffix = ".plugged"
+
+    def can_save(self, artifact):
+        return "holds nothing"
+
+    def save(self, artifact, path):
+        raise AssertionError
+
+    def load(self, path):
+        raise AssertionError
+
+    def detect(self, path):
+        return False
+"""
+
+
+def test_a_format_from_an_entry_point_is_registered_and_a_broken_one_listed_never_fatal(
+        fake_dist: Any) -> None:
+    """Formats live in the plugin registry probes and backends use: an installed
+    package adds one through the ``ctxreplay.formats`` entry point, and one whose
+    module is gone warns once, is named by the lookup, and breaks nothing."""
+    from ctxreplay.artifacts.formats import ENTRY_POINT_GROUP, FormatRegistrationWarning
+
+    fake_dist("fake_formats", {"plugged_fmt": "fake_format_{t}:Plugged",
+                               "gone_fmt": "fake_missing_{t}:Gone"},
+              {"fake_format_{t}": _FORMAT_PLUGIN}, group=ENTRY_POINT_GROUP)
+    with pytest.warns(FormatRegistrationWarning, match="'gone_fmt' .* could not be registered"):
+        names = list(available_formats())
+    assert names[0] == "pt2" and "plugged_fmt" in names and "gone_fmt" not in names
+    assert get_format("plugged_fmt").suffix == ".plugged"
+    with pytest.raises(UnknownFormatError, match="is installed but could not be registered"):
+        get_format("gone_fmt")
+    assert get_format("pt2").name == "pt2"  # the built-in is untouched

@@ -190,3 +190,68 @@ def test_every_page_is_in_the_navigation() -> None:
     config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     nav = set(re.findall(r"^\s+- [^:\n]+:\s*([\w./-]+\.md)\s*$", config, flags=re.MULTILINE))
     assert nav == {p.name for p in PAGES}
+
+
+#: a dotted name under the package, as docstrings and pages cite objects
+_REFERENCE = re.compile(r"(?<![\w./-])ctxreplay(?:\.[A-Za-z_]\w*)+")
+
+
+def _docstrings() -> dict[str, str]:
+    """``where`` -> docstring, for every module of the package and every class,
+    function, method and property defined in it."""
+    import pkgutil
+
+    out: dict[str, str] = {}
+    for info in pkgutil.walk_packages(ctxreplay.__path__, "ctxreplay."):
+        module = importlib.import_module(info.name)
+        out[info.name] = module.__doc__ or ""
+        for name, obj in vars(module).items():
+            if getattr(obj, "__module__", None) != info.name:
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                out[f"{info.name}.{name}"] = obj.__doc__ or ""
+            if inspect.isclass(obj):
+                for attr, value in vars(obj).items():
+                    if inspect.isfunction(value) or isinstance(value, (property, classmethod,
+                                                                       staticmethod)):
+                        out[f"{info.name}.{name}.{attr}"] = getattr(value, "__doc__", "") or ""
+    return out
+
+
+def _entry_point_groups() -> set[str]:
+    """The entry-point groups the plugin registries read: names, not objects."""
+    from ctxreplay.artifacts import formats
+    from ctxreplay.backends import registry as backends
+    from ctxreplay.core import registry as probes
+
+    return {probes.ENTRY_POINT_GROUP, backends.ENTRY_POINT_GROUP, formats.ENTRY_POINT_GROUP}
+
+
+def unresolved(texts: dict[str, str]) -> list[str]:
+    """``where: reference`` for each ``ctxreplay.X`` reference that names no object
+    (an entry-point group's name left alone)."""
+    bad = []
+    groups = _entry_point_groups()
+    for where, text in texts.items():
+        for ref in sorted(set(_REFERENCE.findall(text)) - groups):
+            try:
+                _resolve(ref)
+            except (ImportError, AttributeError):
+                bad.append(f"{where}: {ref}")
+    return bad
+
+
+def test_every_ctxreplay_reference_in_docstrings_and_pages_names_an_object() -> None:
+    """A name that moved (``ctxreplay.UnknownProbeWarning`` went under
+    ``ctxreplay.probes``) leaves docstrings and pages promising what is not
+    there; every ``ctxreplay.X`` they cite must resolve."""
+    texts = _docstrings()
+    texts.update({str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+                  for p in [*PAGES, ROOT / "README.md"]})
+    assert unresolved(texts) == []
+
+
+def test_the_reference_check_fails_on_a_moved_name() -> None:
+    assert unresolved({"here": "warns with :class:`ctxreplay.UnknownProbeWarning`, see "
+                               "``ctxreplay.probes.UnknownProbeWarning`` and ctxreplay.load."}) \
+        == ["here: ctxreplay.UnknownProbeWarning"]

@@ -6,23 +6,30 @@ file suffix; it says whether it can hold an artifact and why not, writes and
 reads one, and recognises its files by their content.  ``register_format``
 adds one; lookups go by name (``get_format``), by file (``format_of_file``)
 and for an artifact (``format_for``).  The torch.export ``.pt2`` is the
-built-in one (``pt2``).
+built-in one (``pt2``).  The names live in the plugin registry probes and
+backends use (``_base.plugins``): an installed package may add a format
+through the ``ctxreplay.formats`` entry point, and one that fails to load is
+warned about and never breaks the others.
 """
 
 from __future__ import annotations
 
 import tempfile
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from ..errors import Error
+from .._base.plugins import Registry
+from ..errors import Error, Warning
 
-__all__ = ["ArtifactFormat", "UnknownFormatError", "artifact_bytes", "artifact_from_bytes",
-           "available_formats", "format_for", "format_of_file", "get_format",
-           "register_format", "unregister_format"]
+__all__ = ["ENTRY_POINT_GROUP", "ArtifactFormat", "FormatRegistrationWarning",
+           "UnknownFormatError", "artifact_bytes", "artifact_from_bytes", "available_formats",
+           "format_for", "format_of_file", "get_format", "register_format",
+           "unregister_format"]
+
+ENTRY_POINT_GROUP = "ctxreplay.formats"
 
 F = TypeVar("F", bound="type[ArtifactFormat] | ArtifactFormat")
 
@@ -36,6 +43,10 @@ class UnknownFormatError(Error, KeyError, ValueError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class FormatRegistrationWarning(Warning):
+    """An artifact format from an entry point could not be registered."""
 
 
 class ArtifactFormat(ABC):
@@ -130,8 +141,20 @@ class ArtifactFormat(ABC):
         raise NotImplementedError(f"{self.name}: artifacts are not kept without their weights")
 
 
-_lock = threading.RLock()
-_formats: dict[str, ArtifactFormat] = {}  # in registration order
+def _register_entry_point(ep: metadata.EntryPoint, obj: object) -> None:
+    instance: Any = obj() if isinstance(obj, type) else obj
+    if not isinstance(instance, ArtifactFormat):
+        raise TypeError(f"{ep.value} is not an ArtifactFormat class or instance")
+    if getattr(instance, "name", None) != ep.name:
+        raise ValueError(f"entry point {ep.name!r} loads a format named "
+                         f"{getattr(instance, 'name', None)!r}")
+    register_format(instance)
+
+
+_FORMATS: Registry[ArtifactFormat] = Registry(
+    "artifact format", ENTRY_POINT_GROUP, builtin_prefix=__name__.rpartition(".")[0] + ".",
+    unknown=UnknownFormatError, warning=FormatRegistrationWarning,
+    register_entry_point=_register_entry_point)
 
 
 def register_format(fmt: F, *, replace: bool = False) -> F:
@@ -155,43 +178,33 @@ def register_format(fmt: F, *, replace: bool = False) -> F:
         raise ValueError(f"format name must be an identifier, got {name!r} from {fmt!r}")
     if not isinstance(suffix, str) or not suffix.startswith(".") or len(suffix) < 2:
         raise ValueError(f"format suffix must be '.' and a name, got {suffix!r} from {fmt!r}")
-    with _lock:
-        taken = [f.name for f in _formats.values() if f.name == name or f.suffix == suffix]
+    with _FORMATS._lock:  # one suffix per format, checked and changed together
+        entries, _ = _FORMATS.listing()
+        taken = [n for n, e in entries.items() if n == name or e.value.suffix == suffix]
         if taken and not replace:
             raise ValueError(f"format {taken[0]!r} already has the name {name!r} or the "
                              f"suffix {suffix!r}; pass replace=True to replace it")
         for other in taken:
-            del _formats[other]
-        _formats[name] = instance
+            if other != name:
+                _FORMATS.remove(other)
+        _FORMATS.add(name, instance, type(instance).__module__, replace=replace)
     return fmt
 
 
 def unregister_format(name: str) -> ArtifactFormat:
     """Remove a format by name and return it."""
-    with _lock:
-        try:
-            return _formats.pop(name)
-        except KeyError:
-            raise _unknown(name) from None
-
-
-def _unknown(name: object) -> UnknownFormatError:
-    known = ", ".join(_formats) or "none"
-    return UnknownFormatError(f"unknown artifact format {name!r}; known formats: {known}")
+    return _FORMATS.remove(name)
 
 
 def get_format(name: str) -> ArtifactFormat:
     """The registered format called ``name``; an unknown name lists the known ones."""
-    fmt = _formats.get(name)
-    if fmt is None:
-        raise _unknown(name)
-    return fmt
+    return _FORMATS.get(name)
 
 
 def available_formats() -> Mapping[str, ArtifactFormat]:
     """Every registered format by name, in registration order (the built-in first)."""
-    with _lock:
-        return dict(_formats)
+    entries, _ = _FORMATS.listing()
+    return {n: e.value for n, e in entries.items()}
 
 
 def format_of_file(path: Path) -> ArtifactFormat | None:

@@ -195,7 +195,7 @@ def load_sidecar(path: str | os.PathLike[str],
     the document.  ``probes`` supplies instances for probe names the registry
     does not hold (as in :meth:`ContextSnapshot.from_json`).  A probe neither
     holds (``unknown="opaque"``, the default) loads as an opaque state that
-    cannot be replayed, with one :class:`ctxreplay.UnknownProbeWarning`
+    cannot be replayed, with one :class:`ctxreplay.probes.UnknownProbeWarning`
     naming them; ``unknown="error"`` refuses it.
     """
     side = read_sidecar(path, probes, unknown=unknown)

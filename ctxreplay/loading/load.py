@@ -472,7 +472,7 @@ def load(path: str | os.PathLike[str], *,
     Every document is validated strictly (a malformed field raises
     ``ValueError`` naming its JSON path; a wrong kind of file says what was
     expected).  Probes the documents name that this process does not have
-    load as opaque states, with one :class:`ctxreplay.UnknownProbeWarning`
+    load as opaque states, with one :class:`ctxreplay.probes.UnknownProbeWarning`
     naming them; ``probes`` supplies instances for names the registry does
     not hold (a framework's forward-context probe).  Programs are loaded on
     first use.

@@ -75,7 +75,7 @@ class _Report(Protocol):
 class SavedManifest:
     """What ``report.save_all(directory)`` wrote.
 
-    ``saved``: one :class:`ctxreplay.SavedArtifact` per capture written by
+    ``saved``: one :class:`ctxreplay.artifacts.SavedArtifact` per capture written by
     this process; ``not_saved``: ``(scope, variant, reason)`` of each
     capture that could not be written (no registered artifact format holds
     its artifact -- the built-in ``.pt2`` holds ``torch.export`` programs:
