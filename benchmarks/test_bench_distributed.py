@@ -28,7 +28,7 @@ from torch import nn
 import ctxreplay
 from ctxreplay.backends import ExportBackend
 
-# one worker runs every spawned multi-rank job (tests/test_distributed.py too),
+# one worker runs every spawned multi-rank job (tests/distributed/test_distributed.py too),
 # so two of them never compete for the cores under pytest-xdist
 pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                  reason="platform limit: torch built without gloo"),

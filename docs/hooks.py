@@ -1,7 +1,7 @@
 """MkDocs hook used by the docs build (``mkdocs.yml``).
 
 A runnable example that needs an optional package starts with a marker line
-for the test runner (``tests/test_docs.py``)::
+for the test runner (``tests/project/test_docs.py``)::
 
     # requires: transformers
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# a ```python fence whose first line is the marker (as tests/test_docs.py reads it)
+# a ```python fence whose first line is the marker (as tests/project/test_docs.py reads it)
 _MARKER = re.compile(
     r"^(?P<fence>[ \t]*(?:`{3,}|~{3,})[ \t]*python\b[^\n]*\n)[ \t]*#\s*requires:[^\n]*\n",
     re.MULTILINE)

@@ -5,7 +5,7 @@ import-linter enforces in `make test`) gives the order, and each folder's
 ``__init__`` docstring (each root module's docstring) says what it owns.  The
 page holds the text between its ``<!-- generated: NAME -->`` and
 ``<!-- end: NAME -->`` markers exactly as this script renders it;
-tests/test_architecture.py fails when they drift.
+tests/project/test_architecture.py fails when they drift.
 
     python scripts/architecture_page.py          # print what the page should hold
     python scripts/architecture_page.py --write  # rewrite the page's generated parts

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = "test,models"  # what the suite needs; no docs or lint tools
 
 #: the torchvision release built against each torch release, installed beside
-#: it so that tests/test_models.py's torchvision test runs.  None for 2.13.0:
+#: it so that tests/models/test_models.py's torchvision test runs.  None for 2.13.0:
 #: this machine's 2.13.0 is the CPU build from local disk, and no PyPI
 #: torchvision loads beside a CPU-only torch wheel (a platform limit the test
 #: skips with that reason).  A release not listed gets no torchvision.

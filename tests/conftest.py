@@ -6,7 +6,7 @@ backend registries) exactly as it found it.
 The metadata oracle: every report any test's ``finalize()`` returns (or
 attaches to the ``FidelityError`` that ``finalize(strict=True)`` raises),
 every report ``explain()`` adds to, and every sidecar ``Capture.save``
-writes is metadata only (tests/metadata_check.py); a violation fails the
+writes is metadata only (tests/helpers/metadata_check.py); a violation fails the
 test that produced it.
 """
 
@@ -27,7 +27,7 @@ import ctxreplay.artifacts.saving
 import ctxreplay.report.manifest
 from ctxreplay.testing import GlobalState, global_state, state_changes
 
-pytest_plugins = ["pytester"]  # tests/test_metadata_check.py runs the oracle on a suite
+pytest_plugins = ["pytester"]  # tests/project/test_metadata_check.py runs the oracle on a suite
 
 
 @pytest.fixture(autouse=True)

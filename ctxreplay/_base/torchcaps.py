@@ -7,7 +7,7 @@ A field is found by *feature detection* where torch lets it be seen cheaply
 sets and restores one thread-local flag); it comes from the version only
 where seeing it would need a trace (``torch.export`` or Dynamo: hundreds of
 milliseconds and a large import, too much for ``import ctxreplay``).
-``tests/test_torchcaps.py`` checks every field, version-derived ones
+``tests/_base/test_torchcaps.py`` checks every field, version-derived ones
 included, against the real behaviour of the installed torch, so this module
 cannot claim what torch does not do.
 
@@ -68,7 +68,7 @@ def dynamo_exporting() -> bool:
 
 
 # What torch._dynamo.assume_constant_result does (the same two lines on
-# 2.7-2.14; tests/test_torchcaps.py checks), without importing torch._dynamo
+# 2.7-2.14; tests/_base/test_torchcaps.py checks), without importing torch._dynamo
 # at import time.
 dynamo_exporting._dynamo_marked_constant = True  # type: ignore[attr-defined]
 

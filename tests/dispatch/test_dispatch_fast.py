@@ -1,0 +1,362 @@
+"""The installed fast path keeps every property of the eager forward it replaces.
+
+``install`` runs a capture's program as one flat generated function
+(``dispatch/flat.py``) with the member's own tensors read on every call
+(``dispatch/bound.py``).  Each test below states one property of the eager
+forward and shows the installed model keeps it -- with the fast path taken
+(``stats().unflattened`` empty, the member's own ``forward`` never run) --
+and, where the property is one a shortcut would lose, what losing it looks
+like (the program run without it gives another answer).
+
+The oracle is eager: a twin of the model (same weights) or the same model
+after ``remove()``; a block's own ``forward`` counts its calls, so a hit
+is known to have run a graph.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ctxreplay
+from ctxreplay.dispatch.bound import Bound
+from ctxreplay.dispatch.flat import Flat, flatten
+
+pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")]
+
+DIM = 8
+
+
+class Block(nn.Module):
+    calls = 0  # the block's own forward: a dispatched call never runs it
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
+        # the input follows the weights' dtype: a float64 model takes float32 inputs
+        out: torch.Tensor = torch.tanh(self.lin(x.to(self.lin.weight.dtype)))
+        return out
+
+
+class Stack(nn.Module):
+    def __init__(self, block: Callable[[], nn.Module] = Block, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, *rest)
+        return x
+
+
+def _captured(model: nn.Module, *args: Any, grad: bool = False,
+              **options: Any) -> ctxreplay.CaptureReport:
+    options.setdefault("verify", "execute")
+    with ctxreplay.capture_with(model, targets="repeated", **options) as session, \
+            torch.set_grad_enabled(grad):
+        model(*args)
+    report = session.finalize()
+    assert report.ok, (report.failures, [c.fidelity for c in report.captures])
+    return report
+
+
+@pytest.fixture
+def stack() -> Stack:
+    torch.manual_seed(0)
+    return Stack().eval()
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    return torch.rand(2, DIM, generator=torch.Generator().manual_seed(1))
+
+
+def _run(model: nn.Module, *args: Any) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = model(*args)
+    return out
+
+
+def _fast(handle: ctxreplay.InstallHandle) -> None:
+    stats = handle.stats()
+    assert stats.unflattened == {}, stats.unflattened
+    assert stats.total_hits > 0, stats
+
+
+def test_the_flat_program_runs_the_graphs_ops_and_none_of_the_forward(
+        stack: Stack, x: torch.Tensor) -> None:
+    report = _captured(stack, x)
+    want = _run(stack, x)
+    with ctxreplay.install(stack, report) as handle:
+        Block.calls = 0
+        got = _run(stack, x)
+        assert Block.calls == 0
+        _fast(handle)
+    assert torch.equal(got, want)
+    flat = flatten(report.captures[0].artifact, keep_guards=False)
+    assert isinstance(flat, Flat)
+    assert flat.state_names == ("lin.weight", "lin.bias")
+    # the ops are bound in its namespace, not spelled in its source
+    assert "torch.ops" not in flat.source and "aten" not in flat.source
+
+
+def test_weights_changed_in_place_or_through_data_are_what_the_call_runs(
+        stack: Stack, x: torch.Tensor) -> None:
+    report = _captured(stack, x)
+    with ctxreplay.install(stack, report) as handle:
+        before = _run(stack, x)  # bound now
+        with torch.no_grad():
+            stack.blocks[0].lin.weight.mul_(-2.0)
+        stack.blocks[1].lin.bias.data = torch.randn(DIM)
+        got = _run(stack, x)
+        _fast(handle)
+        assert handle.stats().total_hits == 6
+    assert torch.equal(got, _run(stack, x))
+    assert not torch.equal(got, before)  # the change shows
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_copied_or_assigned_is_what_the_call_runs(
+        stack: Stack, x: torch.Tensor, assign: bool) -> None:
+    report = _captured(stack, x)
+    torch.manual_seed(7)
+    other = Stack().eval()
+    with ctxreplay.install(stack, report) as handle:
+        _run(stack, x)
+        stack.load_state_dict(other.state_dict(), assign=assign)
+        got = _run(stack, x)
+        _fast(handle)
+        assert handle.stats().total_hits == 6
+    assert torch.equal(got, _run(other, x))
+
+
+def test_a_tensor_replaced_in_its_module_without_an_assignment_is_read_on_the_call(
+        stack: Stack, x: torch.Tensor) -> None:
+    """Offloading hooks put freshly loaded parameters straight into
+    ``module._parameters`` (no registration hook fires): the call must run
+    with those, not with the tensors seen when it was first bound."""
+    report = _captured(stack, x)
+    with ctxreplay.install(stack, report) as handle:
+        _run(stack, x)
+        lin = stack.blocks[2].lin
+        lin._parameters["weight"] = nn.Parameter(torch.randn(DIM, DIM))
+        got = _run(stack, x)
+        _fast(handle)
+        assert handle.stats().total_hits == 6
+    assert torch.equal(got, _run(stack, x))
+
+
+def test_a_dtype_converted_in_place_runs_eagerly_then_dispatches_again(
+        stack: Stack, x: torch.Tensor) -> None:
+    """``model.double()`` keeps the parameter objects and changes what they
+    hold; the program was traced for float32 weights (its ``.to`` casts the
+    input to float32), so it cannot take them."""
+    report = _captured(stack, x)
+    with ctxreplay.install(stack, report) as handle:
+        _run(stack, x)
+        stack.double()
+        Block.calls = 0
+        got = _run(stack, x)  # float32 inputs: the forward casts them
+        assert Block.calls == 3 and got.dtype == torch.float64
+        # the first block's call has the captured signature (the next ones
+        # get its float64 output, another signature)
+        assert handle.stats().reasons == {"weights": 1, "signature": 2}
+        want = _run(stack, x)
+        stack.float()
+        again = _run(stack, x)
+        assert handle.stats().total_hits == 6 and again.dtype == torch.float32
+    assert torch.equal(got, want)
+    # the control: the program run with the float64 weights fails
+    program = report.captures[0].artifact
+    flat = flatten(program, keep_guards=False)
+    assert isinstance(flat, Flat)
+    stack.double()
+    state = Bound(flat.state_names, None, stack.blocks[0], "").state()
+    with pytest.raises(RuntimeError):
+        flat.fn(*state, x)
+
+
+class BN(nn.Module):
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        BN.calls += 1
+        out: torch.Tensor = self.bn(x)
+        return out
+
+
+def test_train_mode_batchnorm_writes_the_members_own_buffers(x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    model = Stack(BN, depth=2).train()
+    xs = torch.rand(4, DIM)
+    twin = copy.deepcopy(model)
+    report = _captured(model, xs)
+    twin.load_state_dict(model.state_dict())
+    with ctxreplay.install(model, report) as handle:
+        for _ in range(3):
+            BN.calls = 0
+            got = _run(model, xs)
+            assert BN.calls == 0
+            assert torch.equal(got, _run(twin, xs))
+        _fast(handle)
+    for a, b in zip(model.modules(), twin.modules()):
+        if isinstance(a, nn.BatchNorm1d):
+            assert isinstance(b, nn.BatchNorm1d)
+            assert torch.equal(a.running_mean, b.running_mean)  # type: ignore[arg-type]
+            assert torch.equal(a.num_batches_tracked,  # type: ignore[arg-type]
+                               b.num_batches_tracked)  # type: ignore[arg-type]
+    assert int(model.blocks[0].bn.num_batches_tracked) > 1  # type: ignore[union-attr, arg-type]
+
+
+class Writes(nn.Module):
+    """Writes its input cache in place, as a static KV cache's update does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, self.lin(x))
+        out: torch.Tensor = x + cache.sum(0)
+        return out
+
+
+def test_an_input_the_graph_writes_in_place_is_written_in_the_callers_tensor() -> None:
+    torch.manual_seed(0)
+    model = Stack(Writes, depth=2).eval()
+    twin = copy.deepcopy(model)
+    x = torch.rand(2, DIM)
+    report = _captured(model, x, torch.zeros(6, DIM), torch.tensor([0, 1]))
+    with ctxreplay.install(model, report) as handle:
+        for step in range(3):
+            pos = torch.tensor([2 * step, 2 * step + 1])
+            cache, twin_cache = torch.zeros(6, DIM), torch.zeros(6, DIM)
+            got, want = _run(model, x, cache, pos), _run(twin, x, twin_cache, pos)
+            assert torch.equal(got, want)
+            assert torch.equal(cache, twin_cache) and cache.abs().sum() > 0
+        _fast(handle)
+
+
+class Dropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.lin(x), p=0.5, training=self.training)
+
+
+def test_random_ops_draw_what_eager_draws_from_the_generator() -> None:
+    torch.manual_seed(0)
+    model = Stack(Dropout, depth=2).train()
+    x = torch.rand(4, DIM)
+    report = _captured(model, x, verify="signature")
+    torch.manual_seed(5)
+    want = _run(model, x)
+    after = torch.get_rng_state()
+    with ctxreplay.install(model, report) as handle:
+        torch.manual_seed(5)
+        got = _run(model, x)
+        assert torch.equal(torch.get_rng_state(), after)
+        _fast(handle)
+    assert torch.equal(got, want) and bool((got == 0).any())
+
+
+def test_backward_through_the_installed_graph_gives_eagers_gradients(
+        stack: Stack, x: torch.Tensor) -> None:
+    twin = copy.deepcopy(stack)
+    report = _captured(stack, x, grad=True)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    with ctxreplay.install(stack, report) as handle:
+        stack(xs[0]).square().sum().backward()
+        _fast(handle)
+    twin(xs[1]).square().sum().backward()
+    assert xs[0].grad is not None and torch.equal(xs[0].grad, xs[1].grad)
+    for p, q in zip(stack.parameters(), twin.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+
+
+class Gather(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.index_select(x, 0, idx))
+
+
+@pytest.mark.parametrize("context", ["no_grad", "autocast"])
+def test_a_graph_that_raises_leaves_grad_mode_and_autocast_as_they_were(context: str) -> None:
+    """An op that raises inside a grad-mode or autocast region of the graph
+    (an index out of range, as eager raises it): the error reaches the
+    caller and the state the region entered is left again."""
+    torch.manual_seed(0)
+    model = Stack(Gather, depth=2).eval()
+    x, idx = torch.rand(3, DIM), torch.tensor([0, 2, 1])
+
+    def region() -> Any:  # replayed inside the graph (embedded): a region of it
+        return torch.no_grad() if context == "no_grad" else \
+            torch.autocast("cpu", dtype=torch.bfloat16)
+
+    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session, \
+            region():
+        model(x, idx)
+    report = session.finalize()
+    assert report.ok
+    flat = flatten(report.captures[0].artifact, keep_guards=False)
+    assert isinstance(flat, Flat)
+    with ctxreplay.install(model, report) as handle, region():
+        model(x, idx)
+        _fast(handle)
+    bad = torch.tensor([0, 9, 1])
+    with ctxreplay.install(model, report) as handle:
+        with region():
+            model(x, idx)
+            grad, cast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
+            with pytest.raises(IndexError):
+                model(x, bad)
+            assert (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")) == (grad, cast)
+        assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+        assert handle.stats().total_hits >= 2
+
+
+@pytest.fixture
+def grad_on() -> Iterator[None]:
+    yield
+    torch.set_grad_enabled(True)
+
+
+def test_an_op_raising_inside_a_region_of_the_flat_program_restores_grad_mode(
+        grad_on: None) -> None:
+    """The flat program alone: the error is raised inside the graph's
+    ``no_grad`` region (an index out of range) and grad mode is on again
+    after.  (torch's own region, ``wrap_with_set_grad_enabled``, sets it back
+    without a ``finally`` on some releases: 2.13 leaves it off.)"""
+    torch.manual_seed(0)
+    model = Stack(Gather, depth=1).eval()
+    x, idx = torch.rand(3, DIM), torch.tensor([0, 2, 1])
+    report = _captured(model, x, idx)
+    program = report.captures[0].artifact
+    assert "wrap_with_set_grad_enabled" in str(program.graph)
+    flat = flatten(program, keep_guards=False)
+    assert isinstance(flat, Flat)
+    state = Bound.of(flat, model.blocks[0], "").state()
+    assert torch.equal(flat.rebuild(flat.fn(*state, x, idx)), _run(model, x, idx))
+    with pytest.raises(IndexError):
+        flat.fn(*state, x, torch.tensor([0, 9, 1]))
+    assert torch.is_grad_enabled()
+

@@ -1,0 +1,147 @@
+"""The package is layered by folders, and docs/architecture.md says so truly.
+
+The page's diagram and tables are rendered from the code by
+scripts/architecture_page.py (the layers contract in pyproject.toml, which
+import-linter enforces, and each folder's docstring); these tests hold the
+page, the folders and the contract to each other."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "ctxreplay"
+
+
+def _page_script() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "architecture_page", ROOT / "scripts" / "architecture_page.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("architecture_page", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+PAGE = _page_script()
+
+
+def test_the_page_holds_what_the_code_renders() -> None:
+    text = PAGE.PAGE.read_text()
+    assert {m[1] for m in PAGE.MARKED.findall(text)} == set(PAGE.SECTIONS), \
+        "a generated section is missing from the page"
+    assert text == PAGE.render(text), \
+        "docs/architecture.md is stale: run python scripts/architecture_page.py --write"
+
+
+def test_a_stale_page_is_caught() -> None:
+    """The check above can fail: a folder's docstring edited, or a rung
+    moved, changes what the page must hold."""
+    text = PAGE.render(PAGE.PAGE.read_text())
+    row = f"| `capture/` | {PAGE.first_paragraph(PACKAGE / 'capture' / '__init__.py')} |"
+    assert row in text
+    assert PAGE.render(text.replace(row, "| `capture/` | something else |")) == text
+
+
+def test_the_root_holds_few_modules_and_the_folders_are_the_layers() -> None:
+    modules = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert len(modules) <= 8, modules
+    assert len(folders) >= 6, folders
+    layered = {m for rung in PAGE.contract_layers() for m in rung}
+    assert layered == (set(modules) - {"__init__"}) | set(folders)
+
+
+def test_every_folder_and_module_says_what_it_owns() -> None:
+    missing = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+               if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not missing, f"no docstring: {missing}"
+
+
+# -- function length -----------------------------------------------------------
+
+MAX_BODY_LINES = 60
+
+# Functions other engineers are rewriting right now: skipped until their
+# rewrite lands.  Temporary -- this list must be empty.
+_BEING_REWRITTEN: set[str] = set()
+
+
+def _long_functions(source: str, path: str,
+                    limit: int = MAX_BODY_LINES) -> dict[str, int]:
+    """``{"path:qualname": lines}`` for each ``def`` in ``source`` whose body
+    -- from the first statement after the docstring to the end of the last
+    statement -- spans more than ``limit`` lines (nested defs and methods
+    included, each measured on its own and counted in its parent's span)."""
+    long: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = prefix + child.name
+                body = child.body
+                if ast.get_docstring(child, clean=False) is not None:
+                    body = body[1:]
+                if body:
+                    end = body[-1].end_lineno
+                    assert end is not None
+                    lines = end - body[0].lineno + 1
+                    if lines > limit:
+                        long[f"{path}:{name}"] = lines
+                visit(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return long
+
+
+def test_no_function_body_is_over_sixty_lines() -> None:
+    long: dict[str, int] = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        long.update(_long_functions(p.read_text(), p.relative_to(ROOT).as_posix()))
+    over = {k: v for k, v in long.items() if k not in _BEING_REWRITTEN}
+    assert not over, "function bodies over {} lines (docstring excluded): {}".format(
+        MAX_BODY_LINES, ", ".join(f"{k} ({v})" for k, v in sorted(over.items())))
+
+
+def test_a_long_function_is_caught() -> None:
+    """The measure above can fail: a 61-line body (after its docstring) is
+    listed, by its qualified name, and a 60-line one is not."""
+    def source(lines: int) -> str:
+        body = "".join(f"        x{i} = {i}\n" for i in range(lines))
+        return f'class C:\n    def f(self):\n        """Doc."""\n{body}'
+
+    assert _long_functions(source(61), "gen.py") == {"gen.py:C.f": 61}
+    assert _long_functions(source(60), "gen.py") == {}
+
+
+#: test folders that are no package folder: end-to-end trust properties,
+#: real-model sweeps, the project itself (docs, layers, hygiene), shared helpers
+TEST_EXTRAS = {"trust", "models", "project", "helpers"}
+
+
+def test_the_tests_mirror_the_package_and_no_test_module_imports_another() -> None:
+    tests = ROOT / "tests"
+    assert not list(tests.glob("test_*.py")), "a test module outside the folders"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    # a package folder, or a root module (``cli``)
+    package = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    package |= {p.stem for p in PACKAGE.glob("*.py")}
+    assert folders - TEST_EXTRAS <= package, sorted(folders - TEST_EXTRAS - package)
+    assert not list((tests / "helpers").glob("test_*.py")), "tests among the helpers"
+    modules = {p.stem for p in tests.rglob("test_*.py")}
+    imports = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            imports += [f"{path.relative_to(tests)}: {n}" for n in names
+                        if n.split(".")[0] in modules]
+    assert imports == [], "test modules import test modules (move what they share to helpers/)"
