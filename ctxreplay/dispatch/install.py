@@ -44,6 +44,7 @@ from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.rematch import Rematcher, rematcher
 from ..specs.signature import NotRealError, call_key, call_spec
+from .hooks import HookWatch, inner_hooks
 from .programs import REFUSED, UNFIT, Call, Compiler, Entry, Programs, Target, entry, sources
 
 _log = logging.getLogger("ctxreplay")
@@ -59,7 +60,7 @@ OBJECT_POLICIES = ("eager", "dispatch")
 MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
                 "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
                 "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
-                "observe_error", "size_guard", "weights", "hooked_weights")
+                "observe_error", "size_guard", "weights", "hooked_weights", "hooks")
 
 _is_tracing = torch._C._is_tracing
 _MEMO_LIMIT = 4096
@@ -91,7 +92,11 @@ class DispatchStats:
     holds the member's tensors (compiled), was replaced in its module
     without an assignment); ``hooked_weights``: the member's weights are put
     in place by hooks ctxreplay cannot follow (an offloading hook beside one
-    that changes what the forward computes).  ``compiled``: labels compiled so far (per member);
+    that changes what the forward computes); ``hooks``: a forward hook was
+    registered on one of the member's submodules (or a global module hook),
+    or one removed, since install -- the graph would skip it or still do what
+    it did (the member's own hooks run around the graph and change nothing
+    here).  ``compiled``: labels compiled so far (per member);
     ``unflattened``: labels whose program runs as torch's ``program.module()``
     (correct, but a dispatched call then costs ~10x more), and why."""
 
@@ -122,8 +127,8 @@ class DispatchStats:
 class _Slot(Wrapper):
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
-    __slots__ = ("entries", "groups", "handle", "last", "memo", "misses", "name", "near",
-                 "reasons", "rematch", "targets", "training")
+    __slots__ = ("entries", "groups", "handle", "hooked", "last", "memo", "misses", "name",
+                 "near", "reasons", "rematch", "targets", "training")
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module) -> None:
         super().__init__(module)
@@ -141,6 +146,8 @@ class _Slot(Wrapper):
         self.targets: dict[int, Target] = {}
         self.misses = 0
         self.reasons: Counter[str] = Counter()
+        #: a hook inside the member (a submodule's, a global one) changed since install
+        self.hooked = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.off or _dynamo_compiling() or _is_tracing():
@@ -161,7 +168,9 @@ class _Slot(Wrapper):
             else:
                 snaps = tuple(g[0]() for g in groups)
             last, near = self.last, self.near
-            if last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
+            if self.hooked:  # a hook inside it changed since install: the graph would skip it
+                target = "hooks"
+            elif last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
                     and last[2].check(*args):
                 target = last[3]
             elif near is not None and near[0] is snaps and \
@@ -312,7 +321,7 @@ class InstallHandle:
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
         self._attributes = AttributeWatch()
-        self._observers: tuple[Observer, ...] = ()
+        self._observers: tuple[Observer | HookWatch, ...] = ()
         self._root: Root | None = None
         self._copies: list[Entries] = []
         self.active = 0  # calls of the model in progress
@@ -350,6 +359,9 @@ class InstallHandle:
             register = getattr(mod, name, None)
             if register is not None:
                 self._hooks.append(register(self._replaced))
+
+    def _hooks_changed(self, index: int, differs: bool) -> None:
+        self._slots[index].hooked = differs
 
     def _replaced(self, module: nn.Module, name: str, value: Any) -> None:
         slot = self._owners.get(id(module))
@@ -485,8 +497,11 @@ def install(model: nn.Module,
             by_probes.setdefault(key, []).append(e)
         slot.groups = [(observers[k], v) for k, v in by_probes.items()]
         handle._slots.append(slot)
-    handle._observers = tuple(observers.values())
     handle._watch()
+    # after ``_watch``, whose registration hooks count as hooks registered
+    watch = HookWatch([(s.module, inner_hooks(s.module)[0]) for s in handle._slots],
+                      handle._hooks_changed)
+    handle._observers = (*observers.values(), watch)
     for slot in handle._slots:
         wrap(slot)
     if all(s.module is not model for s in handle._slots):

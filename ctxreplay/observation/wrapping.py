@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
-from ..core.observer import Observer
 from .copies import callees, signed
 from .modules import ABSENT, Holder
 
@@ -177,6 +176,13 @@ class Watch:
         return True
 
 
+class FlagCheck(Protocol):
+    """What a root asks once per model call: whether a watched state changed
+    (an ``Observer``'s numerics-only flags; install's hook watch)."""
+
+    def forward_changed(self) -> bool: ...
+
+
 class Counts(Protocol):
     """Where a root counts the model calls in progress (``active``): its
     members read the numerics-only flags themselves when it is zero."""
@@ -196,7 +202,7 @@ class Root(Wrapper):
 
     __slots__ = ("counts", "errors", "observers", "watch")
 
-    def __init__(self, module: nn.Module, observers: tuple[Observer, ...], counts: Counts,
+    def __init__(self, module: nn.Module, observers: tuple[FlagCheck, ...], counts: Counts,
                  errors: Callable[[str, BaseException], None] | None = None) -> None:
         super().__init__(module)
         self.observers = observers

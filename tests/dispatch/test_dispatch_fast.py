@@ -360,3 +360,81 @@ def test_an_op_raising_inside_a_region_of_the_flat_program_restores_grad_mode(
         flat.fn(*state, x, torch.tensor([0, 9, 1]))
     assert torch.is_grad_enabled()
 
+
+def _adds(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    return out * -0.5 + 0.25
+
+
+@pytest.mark.parametrize("where", ["submodule", "global"])
+def test_a_hook_inside_a_member_registered_after_install_runs_eagerly_until_removed(
+        stack: Stack, x: torch.Tensor, where: str) -> None:
+    """The graph runs in place of the member's forward: a forward hook on one
+    of its submodules (or a global one, which fires on them) registered after
+    install would be skipped by it."""
+    report = _captured(stack, x)
+    with ctxreplay.install(stack, report) as handle:
+        _run(stack, x)
+        if where == "submodule":
+            hook = stack.blocks[1].lin.register_forward_hook(lambda m, a, out: _adds(m, out))
+        else:
+            hook = torch.nn.modules.module.register_module_forward_hook(
+                lambda m, a, out: _adds(m, out) if isinstance(m, nn.Linear) else None)
+        try:
+            got = _run(stack, x)
+            stats = handle.stats()
+        finally:
+            hook.remove()
+        misses = {"submodule": 1, "global": 3}[where]
+        assert stats.reasons == {"hooks": misses} and stats.total_hits == 6 - misses
+        _run(stack, x)  # removed: dispatched again
+        assert handle.stats().total_hits == 9 - misses
+    with torch.no_grad():
+        if where == "submodule":
+            hook = stack.blocks[1].lin.register_forward_hook(lambda m, a, out: _adds(m, out))
+        else:
+            hook = torch.nn.modules.module.register_module_forward_hook(
+                lambda m, a, out: _adds(m, out) if isinstance(m, nn.Linear) else None)
+        try:
+            want = stack(x)
+        finally:
+            hook.remove()
+    assert torch.equal(got, want)
+    assert not torch.equal(want, _run(stack, x))  # the hook changes the output
+
+
+def test_a_hook_traced_into_the_graph_and_removed_after_install_runs_eagerly(
+        stack: Stack, x: torch.Tensor) -> None:
+    """A submodule hook present when the variant was captured is in the graph;
+    removed after install, the graph would still apply it."""
+    hooks = [b.lin.register_forward_hook(lambda m, a, out: _adds(m, out))
+             for b in stack.blocks]
+    report = _captured(stack, x)
+    with ctxreplay.install(stack, report) as handle:
+        with_hook = _run(stack, x)
+        assert handle.stats().total_hits == 3
+        hooks[0].remove()
+        got = _run(stack, x)
+        assert handle.stats().reasons == {"hooks": 1}
+    for h in hooks[1:]:
+        h.remove()
+    hooks = [b.lin.register_forward_hook(lambda m, a, out: _adds(m, out))
+             for b in stack.blocks[1:]]
+    want = _run(stack, x)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(got, want) and not torch.equal(got, with_hook)
+
+
+def test_a_members_own_hook_added_after_install_runs_once_around_the_graph(
+        stack: Stack, x: torch.Tensor) -> None:
+    report = _captured(stack, x)
+    seen: list[int] = []
+    with ctxreplay.install(stack, report) as handle:
+        _run(stack, x)
+        hook = stack.blocks[2].register_forward_hook(
+            lambda m, a, out: seen.append(1) or out * 2)
+        got = _run(stack, x)
+        assert handle.stats().total_hits == 6 and seen == [1]
+    want = _run(stack, x)
+    hook.remove()
+    assert torch.equal(got, want)
