@@ -1,3 +1,4 @@
-"""Captured graphs back in a live model: ``install``, its per-member wrappers, and each
-member's program bound to its weights and compiled once.
+"""Captured graphs back in a live model: ``install``, its per-member wrappers, each
+capture's program as one flat function run with the member's own tensors, and the
+watch over the hooks a graph would skip.
 """

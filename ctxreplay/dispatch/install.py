@@ -11,12 +11,17 @@ equal those of the live call the capture was made from); and when the
 capture's static needs hold (torch, device, autocast policy, fidelity).
 Every other call runs eagerly and is counted as a miss with a reason.
 
-The program runs with the member's own weights: ``program.module()`` with
-the member's parameters and buffers assigned (``program.module()`` shares
-the program's tensors, so loading into them would change every member), made once
-per member -- and, with ``compile``, compiled once per member on its first
-hit.  Per call: the cached snapshot check (``observer.Observer``), the call
-key (``signature.call_key``) and one dictionary lookup.
+The program runs with the member's own weights, which are read from its
+modules on every call (``dispatch.bound``): one flat function written once
+per capture from its graph (``dispatch.flat``) takes them, then the call's
+tensors.  With ``compile``, ``program.module()`` with the member's tensors
+assigned is compiled once per member on its first hit.  Per call: the
+cached snapshot check (``observer.Observer``), a check of the call's tensors
+against the last hit's (``TensorGuards``; for keyword or object arguments a
+generated re-match, ``specs.rematch``), the tensors' metadata check, and
+the program.  A member whose weights hooks put in place (offloading) has
+its hooks run around the program; one whose inner hooks changed since
+install runs eagerly (``dispatch.hooks``).
 """
 
 from __future__ import annotations
