@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..artifacts.formats import ArtifactFormat, format_for, get_format
+from ..artifacts.saving import collector_paused
 from ..artifacts.sidecar import ArtifactError
 from ..backends import Backend, get_backend
 from ..capture.checker import Checker
@@ -223,7 +224,8 @@ def fill_record(cache: CaptureCache, key: str, capture: Capture, request: Varian
     if fmt is None:
         return "no_format", f"no artifact format keeps a {type(capture.artifact).__name__}"
     try:
-        program = fmt.program_bytes(capture.artifact)
+        with collector_paused():  # torch's serialiser, as save_all holds it off
+            program = fmt.program_bytes(capture.artifact)
         stored = _stored(capture, request, options, fmt)
         Stored.read({"capture": stored.to_json(), "about": {"verify": options.verify}})
     except Exception as exc:  # what cannot be written back faithfully is not kept
@@ -293,7 +295,11 @@ def _prefix(binding: str) -> str:
 def program_source(fmt: ArtifactFormat, data: bytes, stored: Stored, backend: Backend) -> Source:
     def load(view: nn.Module, binding: str) -> tuple[Any, Spec | None, Backend]:
         weights = _weights(view, _prefix(binding), copy_buffers=False)
-        return fmt.program_from_bytes(data, weights), stored.graph_outputs, backend
+        # torch's deserialiser builds tens of thousands of small objects: with the
+        # collector on, a full collection of the whole heap may fall inside it
+        with collector_paused():
+            program = fmt.program_from_bytes(data, weights)
+        return program, stored.graph_outputs, backend
 
     return load
 
@@ -308,7 +314,8 @@ class _OnDisk(Deferred):
 
     def load(self) -> Any:
         try:
-            return self.fmt.program_from_bytes(self.data, self.weights)
+            with collector_paused():  # as for a hit checked by execution
+                return self.fmt.program_from_bytes(self.data, self.weights)
         except Exception as exc:
             raise ArtifactError(f"the cached program of {self.where} cannot be rebuilt "
                                 f"({type(exc).__name__}: {exc})", "not_rebuildable") from exc
