@@ -4,9 +4,8 @@ the same run, interleaved round by round:
 * the guard -- a loaded capture's ``guarded()`` call beside a bare call of
   the same program (``cap.module()``), one ``Linear(32)`` block;
 * dispatch -- 16 ``Linear(32)`` blocks under ``ctxreplay.install``, beside
-  the same blocks each calling its own bound program directly (what
-  dispatch adds per block call), next to the observation overhead of an
-  open capture session beside the bare eager model (what observing adds).
+  the bare eager model (the program runs in place of the forward), next to
+  the observation overhead of an open capture session beside the same.
 
 One thread.  Speed is printed, never asserted.
 """
@@ -24,7 +23,6 @@ from benchutil import Stack, fast, interleaved_medians, one_thread, report
 from torch import nn
 
 import ctxreplay
-from ctxreplay.loading.weights import bind_weights
 
 N_BLOCKS = 16
 DIM = 32
@@ -71,24 +69,15 @@ def test_guard_per_call_cost(benchmark: Any, tmp_path: Path, threads: None,
     assert ratio > 0
 
 
-class _Direct:
-    """Each block calls its own bound program (its ``__call__``: the input
-    checks export installs as pre-hooks run too): dispatch's baseline."""
-
-    def __init__(self, model: Stack, program: Any) -> None:
-        self.gms = [bind_weights(program, b, "native") for b in model.blocks]
-        for b, gm in zip(model.blocks, self.gms):
-            b.forward = gm.__call__
-
-
 def test_dispatch_overhead_beside_observation(benchmark: Any, threads: None,
                                               request: pytest.FixtureRequest) -> None:
+    """16 ``Linear(32)`` blocks installed, beside the bare eager model; an open
+    session beside it too: what dispatching costs against what observing costs."""
     torch.manual_seed(0)
     base = Stack(n=N_BLOCKS, dim=DIM).eval()
     x = torch.rand(4, DIM)
-    models = {k: copy.deepcopy(base) for k in ("bare", "observed", "direct", "installed")}
+    models = {k: copy.deepcopy(base) for k in ("bare", "observed", "installed")}
     captured = _capture(models["installed"], x)
-    _Direct(models["direct"], captured.captures[0].artifact)
     handle = ctxreplay.install(models["installed"], captured)
     session = ctxreplay.capture_with(models["observed"], targets="repeated", backend="export")
     try:
@@ -106,12 +95,11 @@ def test_dispatch_overhead_beside_observation(benchmark: Any, threads: None,
         handle.remove()
         session.finalize()
     per_block = {k: v / N_BLOCKS * 1e6 for k, v in med.items()}
-    dispatch = per_block["installed"] - per_block["direct"]
+    dispatch = per_block["installed"] - per_block["bare"]
     observe = per_block["observed"] - per_block["bare"]
     benchmark.extra_info.update(dispatch_us=dispatch, observe_us=observe)
-    report("dispatch overhead / observation overhead, per block call",
-           dispatch / observe if observe > 0 else float("nan"), "informational",
-           f"dispatch adds {dispatch:.2f} us to a direct program call "
-           f"({per_block['direct']:.2f} us); observation adds {observe:.2f} us to a bare "
-           f"block call ({per_block['bare']:.2f} us)")
-    assert dispatch == dispatch  # measured and printed, not asserted
+    report("installed block call / bare eager block call", per_block["installed"] /
+           per_block["bare"], "informational",
+           f"dispatch adds {dispatch:+.2f} us to a bare block call "
+           f"({per_block['bare']:.2f} us: the program runs in place of the forward); "
+           f"observation adds {observe:.2f} us")

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import keyword
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -265,13 +266,10 @@ class _Writer:
             raise _Unsupported("the graph calls a submodule")
         if not self.keep_guards:
             return
-        forward = self.gm.get_submodule("_guards_fn").forward
-        # its forward is wrapped in a Dynamo config patch, entered per call
-        raw = getattr(forward, "__wrapped__", None)
+        forward = _raw_guard(self.gm.get_submodule("_guards_fn").forward)
         reads: list[str] = []
         args = self.expr(tuple(node.args), env, reads)
-        self.lines.append((indent, f"{self.const(raw if callable(raw) else forward)}(*{args})",
-                           tuple(reads)))
+        self.lines.append((indent, f"{self.const(forward)}(*{args})", tuple(reads)))
 
     def call(self, node: fx.Node, env: dict[fx.Node, str], indent: int) -> None:
         target = node.target
@@ -396,6 +394,24 @@ class _Writer:
             if dead and not text.startswith("return "):
                 out.append("    " * indent + "del " + ", ".join(dead))
         return "\n".join(out) + "\n"
+
+
+def _raw_guard(forward: Any) -> Any:
+    """The guard function under the Dynamo config patch torch wraps it in (a
+    context manager entered on every call, there only for a Dynamo trace of
+    the module): ``functools.wraps``' ``__wrapped__``, or the generated
+    function (named ``_``) the patch's closure calls; else ``forward`` itself."""
+    raw = getattr(forward, "__wrapped__", None)
+    if callable(raw):
+        return raw
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(held, types.FunctionType) and held.__code__.co_name == "_":
+            return held
+    return forward
 
 
 def _attr(gm: nn.Module, target: str) -> Any:

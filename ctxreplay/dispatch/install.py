@@ -142,7 +142,7 @@ class _Slot(Wrapper):
         self.entries: list[Entry] = []
         self.groups: list[tuple[Observer, list[Entry]]] = []
         self.memo: dict[Any, Any] = {}
-        #: the last hit of a call of positional tensors: (snapshot, count, check, target)
+        #: the last call of positional tensors: (snapshot, count, check, target or reason)
         self.last: tuple[Any, int, Any, Target] | None = None
         #: the last call of any other kind: (snapshot, rematch, target or reason)
         self.near: tuple[Any, Rematcher, Any] | None = None
@@ -213,16 +213,16 @@ class _Slot(Wrapper):
     def _keyed(self, snaps: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """What a call runs (a ``Target``, or why it runs eagerly), by its full key.
         The next call of the same key is answered without it: for positional
-        plain tensors by a check of those tensors (``last``, hits only), for
-        any other call by a generated rematch (``near``: keywords, objects)."""
+        plain tensors by a check of those tensors (``last``), for any other
+        call by a generated rematch (``near``: keywords, objects) -- a miss
+        as cheaply as a hit."""
         key = (snaps, call_key(args, kwargs))
         target = self.memo.get(key)
         if target is None:
             target = self._resolve(snaps, key, args, kwargs)
         check = tensor_guard(args) if args and not kwargs else None
         if check is not None:
-            if type(target) is Target:
-                self.last = (snaps, len(args), check, target)
+            self.last = (snaps, len(args), check, target)
             return target
         if key not in self.rematch:
             self.rematch[key] = rematcher(args, kwargs)
