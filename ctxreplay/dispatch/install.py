@@ -471,37 +471,9 @@ def install(model: nn.Module,
         raise ValueError(f"object_args: {object_args!r} is not one of {list(OBJECT_POLICIES)}")
     ignore = tuple(ignore)
     entries = [entry(s, ignore, object_args) for s in sources(source)]
-    modules: dict[str, nn.Module] = {}
-    for e in entries:
-        for m in e.members:
-            if m in modules:
-                continue
-            try:
-                modules[m] = model.get_submodule(m)
-            except AttributeError:
-                raise ValueError(f"install: the model has no submodule {m!r} (a member of "
-                                 f"{e.label})") from None
+    modules = _members(model, entries)
     handle = InstallHandle(model, entries, compile)
-    observers: dict[tuple[Any, ...], Observer] = {}
-    bound: dict[int, ContextProbe[Any]] = {}  # a probe of per-model state reads model's
-    for name, module in modules.items():
-        slot = _Slot(handle, name, module)
-        slot.entries = [e for e in entries if name in e.members]
-        by_probes: dict[tuple[Any, ...], list[Entry]] = {}
-        for e in slot.entries:
-            probes = tuple(p for p, s in zip(e.match.probes, e.match.states)
-                           if not isinstance(p, UnknownProbe) and not isinstance(s, UnknownState))
-            key = tuple((p.name, id(p)) for p in probes)
-            if key not in observers:
-                # the numerics-only flags (watch_forward) are checked once per
-                # call of ``model``, as observation does: too many to read on
-                # every block call
-                observers[key] = Observer(
-                    tuple(bound.setdefault(id(p), p.bind(model)) for p in probes),
-                    per_call=False)
-            by_probes.setdefault(key, []).append(e)
-        slot.groups = [(observers[k], v) for k, v in by_probes.items()]
-        handle._slots.append(slot)
+    observers = _add_slots(handle, modules, entries)
     handle._watch()
     # after ``_watch``, whose registration hooks count as hooks registered
     watch = HookWatch([(s.module, inner_hooks(s.module)[0]) for s in handle._slots],
@@ -520,6 +492,48 @@ def install(model: nn.Module,
     _log.info("install: %d captures bound to %d members of %s (%s)", len(entries), len(modules),
               type(model).__name__, _names(list(modules)))
     return handle
+
+
+def _members(model: nn.Module, entries: list[Entry]) -> dict[str, nn.Module]:
+    """Each member the captures list, by name: a name the model lacks is refused."""
+    modules: dict[str, nn.Module] = {}
+    for e in entries:
+        for m in e.members:
+            if m in modules:
+                continue
+            try:
+                modules[m] = model.get_submodule(m)
+            except AttributeError:
+                raise ValueError(f"install: the model has no submodule {m!r} (a member of "
+                                 f"{e.label})") from None
+    return modules
+
+
+def _add_slots(handle: InstallHandle, modules: dict[str, nn.Module],
+               entries: list[Entry]) -> dict[tuple[Any, ...], Observer]:
+    """A slot per member, its captures grouped by the probes their contexts
+    name, one observer per group (shared by the slots); returns the observers."""
+    observers: dict[tuple[Any, ...], Observer] = {}
+    bound: dict[int, ContextProbe[Any]] = {}  # a probe of per-model state reads model's
+    for name, module in modules.items():
+        slot = _Slot(handle, name, module)
+        slot.entries = [e for e in entries if name in e.members]
+        by_probes: dict[tuple[Any, ...], list[Entry]] = {}
+        for e in slot.entries:
+            probes = tuple(p for p, s in zip(e.match.probes, e.match.states)
+                           if not isinstance(p, UnknownProbe) and not isinstance(s, UnknownState))
+            key = tuple((p.name, id(p)) for p in probes)
+            if key not in observers:
+                # the numerics-only flags (watch_forward) are checked once per
+                # call of ``model``, as observation does: too many to read on
+                # every block call
+                observers[key] = Observer(
+                    tuple(bound.setdefault(id(p), p.bind(handle.model)) for p in probes),
+                    per_call=False)
+            by_probes.setdefault(key, []).append(e)
+        slot.groups = [(observers[k], v) for k, v in by_probes.items()]
+        handle._slots.append(slot)
+    return observers
 
 
 def _names(names: list[str], shown: int = 4) -> str:
