@@ -37,6 +37,31 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], *, number: int,
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def _noop_pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+    return None
+
+
+def _noop_post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    return None
+
+
+def add_hook_pair(module: nn.Module) -> list[Any]:
+    """A no-op forward pre + post hook pair (with kwargs) on ``module``: the
+    yardstick every per-call cost is reported against.  Returns the handles."""
+    return [module.register_forward_pre_hook(_noop_pre, with_kwargs=True),
+            module.register_forward_hook(_noop_post, with_kwargs=True)]
+
+
+def per_block_medians(benchmark: Any, fns: dict[str, Callable[[], Any]], n_blocks: int, *,
+                      number: int, rounds: int) -> dict[str, float]:
+    """Interleaved medians of ``fns`` under pytest-benchmark, in microseconds
+    per block call (each function runs ``n_blocks`` block calls)."""
+    med = benchmark.pedantic(interleaved_medians, args=(fns,),
+                             kwargs={"number": number, "rounds": rounds},
+                             rounds=1, iterations=1)
+    return {k: v / n_blocks * 1e6 for k, v in med.items()}
+
+
 def report(name: str, ratio: float, target: str, detail: str = "") -> None:
     print(f"\n{name}: {ratio:.2f} (target {target}){'; ' + detail if detail else ''}")
 

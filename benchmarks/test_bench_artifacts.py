@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from benchutil import Stack, fast, interleaved_medians, one_thread, report
+from benchutil import Stack, fast, interleaved_medians, one_thread, per_block_medians, report
 from torch import nn
 
 import ctxreplay
@@ -86,15 +86,13 @@ def test_dispatch_overhead_beside_observation(benchmark: Any, threads: None,
             assert all(torch.equal(outs["bare"], o) for o in outs.values())
             number, rounds = (10, 3) if fast(request.config) else (20, 151)
             fns = {k: (lambda m=m: m(x)) for k, m in models.items()}
-            med = benchmark.pedantic(interleaved_medians, args=(fns,),
-                                     kwargs={"number": number, "rounds": rounds},
-                                     rounds=1, iterations=1)
+            per_block = per_block_medians(benchmark, fns, N_BLOCKS,
+                                          number=number, rounds=rounds)
         stats = handle.stats()
         assert stats.total_misses == 0 and stats.total_hits >= N_BLOCKS
     finally:
         handle.remove()
         session.finalize()
-    per_block = {k: v / N_BLOCKS * 1e6 for k, v in med.items()}
     dispatch = per_block["installed"] - per_block["bare"]
     observe = per_block["observed"] - per_block["bare"]
     benchmark.extra_info.update(dispatch_us=dispatch, observe_us=observe)

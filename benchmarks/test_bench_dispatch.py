@@ -30,7 +30,14 @@ from typing import Any
 
 import pytest
 import torch
-from benchutil import fast, interleaved_medians, one_thread, report
+from benchutil import (
+    add_hook_pair,
+    fast,
+    interleaved_medians,
+    one_thread,
+    per_block_medians,
+    report,
+)
 from torch import nn
 
 import ctxreplay
@@ -60,14 +67,6 @@ class TanhStack(nn.Module):
         return x
 
 
-def _pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-    return None
-
-
-def _post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-    return None
-
-
 @pytest.fixture
 def threads() -> Iterator[None]:
     with one_thread():
@@ -81,8 +80,7 @@ def test_dispatch_beside_a_hook_pair(benchmark: Any, threads: None,
     x = torch.rand(2, DIM)
     models = {k: copy.deepcopy(base) for k in ("bare", "hooks", "installed")}
     for b in models["hooks"].blocks:
-        b.register_forward_pre_hook(_pre, with_kwargs=True)
-        b.register_forward_hook(_post, with_kwargs=True)
+        add_hook_pair(b)
     with ctxreplay.capture_with(models["installed"], targets="repeated") as session, \
             torch.no_grad():
         models["installed"](x)
@@ -93,13 +91,10 @@ def test_dispatch_beside_a_hook_pair(benchmark: Any, threads: None,
         assert all(torch.equal(outs["bare"], o) for o in outs.values())
         number, rounds = (10, 3) if fast(request.config) else (40, 101)
         fns = {k: (lambda m=m: m(x)) for k, m in models.items()}
-        med = benchmark.pedantic(interleaved_medians, args=(fns,),
-                                 kwargs={"number": number, "rounds": rounds},
-                                 rounds=1, iterations=1)
+        per_block = per_block_medians(benchmark, fns, N_BLOCKS, number=number, rounds=rounds)
         stats = handle.stats()
     assert stats.total_misses == 0 and stats.total_hits >= N_BLOCKS
     assert stats.unflattened == {}, stats.unflattened  # the fast path ran
-    per_block = {k: v / N_BLOCKS * 1e6 for k, v in med.items()}
     hooks = per_block["hooks"] - per_block["bare"]
     dispatch = per_block["installed"] - per_block["bare"]
     ratio = dispatch / hooks if hooks > 0 else float("nan")

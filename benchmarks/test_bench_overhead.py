@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from benchutil import add_hook_pair
 from torch import nn
 
 import ctxreplay
@@ -55,14 +56,6 @@ class BlockStack(nn.Module):
         return x
 
 
-def _pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-    return None
-
-
-def _post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-    return None
-
-
 class Setup:
     """The three configurations, attached; ``close()`` detaches them."""
 
@@ -72,8 +65,7 @@ class Setup:
         self.models = {name: copy.deepcopy(base) for name in CONFIGS}
         self.handles = []
         for b in self.models["hooks"].blocks:
-            self.handles.append(b.register_forward_pre_hook(_pre, with_kwargs=True))
-            self.handles.append(b.register_forward_hook(_post, with_kwargs=True))
+            self.handles.extend(add_hook_pair(b))
         self.session = ctxreplay.capture_with(self.models["session"], targets="repeated",
                                               backend="export")
         self.x = torch.rand(BATCH, DIM)
