@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -142,6 +143,12 @@ class TorchCaps:
     #: under a mode fails outside it.  Detected with a probe; true on 2.7
     #: and 2.13 (measured).
     tensor_guards_see_dispatch_modes: bool
+    #: a TensorGuards built outside ``torch.jit.trace`` fails ``check`` on
+    #: the same tensor inside a trace (the tracer puts its dispatch key in the
+    #: thread-local include set while it runs).  Detected with a trace of a
+    #: one-line function (~0.3 ms); true on 2.7.0, 2.9.1, 2.11.0, 2.13.0 and
+    #: 2.14.1 (measured).
+    tensor_guards_see_jit_tracing: bool
 
     # -- torch.export --------------------------------------------------------
     #: non-strict ``torch.export.export`` records an autocast entered *inside*
@@ -385,6 +392,28 @@ def _tensor_guards_see_dispatch_modes() -> bool:
         return False
 
 
+def _tensor_guards_see_jit_tracing() -> bool:
+    cls = _tensor_guards_cls()
+    if cls is None:
+        return False
+    try:
+        x = torch.zeros(2, 3)
+        guard = _make_tensor_guard(cls, x)
+        inside: list[bool] = []
+
+        def traced(t: torch.Tensor) -> torch.Tensor:
+            inside.append(bool(guard.check(x)))
+            return t + 1
+
+        trace: Any = torch.jit.trace  # (untyped in torch's stubs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trace(traced, (x,), check_trace=False)
+        return inside == [False] and bool(guard.check(x))
+    except Exception:
+        return False
+
+
 def _returns_pair(name: str) -> bool:
     get = getattr(torch._C, name, None)
     if get is None:
@@ -409,6 +438,7 @@ def _detect() -> TorchCaps:
         tensor_guards=_tensor_guards(),
         tensor_guards_see_local_state=_tensor_guards_see_local_state(),
         tensor_guards_see_dispatch_modes=_tensor_guards_see_dispatch_modes(),
+        tensor_guards_see_jit_tracing=_tensor_guards_see_jit_tracing(),
         export_records_inner_autocast=records_inner,
         autocast_exit_swallows_errors=records_inner and v < (2, 9),
         dynamo_traces_contextmanager=v >= (2, 7),

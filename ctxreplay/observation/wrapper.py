@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._base.torchcaps import CAPS, tensor_guard
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import dynamo_exporting as _dynamo_exporting
-from .._base.torchcaps import tensor_guard
 from ..capture.isolate import isolating
 from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
@@ -63,7 +63,8 @@ class _Tally:
 
 
 class _Python:
-    """The memo check where ``TensorGuards`` is unavailable: the Python key."""
+    """The memo check where ``TensorGuards`` is unavailable: the Python key
+    (never under ``torch.jit.trace``, which would record its reads)."""
 
     __slots__ = ("sig",)
 
@@ -71,15 +72,36 @@ class _Python:
         self.sig = sig
 
     def check(self, *args: Any) -> bool:
+        if _is_tracing():
+            return False
         try:
             return bool(call_key(args, {}) == self.sig)
         except NotRealError:
             return False
 
 
+class _Untraced:
+    """A ``TensorGuards`` check that also fails under ``torch.jit.trace``,
+    for a torch whose guards do not see the tracer's dispatch key."""
+
+    __slots__ = ("guard",)
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+
+    def check(self, *args: Any) -> bool:
+        return not _is_tracing() and bool(self.guard.check(*args))
+
+
 def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
+    """What a memo hit checks the call's arguments with.  It must fail under
+    ``torch.jit.trace`` (a traced call is not a live one, and the slow path
+    reads no shape while tracing): ``TensorGuards`` does where it sees the
+    tracer's thread-local dispatch key, so the hit path asks nothing else."""
     check = tensor_guard(args)
-    return check if check is not None else _Python(sig)
+    if check is None:
+        return _Python(sig)
+    return check if CAPS.tensor_guards_see_jit_tracing else _Untraced(check)
 
 
 class _Shared:
@@ -151,9 +173,10 @@ class _Member(Wrapper):
         # (Dynamo folds ``_dynamo_compiling()`` first, so it guards on nothing here.)
         if not _dynamo_compiling():
             memo = self.memo
-            if memo is not None and not kwargs and not _is_tracing():
+            if memo is not None and not kwargs:
                 # (another argument count fails ``check``: TensorGuards raises, the
-                # Python key differs)
+                # Python key differs; under ``torch.jit.trace`` it fails as well,
+                # ``_memo_check``)
                 cache, state, check, counter, training, module, orig, obs, shared = memo
                 if obs.cache is cache and module.training is training:
                     try:

@@ -257,6 +257,25 @@ def test_tensor_guards_see_dispatch_modes() -> None:
     assert guard.check(x) and seen == CAPS.tensor_guards_see_dispatch_modes
 
 
+@pytest.mark.skipif(not CAPS.tensor_guards, reason="TensorGuards unusable in this torch")
+def test_tensor_guards_see_jit_tracing() -> None:
+    """Checked with a module traced the way a user traces one, each check
+    inside the trace made on a tensor that is not being traced (without the
+    trace check, which runs the module again untraced)."""
+    x = torch.rand(2, 3)
+    guard = _tensor_guard(x)
+    inside: list[bool] = []
+
+    class Net(nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            inside.append(bool(guard.check(x)))
+            return t * 2
+
+    torch.jit.trace(Net(), (torch.rand(2, 3),), check_trace=False)
+    assert len(inside) == 1 and guard.check(x)
+    assert (not inside[0]) == CAPS.tensor_guards_see_jit_tracing
+
+
 def test_tensor_guard_checks_the_metadata_of_plain_tensors() -> None:
     x, y = torch.rand(2, 3), torch.zeros(4, dtype=torch.int64)
     guard = _torchcaps.tensor_guard((x, y))

@@ -108,6 +108,30 @@ def test_jit_trace_sees_the_same_graph_and_records_nothing(check_trace: bool) ->
     s.finalize()
 
 
+def test_jit_trace_after_live_calls_records_nothing() -> None:
+    """After live calls each block answers repeats from its memo, which asks
+    nothing of torch.jit.trace itself: the memo's input check must fail
+    inside a trace (tensors of the same metadata as the live ones, the same
+    grad mode).  (``check_trace=True`` then runs the model again untraced;
+    those runs are counted once a variant exists -- not covered here.)"""
+    check_trace = False
+    model = _net()
+    x = _x()
+    with torch.no_grad():
+        expected = torch.jit.trace(model, (x,), check_trace=check_trace)
+    with ctxreplay.capture_with(model, targets="repeated") as s:
+        _records_real_calls(s, model)
+        with torch.no_grad():  # the live calls' state: only the input check can fail
+            traced = torch.jit.trace(model, (x,), check_trace=check_trace)
+        assert _calls(s) == [("blocks.0", 0, 2)]
+        assert _kinds(traced.inlined_graph) == _kinds(expected.inlined_graph)
+        assert torch.equal(traced(x), expected(x))
+        with torch.no_grad():
+            model(_x())  # the memo still answers a live call
+        assert _calls(s) == [("blocks.0", 0, 4)]
+    s.finalize()
+
+
 def test_jit_trace_keeps_the_forward_signature() -> None:
     model = _net()
     x = _x()
