@@ -22,19 +22,37 @@ def fast(config: pytest.Config) -> bool:
     return bool(config.getoption("benchmark_disable", False))
 
 
-def interleaved_medians(fns: dict[str, Callable[[], Any]], *, number: int,
-                        rounds: int) -> dict[str, float]:
-    """Median seconds per call of each function, measured in alternation."""
+def interleaved_samples(fns: dict[str, Callable[[], Any]], *, number: int,
+                        rounds: int, warm: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each function in every round, the functions
+    measured in alternation (round ``i`` of each is timed back to back)."""
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for f in fns.values():
-        f()  # warm
+        for _ in range(warm):
+            f()
     for _ in range(rounds):
         for k, f in fns.items():
             t0 = time.perf_counter()
             for _ in range(number):
                 f()
             samples[k].append((time.perf_counter() - t0) / number)
+    return samples
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], *, number: int,
+                        rounds: int) -> dict[str, float]:
+    """Median seconds per call of each function, measured in alternation."""
+    samples = interleaved_samples(fns, number=number, rounds=rounds)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def paired_overheads(samples: dict[str, list[float]], base: str) -> dict[str, float]:
+    """The median over rounds of each function's time minus ``base``'s in the
+    same round: what drift shared by one round (another job on the host, the
+    clock) adds to both sides cancels there, as it cannot between medians
+    taken separately."""
+    return {k: statistics.median(t - b for t, b in zip(v, samples[base]))
+            for k, v in samples.items()}
 
 
 def _noop_pre(module: nn.Module, args: Any, kwargs: Any) -> None:
