@@ -15,6 +15,13 @@ For every version X given on the command line:
    matrix venv), counting its errors: ``make test TORCH_SPEC=torch==X`` runs
    it too, and torch's type stubs differ by release.  "-" without ``.venv``.
 
+``--extras test`` builds the venvs with the test extra alone (no
+``transformers``, ``diffusers`` or ``accelerate``: the suite as a user without
+the optional model packages runs it; the venv is ``.venv-torch-X-test``), and
+``--broken-probe`` runs the suite and the demo with a package installed whose
+``ctxreplay.probes`` entry point no longer loads (its module moved), put on
+``PYTHONPATH``: a broken plugin must never stop either.
+
 A failing step never stops the run: the next version goes on.  At the end one
 table (torch, passed, failed, skipped, xfailed, errors, demo exit code, minutes)
 is printed and written to ``--out``, followed by the failing test ids per
@@ -40,6 +47,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = "test,models"  # what the suite needs; no docs or lint tools
+
+
+def broken_probe_site(where: Path) -> Path:
+    """A folder holding the metadata of an installed package whose probe
+    entry point names a module that no longer exists."""
+    info = where / "moved_probe_pkg-1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: moved-probe-pkg\n"
+                                   "Version: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[ctxreplay.probes]\nmoved_probe = moved_probe_pkg_gone.probes:MovedProbe\n")
+    return where
 
 #: the torchvision release built against each torch release, installed beside
 #: it so that tests/models/test_models.py's torchvision test runs.  None for 2.13.0:
@@ -74,12 +93,12 @@ class Result:
     skips: dict[str, int] = field(default_factory=dict)
 
 
-def _run(cmd: list[str], log: Path) -> int:
+def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
     with log.open("w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL).returncode
+                              stdin=subprocess.DEVNULL, env=env).returncode
 
 
 def _parse_junit(path: Path, r: Result) -> None:
@@ -117,12 +136,16 @@ def _mypy(mypy: Path, py: Path, log: Path) -> int | None:
 
 
 def run_version(version: str, make: str, logs: Path, min_free_gb: float,
-                mypy: Path) -> Result:
+                mypy: Path, extras: str = EXTRAS, broken: Path | None = None) -> Result:
     r = Result(version)
     t0 = time.monotonic()
-    venv = f".venv-torch-{version}"
+    venv = f".venv-torch-{version}" + ("" if extras == EXTRAS else f"-{extras.replace(',', '_')}")
     logs.mkdir(parents=True, exist_ok=True)
-    common = [f"VENV={venv}", f"TORCH_SPEC=torch=={version}", f"EXTRAS={EXTRAS}"]
+    common = [f"VENV={venv}", f"TORCH_SPEC=torch=={version}", f"EXTRAS={extras}"]
+    env = None
+    if broken is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(broken), *filter(None, [os.environ.get("PYTHONPATH")])])}
     tv = PAIRED_TORCHVISION.get(version)
     if tv is not None:
         common.append(f"TORCH_EXTRA=torchvision=={tv}")
@@ -145,14 +168,14 @@ def run_version(version: str, make: str, logs: Path, min_free_gb: float,
     junit = logs / "junit.xml"
     junit.unlink(missing_ok=True)
     r.pytest_rc = _run([*make.split(), "--no-print-directory", "pytest", *common,
-                        f"PYTEST_EXTRA=--junitxml={junit}"], logs / "pytest.log")
+                        f"PYTEST_EXTRA=--junitxml={junit}"], logs / "pytest.log", env)
     if junit.exists():
         _parse_junit(junit, r)
     else:
         r.note = f"no junit report (pytest exit {r.pytest_rc}; see pytest.log)"
     print(f"== torch {r.installed}: demo", flush=True)
     r.demo_rc = _run([*make.split(), "--no-print-directory", "demo", *common],
-                     logs / "demo.log")
+                     logs / "demo.log", env)
     print(f"== torch {r.installed}: mypy", flush=True)
     r.mypy_errors = _mypy(mypy, py, logs / "mypy.log")
     r.seconds = time.monotonic() - t0
@@ -193,13 +216,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="matrix-results.md")
     ap.add_argument("--logs", default="matrix-logs")
     ap.add_argument("--min-free-gb", type=float, default=8.0)
+    ap.add_argument("--extras", default=EXTRAS,
+                    help="the extras each venv is built with ('test': no model packages)")
+    ap.add_argument("--broken-probe", action="store_true",
+                    help="run with a probe package installed whose entry point is broken")
     ap.add_argument("--mypy", default=".venv/bin/mypy",
                     help="the mypy run against each venv's torch (skipped if missing)")
     ns = ap.parse_args(argv)
+    broken = broken_probe_site(ROOT / ns.logs / "broken-probe-site") if ns.broken_probe else None
     results = []
     for v in ns.versions:
-        results.append(run_version(v, ns.make, ROOT / ns.logs / v, ns.min_free_gb,
-                                   ROOT / ns.mypy))
+        r = run_version(v, ns.make, ROOT / ns.logs / v, ns.min_free_gb, ROOT / ns.mypy,
+                        ns.extras, broken)
+        if ns.extras != EXTRAS or broken is not None:
+            r.note = "; ".join(filter(None, [f"extras {ns.extras}" if ns.extras != EXTRAS
+                                             else "", "a broken probe entry point installed"
+                                             if broken is not None else "", r.note]))
+        results.append(r)
         print(table(results[-1:]).splitlines()[-1], flush=True)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     text = (f"# torch matrix ({stamp}, Python {sys.version.split()[0]})\n\n"
