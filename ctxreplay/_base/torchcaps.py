@@ -351,22 +351,31 @@ def _tensor_guards() -> bool:
         return False
 
 
-def _tensor_guards_see_local_state() -> bool:
+def _guard_probe(probe: Callable[[Any, torch.Tensor], bool]) -> bool:
+    """``probe(guard, x)`` for a 2x3 tensor ``x`` and a TensorGuards of it
+    built here; false without TensorGuards or where the probe raises."""
     cls = _tensor_guards_cls()
     if cls is None:
         return False
     try:
         x = torch.zeros(2, 3)
-        guard = _make_tensor_guard(cls, x)
-        before = torch.is_autocast_enabled("cpu")
-        torch.set_autocast_enabled("cpu", not before)
-        try:
-            differs = not bool(guard.check(x))
-        finally:
-            torch.set_autocast_enabled("cpu", before)
-        return differs and bool(guard.check(x))
+        return probe(_make_tensor_guard(cls, x), x)
     except Exception:
         return False
+
+
+def _sees_autocast(guard: Any, x: torch.Tensor) -> bool:
+    before = torch.is_autocast_enabled("cpu")
+    torch.set_autocast_enabled("cpu", not before)
+    try:
+        differs = not bool(guard.check(x))
+    finally:
+        torch.set_autocast_enabled("cpu", before)
+    return differs and bool(guard.check(x))
+
+
+def _tensor_guards_see_local_state() -> bool:
+    return _guard_probe(_sees_autocast)
 
 
 def _tensor_guards_see_dispatch_modes() -> bool:
@@ -392,26 +401,22 @@ def _tensor_guards_see_dispatch_modes() -> bool:
         return False
 
 
+def _sees_jit_tracing(guard: Any, x: torch.Tensor) -> bool:
+    inside: list[bool] = []
+
+    def traced(t: torch.Tensor) -> torch.Tensor:
+        inside.append(bool(guard.check(x)))
+        return t + 1
+
+    trace: Any = torch.jit.trace  # (untyped in torch's stubs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trace(traced, (x,), check_trace=False)
+    return inside == [False] and bool(guard.check(x))
+
+
 def _tensor_guards_see_jit_tracing() -> bool:
-    cls = _tensor_guards_cls()
-    if cls is None:
-        return False
-    try:
-        x = torch.zeros(2, 3)
-        guard = _make_tensor_guard(cls, x)
-        inside: list[bool] = []
-
-        def traced(t: torch.Tensor) -> torch.Tensor:
-            inside.append(bool(guard.check(x)))
-            return t + 1
-
-        trace: Any = torch.jit.trace  # (untyped in torch's stubs)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trace(traced, (x,), check_trace=False)
-        return inside == [False] and bool(guard.check(x))
-    except Exception:
-        return False
+    return _guard_probe(_sees_jit_tracing)
 
 
 def _returns_pair(name: str) -> bool:
