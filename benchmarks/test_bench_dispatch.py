@@ -147,7 +147,7 @@ def test_static_cache_generate_beside_eager(benchmark: Any, threads: None, layer
         assert stats.total_hits == layers * (new - 1), stats
         assert stats.reasons == {"mutates_argument": layers}, stats.reasons
         assert stats.unflattened == {}, stats.unflattened
-        rounds = 3 if fast(request.config) else 15
+        rounds = 3 if fast(request.config) else 31
         med = benchmark.pedantic(
             interleaved_medians,
             args=({"eager": generate(eager), "installed": generate(installed)},),
