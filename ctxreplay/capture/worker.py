@@ -86,6 +86,7 @@ def run_in_worker(job: Callable[[], T], timeout: float | None) -> T:
     the ambient state back on the way out, so nothing of it stays in force
     after ``finalize()`` returns -- then goes on; a second interrupt
     abandons it."""
+    _keep_device_guard()
     box: dict[str, Any] = {}
     run = _carried(job)
     # waited on, not ``Thread.join``: a join that an interrupt breaks marks
@@ -117,6 +118,45 @@ def run_in_worker(job: Callable[[], T], timeout: float | None) -> T:
         raise box["error"]
     value: T = box["value"]
     return value
+
+
+_guard_keeper: threading.Thread | None = None
+_guard_lock = threading.Lock()
+
+
+def _keep_device_guard() -> None:
+    """Have a thread that never exits make the process's first call of
+    ``torch._C._ensureCUDADeviceGuardSet()``.
+
+    Fake tensors (every export) call it where CUDA is not available, and on
+    torch 2.11.0 (a CUDA build on a machine without a GPU) what the first
+    call sets up is owned by the thread that made it: once that thread has
+    exited, the next call, in any thread, ends the process with a
+    segmentation fault (measured: plain ``torch.export.export`` calls, each
+    in a new thread; 2.7.0, 2.9.1 and 2.14.1 are unaffected).  Each capture
+    runs in a new worker thread, so a second ``finalize()`` would crash.  A
+    call made first from a thread that lives as long as the process keeps
+    it valid; a later call anywhere is harmless."""
+    global _guard_keeper
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is None or _guard_keeper is not None or torch.version.cuda is None \
+            or torch.cuda.is_available():
+        return
+    with _guard_lock:
+        if _guard_keeper is not None:
+            return
+        ready = threading.Event()
+
+        def keep() -> None:
+            with contextlib.suppress(Exception):  # a build without the CUDA hooks
+                ensure()
+            ready.set()
+            threading.Event().wait()  # for as long as the process runs
+
+        keeper = threading.Thread(target=keep, name="ctxreplay-device-guard", daemon=True)
+        keeper.start()
+        ready.wait()
+        _guard_keeper = keeper
 
 
 def _roomy(fn: Callable[[], T]) -> T:

@@ -11,7 +11,9 @@ the same module called directly."""
 from __future__ import annotations
 
 import contextvars
+import subprocess
 import sys
+import textwrap
 import threading
 import traceback
 from typing import Any
@@ -189,3 +191,35 @@ def test_a_trace_deep_in_the_worker_maps_no_frame_chunk_per_call() -> None:
     in_worker = run_in_worker(_faults_while_oscillating, None)
     # the worker's job starts on a roomy chunk: the descents fit in it
     assert in_worker < 100
+
+
+def test_many_finalizes_and_a_later_export_in_a_new_thread_run_in_one_process() -> None:
+    """Each capture runs in a new worker thread.  On torch 2.11.0 built for
+    CUDA, on a machine without a GPU, the second export made in a new thread
+    after the first one's thread exited ended the process (a segmentation
+    fault in torch, reproduced without ctxreplay): a process that finalizes
+    twice, then exports in yet another thread, must live.  (On a CPU build
+    or with a GPU there is nothing to keep, and this runs as a control.)"""
+    code = textwrap.dedent("""
+        import threading, torch, ctxreplay
+        from ctxreplay.capture import worker
+        for _ in range(3):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+            with ctxreplay.capture_with(model) as session, torch.no_grad():
+                model(torch.rand(2, 4))
+            assert session.finalize().ok
+        def export():
+            torch.export.export(torch.nn.Linear(4, 4), (torch.rand(2, 4),), strict=False)
+        t = threading.Thread(target=export)
+        t.start()
+        t.join()
+        export()
+        kept = worker._guard_keeper is not None
+        needed = torch.version.cuda is not None and not torch.cuda.is_available()
+        assert kept == needed, (kept, needed)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode,
+                                                                 done.stderr[-2000:])
