@@ -177,9 +177,14 @@ def candidates(report: ctxreplay.CaptureReport, call: Call) -> list[ctxreplay.Ca
 def program_for(capture: ctxreplay.Capture, member: nn.Module) -> nn.Module:
     """The capture's artifact as a module holding ``member``'s own weights
     (copies: running it changes nothing of the member)."""
-    ep = capture.artifact
-    assert isinstance(ep, torch.export.ExportedProgram), type(ep)
-    gm = ep.module()
+    art = capture.artifact
+    # an ExportedProgram (export), or the GraphModule itself (the dynamo and
+    # symbolic backends, which hold a copy of the traced module's tensors)
+    if isinstance(art, torch.export.ExportedProgram):
+        gm = art.module()
+    else:
+        assert isinstance(art, torch.fx.GraphModule), type(art)
+        gm = copy.deepcopy(art)
     own = {k: v.detach().clone() for k, v in
            [*member.named_buffers(remove_duplicate=False),
             *member.named_parameters(remove_duplicate=False)]}
