@@ -34,11 +34,14 @@ from typing import Any
 import pytest
 import torch
 from benchutil import Stack, fast, interleaved_medians, one_thread, report
+from capability import needs_size_guards
 from torch import nn
 from torch.export import Dim
 
 import ctxreplay
 from ctxreplay.demo import DiTBlock
+
+pytestmark = needs_size_guards
 
 #: the observed sequence lengths (sizes 0 and 1 would not fold)
 LENGTHS = (8, 12, 16, 20, 24, 32)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import re
 import warnings
 from collections.abc import Callable
@@ -168,6 +169,15 @@ class TorchCaps:
     #: the mode and returns False).  Measured true on 2.7.0, false on 2.9.1.
     #: A wrapper that must see the error re-raises it itself when this is true.
     autocast_exit_swallows_errors: bool
+    #: the module ``ExportedProgram.module()`` makes runs the size guards of
+    #: the trace on every call (a ``_guards_fn`` submodule; ``module()`` takes
+    #: ``check_guards``): a program traced with dynamic sizes then refuses a
+    #: size its graph was not traced for, e.g. one a ``if x.shape[1] == 7``
+    #: sends down another path, with ``AssertionError: Guard failed``.
+    #: Before (2.7.0) only each dimension's range is checked, and such a size
+    #: runs the traced path silently.  From 2.9 (2.9.1 measured); detected by
+    #: ``module()``'s signature.
+    export_guards_sizes: bool
 
     # -- Dynamo (torch._dynamo.export, backend="dynamo") ----------------------
     #: Dynamo inlines a ``@contextlib.contextmanager`` generator entered with
@@ -419,6 +429,15 @@ def _tensor_guards_see_jit_tracing() -> bool:
     return _guard_probe(_sees_jit_tracing)
 
 
+def _module_takes(parameter: str) -> bool:
+    """Whether ``ExportedProgram.module`` takes ``parameter``."""
+    try:
+        module = torch.export.ExportedProgram.module
+        return parameter in inspect.signature(module).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def _returns_pair(name: str) -> bool:
     get = getattr(torch._C, name, None)
     if get is None:
@@ -446,6 +465,7 @@ def _detect() -> TorchCaps:
         tensor_guards_see_jit_tracing=_tensor_guards_see_jit_tracing(),
         export_records_inner_autocast=records_inner,
         autocast_exit_swallows_errors=records_inner and v < (2, 9),
+        export_guards_sizes=_module_takes("check_guards"),
         dynamo_traces_contextmanager=v >= (2, 7),
         dynamo_traces_instance_forward=v >= (2, 10),
         dynamo_traces_exitstack=v >= (2, 11),

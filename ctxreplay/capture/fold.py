@@ -30,6 +30,7 @@ import attrs
 import torch
 from torch import nn
 
+from .._base.torchcaps import CAPS
 from ..fidelity.levels import checked_by, level
 from ..fidelity.verify import Fidelity
 from ..specs.dims import (
@@ -77,6 +78,10 @@ def not_folding(options: CaptureOptions) -> str | None:
         return f"backend {options.backend.name!r} traces fixed sizes"
     if options.verify == "off":
         return "verify='off' (a fold is kept only once run at every size)"
+    if not CAPS.export_guards_sizes:
+        # an exported program of this torch runs a size inside a fold's
+        # range that its trace took another path for, silently (the field)
+        return f"size_guards=False (torch {'.'.join(map(str, CAPS.version))})"
     return None
 
 

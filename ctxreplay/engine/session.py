@@ -285,7 +285,10 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             every observed size and kept only where each agrees, claimed
             for the range of sizes observed (``Capture.folding``); sizes it
             does not reproduce are captured one by one.  Not with
-            ``verify="off"`` (a fold is only kept once run).
+            ``verify="off"`` (a fold is only kept once run), nor on torch
+            before 2.9, whose exported programs do not check the size guards
+            of their trace (a size inside the range that the trace sent down
+            another path would run the traced path silently).
 
     Returns:
         The open :class:`CaptureSession`: use it as a context manager, then

@@ -559,3 +559,27 @@ def test_dynamo_exporting_is_true_only_while_dynamo_traces_for_an_export() -> No
         assert seen == ["compile"]
     finally:
         torch._dynamo.reset()
+
+
+def test_export_guards_sizes() -> None:
+    """A size inside the traced range that the trace sent down another path
+    is refused by the unlifted program only where torch checks its guards."""
+
+    class Special(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[1] == 7:
+                return x * 3
+            return x + 1
+
+    dims = ({1: torch.export.Dim.AUTO},)  # type: ignore[attr-defined]
+    ep = torch.export.export(Special(), (torch.rand(2, 5),), dynamic_shapes=dims, strict=False)
+    gm = ep.module()
+    assert torch.equal(gm(torch.ones(2, 9)), torch.full((2, 9), 2.0))  # in range, same path
+    try:
+        out = gm(torch.ones(2, 7))
+    except AssertionError:
+        refused = True
+    else:
+        refused = False
+        assert torch.equal(out, torch.full((2, 7), 2.0))  # the traced path, silently
+    assert refused == CAPS.export_guards_sizes

@@ -23,6 +23,7 @@ import attrs
 import fold_cases as fc
 import pytest
 import torch
+from capability import needs_size_guards
 from torch import nn
 from trust_oracle import differs, false_oks, members_of, record, replay_failure, unreproduced
 
@@ -31,6 +32,7 @@ from ctxreplay.capture.checker import Checker
 from ctxreplay.fidelity.verify import Fidelity
 from ctxreplay.specs.dims import SymbolRange
 
+pytestmark = needs_size_guards
 
 def _live(model: nn.Module, make: fc.Make, lengths: tuple[int, ...], **options: Any
           ) -> tuple[ctxreplay.CaptureReport, list[Any]]:

@@ -9,11 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from capability import needs_size_guards
 from metadata_check import finalize_checked
 from torch import nn
 
 import ctxreplay
 from ctxreplay.backends.builtin import ExportBackend
+
+pytestmark = needs_size_guards
 
 SIZES = (2, 3, 5, 7)
 

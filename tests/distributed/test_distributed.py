@@ -19,6 +19,7 @@ import distributed_cases as cases
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from capability import needs_size_guards
 
 import ctxreplay
 from ctxreplay.probes import DistributedState
@@ -221,6 +222,7 @@ def _covered(report: dict[str, Any]) -> list[int]:
     return sorted(v for c in report["captures"] for v in [c["variant"], *c["folded"]])
 
 
+@needs_size_guards
 def test_each_rank_folds_the_lengths_it_captures(tmp_path: Path) -> None:
     results = _run(cases.folds_lengths, 2, tmp_path)
     docs = [r["report"] for r in results]

@@ -25,6 +25,8 @@ import pytest
 import torch
 from torch import nn
 
+from ctxreplay._base.torchcaps import CAPS
+
 # what each CPU-dependent case needs, as measured (see the module docstring)
 BF16_LSTM_NEEDS = "oneDNN's AVX512_CORE ISA or wider (AVX-512: F, BW, VL, DQ)"
 
@@ -64,3 +66,12 @@ def torch_limit(error: str, needs: str) -> pytest.MarkDecorator:
         strict=True, raises=RuntimeError,
         reason=f"torch limit on this CPU ({cpu_description()}): torch alone raises "
                f"{error!r} (reproduced without ctxreplay); it needs {needs}")
+
+
+#: folding needs a program that checks its trace's size guards on every
+#: call (``CAPS.export_guards_sizes``); where torch's do not, ctxreplay does
+#: not fold, and the tests of folds do not apply
+needs_size_guards = pytest.mark.skipif(
+    not CAPS.export_guards_sizes,
+    reason=f"torch {torch.__version__}: exported programs do not check their size guards, "
+           "so ctxreplay does not fold sizes (tests/capture/test_fold_off.py)")

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import fold_cases as fc
 import torch
+from capability import needs_size_guards
 
 import ctxreplay
 from ctxreplay.loading.guard import GuardError
+
+pytestmark = needs_size_guards
 
 
 def _loaded(tmp_path: Path, cls: type, make: fc.Make, lengths: tuple[int, ...]) -> tuple[

@@ -17,12 +17,13 @@ from typing import Any
 import pytest
 import real_models
 import torch
+from capability import needs_size_guards
 from torch import nn
 from trust_oracle import false_oks, members_of, record, unreproduced
 
 import ctxreplay
 
-pytestmark = pytest.mark.models
+pytestmark = [pytest.mark.models, needs_size_guards]
 
 LENGTHS = (5, 7, 9, 12, 16, 20)
 
