@@ -76,7 +76,7 @@ def test_without_size_guards_only_observed_sizes_are_dispatched() -> None:
     assert report.ok and len(report.captures) == len(OBSERVED)
     for n in OBSERVED:
         assert _installed(model, report, n) == (True, 0), n
-    assert _installed(model, report, 7) == (True, len(model.blocks)), 7  # never seen
+    assert _installed(model, report, 7) == (True, len(model.blocks))  # never seen
 
 
 def test_the_control_a_fold_dispatches_a_size_it_never_saw() -> None:
