@@ -31,9 +31,13 @@ _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "Autocast
 
 @functools.cache
 def autocast_policy() -> dict[str, str]:
-    """Device type -> a digest of the operators torch's autocast has a kernel
-    for on it (``_dispatch_get_registrations_for_dispatch_key``): two builds
-    whose autocast casts different operators have different digests.  A
+    """Device type -> a digest of torch's own operators (``aten::``) that its
+    autocast has a kernel for on it (``_dispatch_get_registrations_for_dispatch_key``):
+    two builds whose autocast casts different operators have different
+    digests.  Another library's operators are left out: they register with
+    autocast when that library is imported (``import torchvision`` adds
+    ``torchvision::nms`` and ``roi_align`` to AutocastCPU), so the digest
+    would say whether a process had imported it, not what torch casts.  A
     device type whose key this torch lacks is left out."""
     get = getattr(torch._C, "_dispatch_get_registrations_for_dispatch_key", None)
     if get is None:  # pragma: no cover - a torch without the query
@@ -41,7 +45,7 @@ def autocast_policy() -> dict[str, str]:
     out: dict[str, str] = {}
     for device, key in _AUTOCAST_KEYS.items():
         try:
-            ops = sorted(str(op) for op in get(key))
+            ops = sorted(name for name in map(str, get(key)) if name.startswith("aten::"))
         except Exception:  # this torch has no such dispatch key
             continue
         if ops:
