@@ -509,6 +509,13 @@ class _RunWatch(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # a compiled function the forward calls: Dynamo inlines an active
+            # mode, and guarded on the per-callable table below, which its
+            # own trace fills (torch 2.9.1 failed its guard self-check with
+            # an AssertionError, so the check run did).  Writes made inside
+            # compiled code are not watched.
+            return func(*args, **kwargs)
         if self.generators:
             g = kwargs.get("generator")
             if isinstance(g, torch.Generator) and id(g) not in self.seen:

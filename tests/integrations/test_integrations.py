@@ -172,10 +172,11 @@ def test_a_capture_under_a_backend_reproduces_it_by_value(
     states = [c["capture"]["snapshot"]["probes"]["diffusers_attention"]["state"]
               for c in manifest["captures"]]
     assert states and all(s == {"backend": backend} for s in states), states
-    if backend == "flex":
-        # torch.export cannot serialize flex attention's higher-order op: the
-        # capture stays usable in this process and the manifest says so
-        assert not saved.ok and {r for _, _, r in saved.not_saved} == {"serialize_failed"}
+    if backend == "flex" and not saved.ok:
+        # torch.export cannot serialize flex attention's higher-order op on
+        # some releases (2.13; 2.9.1 can): the capture stays usable in this
+        # process and the manifest says so
+        assert {r for _, _, r in saved.not_saved} == {"serialize_failed"}
     else:
         assert saved.ok
         sidecar = json.loads(next(tmp_path.glob("*.pt2.json")).read_text())
