@@ -367,6 +367,12 @@ def test_a_change_dynamo_traces_past_is_seen_by_a_watched_run(backend: Any) -> N
         model(x, Counted())
     report = session.finalize()
     assert not report.ok
+    if not report.captures:
+        # Dynamo of torch 2.7-2.11 cannot trace this forward ("Unsupported
+        # method call"): nothing is captured, and the report says so
+        assert [(f.backend, f.reason) for f in report.failures] == [
+            (report.failures[0].backend, "unsupported_graph")]
+        return
     [m] = _argument_mismatches(report)
     assert (m.path, m.live) == ("args[1].calls", "Counted.calls: assigned (new int)")
     if not isinstance(report.captures[0].artifact, torch.export.ExportedProgram):
@@ -430,6 +436,8 @@ def test_the_run_watching_arguments_leaves_the_live_weights_alone() -> None:
     live = model.avg.detach().clone()
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     report = session.finalize()
-    assert report.captures  # the watched run happened (its inputs hold a list)
+    # the watched run happened (its inputs hold a list) -- where Dynamo can
+    # trace the forward (torch 2.7 and 2.9 cannot: a failure says so)
+    assert report.captures or [f.reason for f in report.failures] == ["unsupported_graph"]
     assert torch.equal(model.avg.detach(), live)
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
