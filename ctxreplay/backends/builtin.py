@@ -15,7 +15,8 @@ from .base import Backend, BackendError, classify_exception, share_tensors_copy
 from .passes import lower_wrappers
 from .registry import register_backend
 
-__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend"]
+__all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend",
+           "refuse_fake_tensors"]
 
 
 @register_backend
@@ -95,10 +96,27 @@ class DynamoBackend(Backend):
         with _forward_on_the_class(module):
             result = torch._dynamo.export(module, aten_graph=True,
                                           assume_static_by_default=True)(*args, **kwargs)
+        refuse_fake_tensors(result.graph_module)
         return result.graph_module
 
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return artifact(*args, **kwargs)
+
+
+def refuse_fake_tensors(gm: torch.fx.GraphModule) -> None:
+    """Raise where a graph module holds a tensor its trace made (a
+    ``FakeTensor``) instead of a real one: it could never run.  Dynamo of
+    torch 2.9 and earlier keeps a tensor the forward made and stored in a
+    Python container of the module (a dict filled per size) as such a
+    constant."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    held = [(name, t) for name, t in vars(gm).items() if isinstance(t, torch.Tensor)]
+    held += [*gm.named_parameters(), *gm.named_buffers()]
+    fake = sorted({name for name, t in held if isinstance(t, FakeTensor)})
+    if fake:
+        raise ValueError(f"the traced graph holds tensors its trace made, not real ones: "
+                         f"{', '.join(fake[:4])}")
 
 
 @contextmanager

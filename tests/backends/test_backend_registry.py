@@ -388,3 +388,21 @@ def test_the_suite_fails_a_test_that_leaves_a_backend_registered(
     assert "test_leaking.py::test_leaves_a_backend_registered leaked global state:" in out
     assert "backend registry: added ['left_behind'], removed [], changed []" in out
     assert "ERROR at teardown of test_cleans_up" not in out
+
+
+def test_a_graph_holding_a_tensor_its_trace_made_is_refused() -> None:
+    """Dynamo of torch 2.9 and earlier kept a tensor the forward stored in a
+    dict of its module as a FakeTensor constant of the graph: an artifact
+    that could never run, and ok at ``verify="signature"``.  The graph
+    module is built here as torch left it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ctxreplay.backends.builtin import refuse_fake_tensors
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    refuse_fake_tensors(gm)  # real tensors only: accepted
+    with FakeTensorMode():
+        made = torch.ones(3)
+    gm._tensor_constant0 = made
+    with pytest.raises(ValueError, match="_tensor_constant0"):
+        refuse_fake_tensors(gm)
