@@ -169,6 +169,13 @@ class TorchCaps:
     #: the mode and returns False).  Measured true on 2.7.0, false on 2.9.1.
     #: A wrapper that must see the error re-raises it itself when this is true.
     autocast_exit_swallows_errors: bool
+    #: non-strict ``torch.export`` traces a forward that adds to a list or
+    #: dict attribute of its module.  Before 2.11 its check for attributes
+    #: assigned during the trace (``_detect_attribute_assignment``) compares
+    #: the containers' structure before and after and raises ``ValueError:
+    #: Node arity mismatch``.  From the version (2.9.1 raises, 2.11.0 traces;
+    #: measured).
+    export_traces_growing_containers: bool
     #: the module ``ExportedProgram.module()`` makes runs the size guards of
     #: the trace on every call (a ``_guards_fn`` submodule; ``module()`` takes
     #: ``check_guards``): a program traced with dynamic sizes then refuses a
@@ -466,6 +473,7 @@ def _detect() -> TorchCaps:
         export_records_inner_autocast=records_inner,
         autocast_exit_swallows_errors=records_inner and v < (2, 9),
         export_guards_sizes=_module_takes("check_guards"),
+        export_traces_growing_containers=v >= (2, 11),
         dynamo_traces_contextmanager=v >= (2, 7),
         dynamo_traces_instance_forward=v >= (2, 10),
         dynamo_traces_exitstack=v >= (2, 11),

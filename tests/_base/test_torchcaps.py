@@ -583,3 +583,23 @@ def test_export_guards_sizes() -> None:
         refused = False
         assert torch.equal(out, torch.full((2, 7), 2.0))  # the traced path, silently
     assert refused == CAPS.export_guards_sizes
+
+
+def test_export_traces_growing_containers() -> None:
+    class Grows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[int] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(1)
+            return x + 1
+
+    try:
+        torch.export.export(Grows(), (torch.rand(2),), strict=False)
+    except ValueError as exc:
+        assert "arity" in str(exc)
+        traced = False
+    else:
+        traced = True
+    assert traced == CAPS.export_traces_growing_containers

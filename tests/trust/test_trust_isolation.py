@@ -35,6 +35,7 @@ from trust_oracle import members_of, record, unreproduced
 
 import ctxreplay
 import ctxreplay.capture.isolate
+from ctxreplay._base.torchcaps import CAPS
 from ctxreplay.backends import ExportBackend
 from ctxreplay.fidelity.verify import check_signature
 
@@ -771,10 +772,15 @@ def test_empty_containers_a_module_holds_stay_empty_and_aliased(verify: str) -> 
     for c in (*held.values(), model.log.seen):
         c.clear()
     report = session.finalize()
-    assert report.ok, report.failures
     # the trace and the check wrote into the copy's containers, not these
     assert all(getattr(model, n) is held[n] and not held[n] for n in _EMPTY_ATTRS)
     assert model.log.seen == [] and model.alias is model.items
+    if not CAPS.export_traces_growing_containers:
+        # torch's export refuses the forward (2.7, 2.9): said, never ok
+        [failure] = report.failures
+        assert not report.ok and failure.reason == "trace_error" and "arity" in failure.message
+        return
+    assert report.ok, report.failures
     # and the copy kept the alias: the artifact scales by 1, as the live call did
     (cap,) = report.captures
     with torch.no_grad():
