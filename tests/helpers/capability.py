@@ -18,6 +18,7 @@ while oneDNN is capped at ``AVX2`` -- so the op itself is run.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -75,3 +76,36 @@ needs_size_guards = pytest.mark.skipif(
     not CAPS.export_guards_sizes,
     reason=f"torch {torch.__version__}: exported programs do not check their size guards, "
            "so ctxreplay does not fold sizes (tests/capture/test_fold_off.py)")
+
+
+class _Holder:
+    """What ctxreplay's wrapper is to Dynamo: a plain slotted object, bound as
+    a module's instance ``forward``, that reads its own attributes."""
+
+    __slots__ = ("flag", "orig")
+
+    def __init__(self, orig: Any) -> None:
+        self.orig = orig
+        self.flag = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.orig(*args, **kwargs)
+
+
+@functools.cache
+def dynamo_breaks_on_a_bound_holder() -> bool:
+    """Whether Dynamo, with no ctxreplay involved, graph-breaks on a module
+    whose forward is a method bound to a plain object (measured: torch 2.7.0
+    breaks -- "Unexpected type in sourceless builder builtins.method" -- and
+    2.9.1-2.14.1 do not)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        lin = model[0]
+        lin.forward = types.MethodType(_Holder.forward, _Holder(lin.forward))
+        torch.compile(model, backend="eager")(torch.rand(2, 8))
+        return bool(torch._dynamo.utils.counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()

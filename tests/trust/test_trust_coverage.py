@@ -21,6 +21,7 @@ import attrs
 import pytest
 import torch
 import torch._dynamo
+from capability import dynamo_breaks_on_a_bound_holder
 from metadata_check import finalize_checked
 from torch import nn
 
@@ -65,6 +66,25 @@ def _problem(report: ctxreplay.CaptureReport, reason: str) -> ctxreplay.Problem:
     return found[0]
 
 
+def _observed_through_graph_breaks(report: ctxreplay.CaptureReport, calls: int,
+                                   entry_counted: bool = False) -> bool:
+    """Where Dynamo graph-breaks on a forward bound to a plain object (torch
+    2.7: ``capability.dynamo_breaks_on_a_bound_holder``), each wrapped block
+    of a compiled model runs in Python: its calls are observed and captured.
+    The report is ok, unless the model was compiled before the session
+    (``entry_counted``): its compiled entry point's calls are then counted as
+    not observed, so the report errs on the side of not ok.  True when that
+    is this torch (and it held)."""
+    if not dynamo_breaks_on_a_bound_holder():
+        return False
+    assert sum(c.calls for c in report.captures) == calls
+    if entry_counted:
+        assert not report.ok and _problem(report, "not_observed").exact
+    else:
+        assert report.ok, report.problems
+    return True
+
+
 def _strict_raises(session: ctxreplay.CaptureSession, reason: str) -> ctxreplay.CaptureReport:
     with pytest.raises(ctxreplay.FidelityError) as info:
         session.finalize(strict=True)
@@ -105,6 +125,8 @@ def test_a_compiled_model_given_to_capture_with_counts_its_unobserved_calls() ->
         for _ in range(3):
             assert torch.equal(compiled(x), expected)
     report = finalize_checked(s)
+    if _observed_through_graph_breaks(report, 3 * 2, entry_counted=True):
+        return
     assert report.captures == () and not report.ok
     p = _problem(report, "not_observed")
     # compiled before capture_with: its entry point counts every call
@@ -130,6 +152,8 @@ def test_per_block_compile_counts_each_compiled_block_call() -> None:
         for _ in range(3):
             model(torch.rand(2, 4))
     report = finalize_checked(s)
+    if _observed_through_graph_breaks(report, 3 * 2, entry_counted=True):
+        return
     assert [c.member_calls for c in report.captures] == [(("blocks.1", 3),)]
     assert not report.ok
     p = _problem(report, "not_observed")
@@ -144,6 +168,8 @@ def test_a_model_compiled_inside_the_session_with_only_compiled_calls_is_not_ok(
         compiled(torch.rand(2, 4))
         compiled(torch.rand(2, 4))
     report = finalize_checked(s)
+    if _observed_through_graph_breaks(report, 2 * 2):
+        return
     assert not report.ok and report.captures == ()
 
 
@@ -159,6 +185,8 @@ def test_a_model_compiled_inside_the_session_counts_its_compiled_calls(
         compiled(torch.rand(2, 4))
         compiled(torch.rand(2, 4))
     report = finalize_checked(s)
+    if _observed_through_graph_breaks(report, (eager_calls + 2) * 2):
+        return
     assert not report.ok
     # compiled after capture_with: that the blocks ran compiled is known, how
     # often is not (a count read inside the compiled code would make Dynamo
