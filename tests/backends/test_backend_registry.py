@@ -266,7 +266,8 @@ def test_entry_points_register_lazily_once_and_broken_ones_only_warn(
     assert not loaded, "entry points load on the first lookup, not before"
     with pytest.warns(BackendRegistrationWarning) as record:
         info = available_backends()
-    messages = sorted(str(w.message) for w in record)
+    # (a broken package installed where the suite runs is not this test's)
+    messages = sorted(m for m in map(str, (w.message for w in record)) if "from fake-pkg" in m)
     assert len(messages) == 4, messages
     for name in ["fake_import_error", "fake_raising_import", "fake_not_a_backend", "export"]:
         assert any(f"backend entry point {name!r} from fake-pkg" in m for m in messages), name
@@ -282,7 +283,8 @@ def test_entry_points_register_lazily_once_and_broken_ones_only_warn(
     assert get_backend("fake_instance") is instance
 
     # The broken ones are listed with their error and cannot be used.
-    errors = {n: info[n].error or "" for n in info if not info[n].loaded}
+    errors = {n: info[n].error or "" for n in info
+              if not info[n].loaded and info[n].distribution == "fake-pkg"}
     assert set(errors) == {"fake_import_error", "fake_raising_import", "fake_not_a_backend",
                            "export@fake-pkg"}
     assert errors["fake_import_error"].startswith("ModuleNotFoundError")
@@ -294,9 +296,11 @@ def test_entry_points_register_lazily_once_and_broken_ones_only_warn(
     assert info["export"].origin == "builtin"
     assert type(get_backend("export")) is ExportBackend
 
-    # Everything else still works, and the warnings came once.
+    # Everything else still works, and the warnings came once.  (Only this
+    # registry's: a broken probe package installed where the suite runs warns
+    # when the probes load, as it should.)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", BackendRegistrationWarning)
         assert available_backends() == info
         report = _capture_two_variants("fake_good")
         assert report.ok, report.failures
