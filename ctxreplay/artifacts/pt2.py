@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import io
 import json
 import struct
@@ -178,8 +179,9 @@ def _read_archive(path: Path) -> Any:
     archive or this torch is not laid out so."""
     from torch._export.serde.schema import ExportedProgram as Schema
     from torch._export.serde.serialize import ExportedProgramDeserializer
-    from torch.export.pt2_archive import _package as pkg
-    from torch.export.pt2_archive import constants as names
+    # (by name: torch 2.7 has no such package, and its stubs none either)
+    pkg: Any = importlib.import_module("torch.export.pt2_archive._package")
+    names: Any = importlib.import_module("torch.export.pt2_archive.constants")
 
     with pkg.PT2ArchiveReader(str(path)) as reader:
         if reader.read_string(names.ARCHIVE_VERSION_PATH) != names.ARCHIVE_VERSION_VALUE:

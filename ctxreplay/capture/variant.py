@@ -441,11 +441,13 @@ def _dynamic_shapes(plan: _Plan, target: nn.Module, args: tuple[Any, ...],
     ``Dim.AUTO``, so the trace itself finds how they relate and where the
     forward needs a fixed size (it then specialises, and the fold's checks
     say which sizes the graph takes)."""
-    collection = torch.export.ShapesCollection()  # type: ignore[no-untyped-call]
+    # (Any: torch 2.7's stubs neither export ShapesCollection nor know Dim.AUTO)
+    export: Any = torch.export
+    collection = export.ShapesCollection()
     leaves = call_tensors(args, kwargs)
     for i, dims in plan.dims.items():
-        collection[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
-    return collection.dynamic_shapes(target, args, kwargs)  # type: ignore[no-untyped-call]
+        collection[leaves[i]] = {d: export.Dim.AUTO for d in dims}
+    return collection.dynamic_shapes(target, args, kwargs)
 
 
 def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,

@@ -137,7 +137,7 @@ def flatten(program: Any, *, keep_guards: bool) -> Flat | str:
         return "not an ExportedProgram"
     if _holds_modules(program):
         return "a graph input is a module"
-    gm = program.module()
+    gm: Any = program.module()  # (a GraphModule; typed nn.Module in torch 2.7's stubs)
     info = getattr(gm.graph._codegen, "pytree_info", None)
     if info is None or info.in_spec is None or info.out_spec is None:
         return "the program's module has no pytree specs"
