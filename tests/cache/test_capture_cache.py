@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import trust_oracle
+from capability import needs_size_guards
 from metadata_check import assert_metadata_only
 from torch import nn
 
@@ -103,6 +104,7 @@ def cache_warnings(seen: list[warnings.WarningMessage]) -> list[str]:
 # -- hits -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("verify", ["signature", "execute"])
+@needs_size_guards
 def test_unchanged_model_hits_every_variant(tmp_path: Path, verify: str) -> None:
     torch.manual_seed(0)
     first, calls = run(Stack(), tmp_path, verify=verify)
@@ -173,6 +175,7 @@ def test_what_can_change_the_graph_misses(tmp_path: Path, change: str) -> None:
         assert wrong and all(w is not None for w in wrong)
 
 
+@needs_size_guards
 def test_another_torch_version_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     run(Stack(), tmp_path)
@@ -239,6 +242,7 @@ def _rewrite_ready(entry: Path) -> None:
         "program": hashlib.sha256(program).hexdigest(), "program_bytes": len(program)}))
 
 
+@needs_size_guards
 def test_a_tampered_graph_is_caught_by_execution_and_recaptured(
         tmp_path: Path, quiet: list[warnings.WarningMessage]) -> None:
     honest, other = tmp_path / "honest", tmp_path / "other"
@@ -266,6 +270,7 @@ def test_a_tampered_graph_is_caught_by_execution_and_recaptured(
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "no READY"])
+@needs_size_guards
 def test_a_damaged_entry_is_discarded_with_a_warning(
         tmp_path: Path, damage: str, quiet: list[warnings.WarningMessage]) -> None:
     torch.manual_seed(0)
@@ -289,6 +294,7 @@ def test_a_damaged_entry_is_discarded_with_a_warning(
     assert len(entries(tmp_path)) == CAPTURES
 
 
+@needs_size_guards
 def test_a_read_only_directory_is_read_and_never_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         quiet: list[warnings.WarningMessage]) -> None:
@@ -348,6 +354,7 @@ print(report.ok, sum(c.from_cache for c in report.captures), len(report.captures
 '''
 
 
+@needs_size_guards
 def test_two_processes_fill_one_cache_concurrently(tmp_path: Path) -> None:
     import os
     import subprocess
@@ -385,6 +392,7 @@ def test_two_processes_fill_one_cache_concurrently(tmp_path: Path) -> None:
 
 # -- options, environment, command ----------------------------------------------------
 
+@needs_size_guards
 def test_the_environment_variable_and_false(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CTXREPLAY_CACHE", str(tmp_path))
@@ -409,6 +417,7 @@ def test_a_file_is_not_a_cache_directory(tmp_path: Path) -> None:
         ctxreplay.capture_with(Stack(), cache=tmp_path / "f")
 
 
+@needs_size_guards
 def test_the_cache_command_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                        ) -> None:
     from ctxreplay.cli import main
@@ -552,6 +561,7 @@ def test_any_argument_name_is_stored_and_hits(tmp_path: Path, name: str,
     assert cache_warnings(quiet) == []
 
 
+@needs_size_guards
 def test_a_capture_the_cache_cannot_keep_warns_once_with_its_cause(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         quiet: list[warnings.WarningMessage]) -> None:

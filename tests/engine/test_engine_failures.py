@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from capability import needs_size_guards
 from engine_models import BF16, MatmulBlock, bf16, matmul_dtypes
 from metadata_check import MetadataViolation, assert_metadata_only, finalize_checked
 from torch._C._dynamo.guards import GlobalStateGuard
@@ -85,6 +86,7 @@ class ObserveBoom(ctxreplay.probes.ContextProbe[str]):
         return _mode(state)
 
 
+@needs_size_guards
 def test_a_probe_whose_observe_raises() -> None:
     model, xs = MatmulBlock(), _inputs()
     guard, before = GlobalStateGuard(), global_state()
@@ -148,6 +150,7 @@ class ReplayBoom(ctxreplay.probes.ContextProbe[str]):
 
 @pytest.mark.parametrize("when", ["call", "enter", "exit"])
 @pytest.mark.parametrize("traceable", [True, False], ids=["inside", "around"])
+@needs_size_guards
 def test_a_probe_whose_replay_raises(traceable: bool, when: str) -> None:
     model, xs = MatmulBlock(), _inputs()
     guard, before = GlobalStateGuard(), global_state()

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ctxreplay
+from ctxreplay._base.torchcaps import CAPS
 from ctxreplay.core.probe import ContextProbe
 from ctxreplay.integrations import lowering_math_sdpa, math_sdpa
 from ctxreplay.probes import (
@@ -156,6 +157,10 @@ def test_a_default_capture_never_runs_under_another_backend(
 def test_a_capture_under_a_backend_reproduces_it_by_value(
         wan: nn.Module, eager: dict[str, torch.Tensor], backend: str, tmp_path: Path) -> None:
     report = _capture(wan, backend)
+    if backend == "flex" and CAPS.version < (2, 9):
+        # torch 2.7's export cannot trace diffusers' flex attention: said, never ok
+        assert not report.ok and {f.reason for f in report.failures} == {"unsupported_graph"}
+        return
     assert report.ok, (report.failures, report.problems)
     assert {c.snapshot.describe()["diffusers_attention"] for c in report.captures} == {backend}
     handle = ctxreplay.install(wan, report)

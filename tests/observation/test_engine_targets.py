@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from capability import needs_size_guards
 from engine_models import BF16, F32, Block, CountingExport, MatmulBlock, Stack, bf16, out_dtypes
 from metadata_check import finalize_checked
 from torch import nn
@@ -63,6 +64,7 @@ def test_repeated_without_a_homogeneous_stack_is_an_error() -> None:
         ctxreplay.capture_with(MatmulBlock(), targets="repeated")
 
 
+@needs_size_guards
 def test_targets_by_name() -> None:
     model = Stack()
     with ctxreplay.capture_with(model, targets=["blocks.0", "head"], backend="export") as s:

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
 from public import public_names, resolve
 
 import ctxreplay
+from ctxreplay._base.torchcaps import CAPS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -104,10 +106,15 @@ def test_fences_are_deliberate(page: Path) -> None:
 
 
 RUNNABLE = [p for p in PAGES if any(b.language == "python" for b in blocks_of(p))]
+#: pages whose examples assert what size folding gives
+FOLDING_PAGES = {"concepts.md"}
 
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
 def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if page.name in FOLDING_PAGES and not CAPS.export_guards_sizes:
+        pytest.skip(f"{page.name} shows size variants folded, which torch "
+                    f"{torch.__version__} cannot guard (ctxreplay does not fold there)")
     blocks = [b for b in blocks_of(page) if b.language == "python"]
     monkeypatch.chdir(tmp_path)
     # A real module, so dataclasses, pickling and torch.export can find the
