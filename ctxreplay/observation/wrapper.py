@@ -80,28 +80,14 @@ class _Python:
             return False
 
 
-class _Untraced:
-    """A ``TensorGuards`` check that also fails under ``torch.jit.trace``,
-    for a torch whose guards do not see the tracer's dispatch key."""
-
-    __slots__ = ("guard",)
-
-    def __init__(self, guard: Any) -> None:
-        self.guard = guard
-
-    def check(self, *args: Any) -> bool:
-        return not _is_tracing() and bool(self.guard.check(*args))
-
-
 def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
     """What a memo hit checks the call's arguments with.  It must fail under
     ``torch.jit.trace`` (a traced call is not a live one, and the slow path
     reads no shape while tracing): ``TensorGuards`` does where it sees the
-    tracer's thread-local dispatch key, so the hit path asks nothing else."""
-    check = tensor_guard(args)
-    if check is None:
-        return _Python(sig)
-    return check if CAPS.tensor_guards_see_jit_tracing else _Untraced(check)
+    tracer's thread-local dispatch key, so the hit path asks nothing else;
+    elsewhere the Python key, which asks."""
+    check = tensor_guard(args) if CAPS.tensor_guards_see_jit_tracing else None
+    return check if check is not None else _Python(sig)
 
 
 class _Shared:
