@@ -9,6 +9,7 @@ its whole run, so a hang fails the test instead of blocking the suite.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -44,6 +45,17 @@ def start_method() -> str:
         return "spawn"
     mp.set_forkserver_preload(["torch", "torch.distributed", "ctxreplay", "distributed_cases"])
     return "forkserver"
+
+
+def _why_ranks_died(stdout: str, stderr: str) -> str:
+    """The lines of a failed torchrun's output that say why: errors, fatal
+    signals and the stacks printed with them, torchrun's summary, and the
+    end of what the ranks printed."""
+    keys = ("rror", "xception", "terminate", "what()", "Fatal", "Signal", "signal",
+            "File \"", "Thread 0x", "Current thread", "exitcode", "rank:")
+    lines = [ln for ln in stderr.splitlines() if any(k in ln for k in keys)]
+    return "\n".join(["stdout ends:", stdout[-600:], "stderr, the lines that say why:",
+                      *lines[:120]])
 
 
 def _port() -> int:
@@ -202,12 +214,13 @@ def test_the_torchrun_example_runs_under_torchrun(tmp_path: Path) -> None:
     import sys
 
     script = Path(__file__).resolve().parents[2] / "examples" / "torchrun_capture.py"
+    # a rank that dies of a signal prints every thread's Python stack
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", str(_port()), str(script), str(tmp_path)],
-        capture_output=True, text=True, timeout=170)
-    # the first lines say why a rank died; the last what torchrun made of it
-    assert done.returncode == 0, (done.stdout[-1000:], done.stderr[:3000], done.stderr[-1500:])
+        capture_output=True, text=True, timeout=170, env=env)
+    assert done.returncode == 0, _why_ranks_died(done.stdout, done.stderr)
     docs = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in (0, 1)]
     for d in docs:
         d.pop("seconds")
