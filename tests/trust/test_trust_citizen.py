@@ -11,6 +11,7 @@ record one, so a session that observes nothing cannot pass.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import pickle
 from collections.abc import Callable, Iterator
@@ -24,6 +25,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import ctxreplay
+from ctxreplay._base.torchcaps import CAPS
+from ctxreplay.observation import wrapper
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore:`torch.jit.*deprecated:DeprecationWarning")]
@@ -108,12 +111,21 @@ def test_jit_trace_sees_the_same_graph_and_records_nothing(check_trace: bool) ->
     s.finalize()
 
 
-def test_jit_trace_after_live_calls_records_nothing() -> None:
+@pytest.mark.parametrize("guards_see_tracing", [True, False],
+                         ids=["tensor-guards", "python-key"])
+def test_jit_trace_after_live_calls_records_nothing(
+        guards_see_tracing: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """After live calls each block answers repeats from its memo, which asks
     nothing of torch.jit.trace itself: the memo's input check must fail
     inside a trace (tensors of the same metadata as the live ones, the same
-    grad mode).  (``check_trace=True`` then runs the model again untraced;
-    those runs are counted once a variant exists -- not covered here.)"""
+    grad mode).  Where torch's TensorGuards do not see the tracer, the memo
+    checks with the Python key, which asks.  (``check_trace=True`` then runs
+    the model again untraced; those runs are counted once a variant exists
+    -- not covered here.)"""
+    if guards_see_tracing and not CAPS.tensor_guards_see_jit_tracing:
+        pytest.skip("torch limit: this torch's TensorGuards do not see jit tracing")
+    monkeypatch.setattr(wrapper, "CAPS", dataclasses.replace(
+        CAPS, tensor_guards_see_jit_tracing=guards_see_tracing))
     check_trace = False
     model = _net()
     x = _x()
