@@ -167,6 +167,11 @@ def test_a_graph_with_an_all_reduce_runs_on_every_rank_and_its_verdict_is_right(
     assert {m["field"] for m in b["fidelity"]["mismatches"]} >= {"dtype"}
 
 
+def test_destroy_process_group_frees_the_group_after_a_finalize(tmp_path: Path) -> None:
+    results = _run(cases.releases_group, 2, tmp_path)
+    assert results == [{"ok": True, "alive": False}] * 2
+
+
 def test_a_rank_whose_backend_raises_shows_in_every_report(tmp_path: Path) -> None:
     results = _run(cases.backend_raises, 2, tmp_path)
     docs = [r["report"] for r in results]

@@ -6,11 +6,13 @@ live, and how many times its backend was called -- or the error it raised."""
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import sys
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +152,21 @@ def collective(rank: int, world: int, port: int, out: str) -> None:
         results[label] = _doc(session.finalize())
     Path(out, f"{rank}.json").write_text(json.dumps(results))
     _teardown()
+
+
+def releases_group(rank: int, world: int, port: int, out: str) -> None:
+    """After a finalize, ``destroy_process_group()`` still frees the group:
+    nothing keeps the process group object (its gloo threads and sockets)
+    alive until the interpreter tears down."""
+    _setup(rank, world, port)
+    group = weakref.ref(dist.group.WORLD)
+    model = Stack().eval()
+    with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
+        model(torch.rand(1 + rank, 8))
+    ok = session.finalize().ok
+    _teardown()
+    gc.collect()
+    Path(out, f"{rank}.json").write_text(json.dumps({"ok": ok, "alive": group() is not None}))
 
 
 def backend_raises(rank: int, world: int, port: int, out: str) -> None:
