@@ -395,27 +395,23 @@ def _tensor_guards_see_local_state() -> bool:
     return _guard_probe(_sees_autocast)
 
 
+def _sees_dispatch_modes(outside: Any, x: torch.Tensor) -> bool:
+    from torch.utils import _python_dispatch
+
+    def dispatch(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+    # (untyped in torch's stubs: made through ``type``)
+    base: Any = _python_dispatch.TorchDispatchMode
+    passing: Any = type("_Passing", (base,), {"__torch_dispatch__": dispatch})
+    with passing():
+        inside = _make_tensor_guard(_tensor_guards_cls(), x)
+        seen = not outside.check(x) and bool(inside.check(x))
+    return seen and bool(outside.check(x)) and not inside.check(x)
+
+
 def _tensor_guards_see_dispatch_modes() -> bool:
-    cls = _tensor_guards_cls()
-    if cls is None:
-        return False
-    try:
-        from torch.utils import _python_dispatch
-
-        def dispatch(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            return func(*args, **(kwargs or {}))
-
-        # (untyped in torch's stubs: made through ``type``)
-        base: Any = _python_dispatch.TorchDispatchMode
-        passing: Any = type("_Passing", (base,), {"__torch_dispatch__": dispatch})
-        x = torch.zeros(2, 3)
-        outside = _make_tensor_guard(cls, x)
-        with passing():
-            inside = _make_tensor_guard(cls, x)
-            seen = not outside.check(x) and bool(inside.check(x))
-        return seen and bool(outside.check(x)) and not inside.check(x)
-    except Exception:
-        return False
+    return _guard_probe(_sees_dispatch_modes)
 
 
 def _sees_jit_tracing(guard: Any, x: torch.Tensor) -> bool:

@@ -79,8 +79,9 @@ def not_folding(options: CaptureOptions) -> str | None:
     if options.verify == "off":
         return "verify='off' (a fold is kept only once run at every size)"
     if not CAPS.export_guards_sizes:
-        # an exported program of this torch runs a size inside a fold's
-        # range that its trace took another path for, silently (the field)
+        # an exported program of this torch does not check its trace's size
+        # guards: a size inside a fold's range that the trace sent down
+        # another path would run the traced path silently
         return f"size_guards=False (torch {'.'.join(map(str, CAPS.version))})"
     return None
 
