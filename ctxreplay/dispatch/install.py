@@ -294,10 +294,10 @@ class _Slot(Wrapper):
 
     def invalidate(self) -> None:
         """The member's tensors, submodules or attributes were replaced: bind
-        again (checking its identity again)."""
+        again (checking its identity again).  The rematches stay: each reads
+        only a call's arguments, never the member."""
         self.last = self.near = None
         self.memo.clear()
-        self.rematch.clear()
         self.targets.clear()
         self.handle._programs.forget(self.name)
 

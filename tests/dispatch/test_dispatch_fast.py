@@ -438,3 +438,53 @@ def test_a_members_own_hook_added_after_install_runs_once_around_the_graph(
     want = _run(stack, x)
     hook.remove()
     assert torch.equal(got, want)
+
+
+class ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        out: torch.Tensor = torch.tanh(self.lin(x)) * scale
+        return out
+
+
+class ScaledStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ScaledBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, scale=0.5)
+        return x
+
+
+def test_a_hook_assigning_an_attribute_every_call_runs_eagerly_without_rebuilding_the_rematch(
+        x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profiler's hook that stores a time on the block (``module._t = ...``)
+    changes the block's identity on every call: each call runs eagerly and is
+    checked again, but the check of the call's arguments, generated from
+    the arguments alone, is made once per block, not once per call."""
+    torch.manual_seed(0)
+    model = ScaledStack().eval()
+    twin = copy.deepcopy(model)
+    report = _captured(model, x)
+    made: list[int] = []
+    real = ctxreplay.dispatch.install.rematcher
+
+    def counted(args: Any, kwargs: Any) -> Any:
+        made.append(1)
+        return real(args, kwargs)
+
+    monkeypatch.setattr(ctxreplay.dispatch.install, "rematcher", counted)
+    calls = 5
+    with ctxreplay.install(model, report) as handle:
+        for b in model.blocks:
+            b.register_forward_pre_hook(lambda mod, args: setattr(mod, "_t", len(made)))
+        for _ in range(calls):
+            assert torch.equal(_run(model, x), _run(twin, x))
+        stats = handle.stats()
+    assert stats.total_hits == 0 and stats.reasons == {"identity": 3 * calls}, stats
+    assert len(made) == 3, f"{len(made)} rematches made for 3 blocks over {calls} calls"
