@@ -115,7 +115,7 @@ def _explain(ns: argparse.Namespace) -> int:
               "report.explain(model) before report.save() (ctxreplay demo --json does)",
               file=sys.stderr)
         return 1
-    print(explanation.table())
+    print(explanation.table(width=shutil.get_terminal_size((88, 24)).columns))
     return 0
 
 
@@ -328,13 +328,17 @@ def _cache(ns: argparse.Namespace) -> int:
     where = ns.dir or os.environ.get("CTXREPLAY_CACHE")
     if not where:
         raise ValueError("cache: give a directory, or set CTXREPLAY_CACHE")
+    if not Path(where).is_dir():
+        # a typo must not read as an empty cache
+        raise ValueError(f"cache: {where}: no such directory"
+                         + ("" if ns.dir else " (from $CTXREPLAY_CACHE)"))
     store = CacheDir(Path(where))
     if ns.action == "clear":
-        print(f"removed {store.clear() if store.root.is_dir() else 0} entries from {where}")
+        print(f"removed {store.clear()} entries from {where}")
         return 0
     n, size = store.size()
     if ns.action == "size":
-        print(f"{where}: {n} entries, {size / 1e6:.1f} MB")
+        print(f"{where}: {n} entries, {_bytes(size)}")
         return 0
     rows: list[tuple[str, ...]] = []
     for key, rec, nbytes in store.entries():
@@ -343,11 +347,23 @@ def _cache(ns: argparse.Namespace) -> int:
                      f"#{about.get('variant', '?')}", _signature(about.get("inputs")),
                      f"{about.get('backend', '?')}/{about.get('replay', '?')}",
                      str(about.get("verify", "unreadable")), str(about.get("torch", "?")),
-                     f"{nbytes / 1e3:.0f} kB"))
+                     _bytes(nbytes)))
     print(_table(("key", "captured from", "inputs", "backend/replay", "verified", "torch",
                   "size"), rows))
-    print(f"{where}: {n} entries, {size / 1e6:.1f} MB")
+    print(f"{where}: {n} entries, {_bytes(size)}")
     return 0
+
+
+def _bytes(n: int) -> str:
+    """A size in readable decimal units: ``512 B``, ``40.3 kB``, ``1.2 GB``."""
+    if n < 1000:
+        return f"{n} B"
+    size, unit = n / 1e3, "kB"
+    for bigger in ("MB", "GB", "TB"):
+        if size < 1000:
+            break
+        size, unit = size / 1e3, bigger
+    return f"{size:.1f} {unit}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

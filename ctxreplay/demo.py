@@ -3,6 +3,7 @@ autocast and inference mode, captured afterwards with and without replay."""
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from typing import Any
 
@@ -123,5 +124,6 @@ def run_demo(*, depth: int = 6, dim: int = 64, shapes: tuple[tuple[int, int], ..
                  "SOME CAPTURES DISAGREE WITH THE LIVE CALL"))
         if explanation is not None:
             print("\nwhich probes changed the captured graphs (each left out in turn):")
-            print(explanation.table())
+            # the terminal's width (88 when stdout is not a terminal)
+            print(explanation.table(width=shutil.get_terminal_size((88, 24)).columns))
     return report, base, ok

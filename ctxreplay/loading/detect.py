@@ -33,8 +33,8 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
     if given.is_dir():
         manifest = given / MANIFEST_NAME
         if not manifest.is_file():
-            raise ValueError(f"$: a directory without {MANIFEST_NAME}; expected "
-                             f"{expected_files()} (in {given})")
+            raise ValueError(f"{given}: a directory without {MANIFEST_NAME}; expected "
+                             f"{expected_files()}")
         given = manifest
     if not given.exists():
         raise FileNotFoundError(f"{given}: no such file or directory")
@@ -42,15 +42,15 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
     if fmt is not None:
         side = sidecar_path(given)
         if not side.is_file():
-            raise ValueError(f"$: a {fmt.description} without its sidecar {side.name} "
-                             f"(Capture.save writes it beside the {fmt.suffix}) (in {given})")
+            raise ValueError(f"{given}: a {fmt.description} without its sidecar {side.name} "
+                             f"(Capture.save writes it beside the {fmt.suffix})")
         return "artifact", given, None
     try:
         data = loads(given.read_bytes(), "$", source=str(given))
     except ValueError:
         kinds = ", ".join(f"a {f.description}" for f in available_formats().values())
-        raise ValueError(f"$: not a ctxreplay file (neither {kinds} nor a JSON document); "
-                         f"expected {expected_files()} (in {given})") from None
+        raise ValueError(f"{given}: not a ctxreplay file (neither {kinds} nor a JSON "
+                         f"document); expected {expected_files()}") from None
     schema = data.get("schema") if isinstance(data, Mapping) else None
     # by family: a reader of the kind then names an unsupported version
     families = {MANIFEST_SCHEMA: "manifest", SIDECAR_SCHEMA: "sidecar",
@@ -59,5 +59,5 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
         if isinstance(schema, str) and schema.startswith(prefix.partition("/")[0] + "/"):
             return kind, given, data
     shown = repr(schema[:60]) if isinstance(schema, str) else "none"
-    raise ValueError(f"$.schema: a JSON document that is not a ctxreplay manifest, sidecar "
-                     f"or report (schema {shown}); expected {expected_files()} (in {given})")
+    raise ValueError(f"{given}: a JSON document that is not a ctxreplay manifest, sidecar "
+                     f"or report (schema {shown}); expected {expected_files()}")

@@ -11,6 +11,7 @@ ops and their dtypes.  A capture whose context can no longer be replayed
 from __future__ import annotations
 
 import difflib
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -165,16 +166,26 @@ class Explanation:
         raise KeyError(f"no capture {key!r}; explained: "
                        f"{[(c.scope, c.variant) for c in self.captures]}")
 
-    def table(self, *, state_width: int = 32) -> str:
-        """A compact table: capture, probe, its state, effect."""
-        rows = [(f"{c.scope}#{c.variant}", e.probe, _clip(e.state, state_width), e.describe())
-                for c in self.captures for e in c.effects]
+    def table(self, *, state_width: int = 32, width: int | None = None) -> str:
+        """A compact table: capture, probe, its state, effect.  A capture's
+        probes that changed nothing (``no effect`` and ``neutral``) share one
+        row, so the probes that matter stand out; ``width`` wraps the effect
+        column to fit that many characters (``None``: no wrapping)."""
+        rows = [row for c in self.captures for row in _capture_rows(c, state_width)]
         head = ("capture", "probe", "state", "effect")
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
         lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths)) + "  " + head[3]]
         lines.append("-" * len(lines[0]))
-        lines += ["  ".join(v.ljust(w) for v, w in zip(r[:3], widths)) + "  " + r[3]
-                  for r in rows]
+        indent = sum(widths) + 2 * len(widths)
+        for r in rows:
+            prefix = "  ".join(v.ljust(w) for v, w in zip(r[:3], widths)) + "  "
+            if width is None:
+                lines.append(prefix + r[3])
+                continue
+            # the effect wraps under itself; never narrower than 30 characters
+            lines += textwrap.wrap(r[3], width=max(indent + 30, width), initial_indent=prefix,
+                                   subsequent_indent=" " * indent, break_on_hyphens=False,
+                                   break_long_words=False)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -204,6 +215,36 @@ class Explanation:
                                           read_int(cap.get("variant"), f"{where}.variant", lo=0),
                                           effects))
         return cls(tuple(out))
+
+
+#: the statuses of probes that changed nothing in the graph
+_QUIET = ("no effect", "neutral")
+
+
+def _capture_rows(c: CaptureExplanation, state_width: int) -> list[tuple[str, str, str, str]]:
+    """One row per probe that changed (or broke, or could not explain) the
+    graph; one row for all that did not, when there are several."""
+    label = f"{c.scope}#{c.variant}"
+    quiet = [e for e in c.effects if e.status in _QUIET]
+    shown = [e for e in c.effects if e.status not in _QUIET or len(quiet) == 1]
+    rows = [(label, e.probe, _clip(e.state, state_width), e.describe()) for e in shown]
+    if len(quiet) > 1:
+        rows.append((label, f"{len(quiet)} others", "-", _quiet_effect(quiet, state_width)))
+    return rows
+
+
+def _quiet_effect(effects: Sequence[ProbeEffect], state_width: int) -> str:
+    """``no effect: grad_mode (inference_mode); neutral state, nothing to
+    replay: default_device, ...``"""
+    parts = []
+    same = [f"{e.probe} ({_clip(e.state, state_width)})" for e in effects
+            if e.status == "no effect"]
+    if same:
+        parts.append("no effect: " + ", ".join(same))
+    neutral = [e.probe for e in effects if e.status == "neutral"]
+    if neutral:
+        parts.append("neutral state, nothing to replay: " + ", ".join(neutral))
+    return "; ".join(parts)
 
 
 def _clip(text: str, width: int) -> str:

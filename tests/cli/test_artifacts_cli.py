@@ -188,7 +188,9 @@ def test_a_wrong_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFix
     make(path)
     code, out, err = _run(capsys, command, str(path))
     assert code == 2 and out == ""
-    assert err.startswith("ctxreplay: error: ") and expected in err
+    # the message starts with the path the user gave, not a JSON path ("$:")
+    assert err.startswith(f"ctxreplay: error: {path}: ") and expected in err
+    assert "$" not in err
     assert "expected a manifest directory or its manifest.json" in err
 
 

@@ -16,7 +16,7 @@ from torchstate import default_dtype
 import ctxreplay
 from ctxreplay.cli import main
 from ctxreplay.demo import TinyDiT
-from ctxreplay.report.explain import Explanation, ProbeEffect, compare_ops
+from ctxreplay.report.explain import CaptureExplanation, Explanation, ProbeEffect, compare_ops
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")
 
@@ -48,9 +48,48 @@ def test_autocast_changes_the_graph_and_determinism_does_not(
     table = explanation.table()
     auto_line = next(line for line in table.splitlines() if " autocast " in line)
     assert "nodes changed" in auto_line and "bfloat16 -> float32" in auto_line
-    det_line = next(line for line in table.splitlines() if " determinism " in line)
-    assert "no effect" in det_line
+    # the probes that changed nothing share one row
+    quiet = [line for line in table.splitlines() if "determinism" in line]
+    assert len(quiet) == 1 and "no effect: grad_mode (inference_mode)" in quiet[0]
+    assert "neutral state, nothing to replay: " in quiet[0]
     assert str(explanation) == table
+
+
+def _explanation(*effects: ProbeEffect) -> Explanation:
+    return Explanation((CaptureExplanation("blocks.0", 0, effects),))
+
+
+def test_the_probes_that_changed_nothing_share_one_row() -> None:
+    changed = ProbeEffect("autocast", "cpu:bfloat16", "changed", 3, 2, 1, 0)
+    failed = ProbeEffect("acme", "on", "failed", reason="trace_error")
+    quiet = [ProbeEffect("grad_mode", "inference_mode", "no effect"),
+             ProbeEffect("default_dtype", "float32", "neutral"),
+             ProbeEffect("determinism", "default", "neutral")]
+    rows = _explanation(changed, *quiet, failed).table().splitlines()[2:]
+    assert [r.split()[:2] for r in rows] == [["blocks.0#0", "autocast"],
+                                             ["blocks.0#0", "acme"],
+                                             ["blocks.0#0", "3"]]
+    assert rows[2].split("  -  ")[1].strip() == (
+        "no effect: grad_mode (inference_mode); neutral state, nothing to replay: "
+        "default_dtype, determinism")
+    # one probe that changed nothing keeps its own row, state and words
+    (row,) = _explanation(quiet[1]).table().splitlines()[2:]
+    assert row.split() == ["blocks.0#0", "default_dtype", "float32", "no", "effect",
+                           "(neutral", "state:", "nothing", "to", "replay)"]
+
+
+def test_the_table_wraps_its_effect_column_to_a_width() -> None:
+    quiet = [ProbeEffect(f"probe_{i}", "default", "neutral") for i in range(12)]
+    table = _explanation(ProbeEffect("autocast", "cpu:bfloat16", "changed", 34, 32, 0, 2,
+                                     ("float32",), ("bfloat16",)), *quiet)
+    wide, narrow = table.table(), table.table(width=72)
+    assert max(len(line) for line in wide.splitlines()) > 100
+    assert max(len(line) for line in narrow.splitlines()) <= 72
+    # the same words, each row's continuation lines indented under its effect
+    assert narrow.split() == wide.split()
+    indent = narrow.splitlines()[0].index("effect")
+    continued = [line for line in narrow.splitlines()[2:] if not line.startswith("blocks")]
+    assert continued and all(line[:indent].isspace() for line in continued)
 
 
 def test_explain_results_are_stored_in_the_report_json(
@@ -153,9 +192,11 @@ def test_cli_explain_on_the_demo_report(tmp_path: Path,
     lines = out.splitlines()
     assert lines[0].split() == ["capture", "probe", "state", "effect"]
     autocast = [line for line in lines if line.split()[1:2] == ["autocast"]]
-    determinism = [line for line in lines if line.split()[1:2] == ["determinism"]]
+    quiet = [line for line in lines if "no effect: grad_mode" in line]
     assert len(autocast) == 2 and all("nodes changed" in line for line in autocast)
-    assert len(determinism) == 2 and all("no effect" in line for line in determinism)
+    assert len(quiet) == 2 and all(line.split()[2:4] == ["others", "-"] for line in quiet)
+    # wrapped to 88 columns, stdout not being a terminal
+    assert max(len(line) for line in lines) <= 88 < len(" ".join(lines[2:4]))
 
 
 def test_cli_explain_without_results_or_on_bad_input(
