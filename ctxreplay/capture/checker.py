@@ -37,7 +37,7 @@ from ..fidelity.verify import (
 )
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
-from .isolate import isolated, rng_guard
+from .isolate import BookkeepingError, isolated, rng_guard
 from .mutation import ARGUMENT_FIELD, Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
@@ -208,6 +208,8 @@ class Checker:
                 # a graph traced with dynamic sizes checks them before it
                 # runs (torch.export's input guards): it refused these
                 return [_mismatch("execution", "ran", GUARD_FAILED, "execute", None, name)]
+            except BookkeepingError:
+                raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
             except Exception as exc:
                 # e.g. a bfloat16 input meeting float32 weights once autocast
                 # is gone: the probes the artifact did not carry are the
@@ -224,6 +226,8 @@ class Checker:
         with self._isolated(module) as ref:
             try:  # the member itself, on the same inputs, under the live context
                 reference = self._eager(ref, updated)
+            except BookkeepingError:
+                raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
             except Exception as exc:
                 return [_mismatch("execution", "reference run", exception_message(exc)[0],
                                   "execute", None, name)]
@@ -249,6 +253,8 @@ class Checker:
         with self._isolated(module) as view:
             try:
                 self._eager(view, _clone(leaves))
+            except BookkeepingError:
+                raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
             except Exception as exc:
                 return [_mismatch("execution", "the run watching its arguments",
                                   exception_message(exc)[0], ARGUMENT_FIELD, None, None)]
@@ -286,6 +292,8 @@ class Checker:
                     return []  # reported by the execute check
                 try:
                     produced = self._call(program, _clone(leaves))
+                except BookkeepingError:
+                    raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
                 except Exception as exc:
                     found.append(_mismatch("execution", "ran", exception_message(exc)[0],
                                            "values", self.hint, name))

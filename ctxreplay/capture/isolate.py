@@ -52,10 +52,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import Error
+from ..specs.storage import inner_tensors, storage_ptr, storage_ptrs
 from .offload import weight_hooks
 
-__all__ = ["HookedWeights", "NotIsolable", "forward_alone", "isolated", "isolating",
-           "isolating_as", "isolation_depth", "rng_guard", "unwatch", "watch"]
+__all__ = ["BookkeepingError", "HookedWeights", "NotIsolable", "forward_alone", "isolated",
+           "isolating", "isolating_as", "isolation_depth", "rng_guard", "unwatch", "watch"]
 
 _MAX_OBJECTS = 4096
 
@@ -144,6 +145,18 @@ def _set_training(module: nn.Module, training: Iterable[tuple[str, bool]]) -> No
 class NotIsolable(Error, TypeError):
     """No isolated view of a module could be made: capture refuses to run
     it rather than run the user's own module."""
+
+
+class BookkeepingError(Error, RuntimeError):
+    """ctxreplay's own watch around a run failed (not the run itself): a
+    check that meets it cannot say anything of the program, and reports
+    its own failure instead of a mismatch.  Its message names the cause
+    (raised without the chain: a report names the innermost cause's type)."""
+
+    @classmethod
+    def of(cls, doing: str, exc: BaseException) -> BookkeepingError:
+        return cls(f"ctxreplay's watch of a check run failed {doing}: "
+                   f"{type(exc).__name__}: {exc}")
 
 
 class HookedWeights(NotIsolable):
@@ -500,11 +513,20 @@ class _RunWatch(TorchFunctionMode):
         super().__init__()
         self.generators = generators
         self.seen: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        # by the storage of each ordinary tensor holding a weight's data:
+        # a wrapper subclass (a quantized weight, a DTensor) has none of its
+        # own, its inner tensors do
         self.watched: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for name, t in tensors:
-            if t.numel() and t.device.type != "meta":
-                self.watched.setdefault(t.untyped_storage().data_ptr(), []).append((name, t))
-        self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        try:
+            for name, t in tensors:
+                for _path, inner in inner_tensors(t):
+                    ptr = storage_ptr(inner) if inner.numel() else None
+                    if ptr is not None:
+                        self.watched.setdefault(ptr, []).append((name, inner))
+        except Exception as exc:
+            raise BookkeepingError.of("reading the weights' storage", exc) from None
+        self.kept: dict[tuple[str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
+
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -521,18 +543,19 @@ class _RunWatch(TorchFunctionMode):
             if isinstance(g, torch.Generator) and id(g) not in self.seen:
                 self.seen[id(g)] = (g, g.get_state())
         if self.watched:
-            self._keep(func, args, kwargs)
+            try:
+                self._keep(func, args, kwargs)
+            except Exception as exc:
+                raise BookkeepingError.of(f"finding what {func!r} writes", exc) from None
         return func(*args, **kwargs)
 
     def _keep(self, func: Any, args: Any, kwargs: Any) -> None:
         for t in _written(func, args, kwargs):
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except Exception:  # a tensor without storage (a functional wrapper)
-                continue
-            for name, p in self.watched.get(ptr, ()):
-                if name not in self.kept:
-                    self.kept[name] = (p, p.detach().clone(), ptr)
+            for ptr in storage_ptrs(t):  # none: a tensor without storage (functional)
+                for name, p in self.watched.get(ptr, ()):
+                    if (name, ptr) not in self.kept:
+                        self.kept[name, ptr] = (name, p, p.detach().clone())
+
 
 
 def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -608,7 +631,7 @@ def rng_guard(*, watch_generators: bool = True, weights: Any = None
         for g, state in mode.seen.values():
             g.set_state(state)
         with torch.no_grad():
-            for name, (p, saved, ptr) in mode.kept.items():
+            for (_key, ptr), (name, p, saved) in mode.kept.items():
                 p.detach().copy_(saved)
                 written[ptr] = name
 
