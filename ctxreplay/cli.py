@@ -243,7 +243,7 @@ def _inspect(ns: argparse.Namespace) -> int:
             ok = {"failed": "NOT OK", "unchecked": "unchecked"}.get(e.saved or "", "ok")
             saved = f"no: {e.not_saved}" if e.not_saved else ok
             caps.append((e.capture, saved, e.artifact or "-"))
-        print(f"manifest {target} ({len(doc.entries)} captures; report "
+        print(f"manifest {target} ({_count(len(doc.entries), 'capture')}; report "
               f"{'ok' if doc.ok else 'not ok'}; {_environment(doc.environment)})")
         extra = _failure_lines(data.get("failures"), data.get("problems"))
         extra += _cache_line(data)
@@ -251,7 +251,7 @@ def _inspect(ns: argparse.Namespace) -> int:
         for c in data.get("captures", []) if isinstance(data.get("captures"), list) else []:
             if isinstance(c, Mapping):
                 caps.append((c, "-", "-"))
-        print(f"report {target} ({len(caps)} captures; "
+        print(f"report {target} ({_count(len(caps), 'capture')}; "
               f"{'ok' if data.get('ok') is True else 'not ok'}; "
               f"{_environment(data.get('environment'))})")
         extra = _failure_lines(data.get("failures"), data.get("problems")) + \
@@ -314,7 +314,7 @@ def _check(ns: argparse.Namespace) -> int:
               f"{len(notes)} other findings)", file=sys.stderr)
         return 1
     print(f"ok: {target} can run in this environment, as it was verified "
-          f"({len(needs)} captures)")
+          f"({_count(len(needs), 'capture')})")
     return 0
 
 
@@ -334,11 +334,11 @@ def _cache(ns: argparse.Namespace) -> int:
                          + ("" if ns.dir else " (from $CTXREPLAY_CACHE)"))
     store = CacheDir(Path(where))
     if ns.action == "clear":
-        print(f"removed {store.clear()} entries from {where}")
+        print(f"removed {_count(store.clear(), 'entry', 'entries')} from {where}")
         return 0
     n, size = store.size()
     if ns.action == "size":
-        print(f"{where}: {n} entries, {_bytes(size)}")
+        print(f"{where}: {_count(n, 'entry', 'entries')}, {_bytes(size)}")
         return 0
     rows: list[tuple[str, ...]] = []
     for key, rec, nbytes in store.entries():
@@ -350,8 +350,13 @@ def _cache(ns: argparse.Namespace) -> int:
                      _bytes(nbytes)))
     print(_table(("key", "captured from", "inputs", "backend/replay", "verified", "torch",
                   "size"), rows))
-    print(f"{where}: {n} entries, {_bytes(size)}")
+    print(f"{where}: {_count(n, 'entry', 'entries')}, {_bytes(size)}")
     return 0
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``1 capture``, ``2 captures``."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _bytes(n: int) -> str:

@@ -57,7 +57,7 @@ def test_sizes_are_in_readable_units(tmp_path: Path,
     total = CacheDir(tmp_path).size()[1]
     assert 40_000 < entry <= total < 41_000
     assert code == 0 and out.splitlines()[2].endswith(f"  {entry / 1e3:.1f} kB"), out
-    assert out.splitlines()[-1] == f"{tmp_path}: 1 entries, {total / 1e3:.1f} kB"
+    assert out.splitlines()[-1] == f"{tmp_path}: 1 entry, {total / 1e3:.1f} kB"
     assert "MB" not in out
 
 

@@ -5,6 +5,13 @@
   the suite's leak oracle (``conftest.py``).  A block whose first line is
   ``# requires: pkg, ...`` is skipped when one of those packages is missing.
   Display-only Python is fenced ```` ```py title="..." ````.
+* What a page shows a block printing is what it prints now.  A ```` ```text ````
+  block without a title, right after a ```` ```python ```` or
+  ```` ```console ```` block, is that block's output; so are the lines under a
+  ``$ command`` inside a console block.  ``$ ctxreplay ...`` commands run in a
+  fresh process in the page's working directory, as a reader runs them.  Both
+  sides are normalised for addresses, timings, sizes, decimals, versions and
+  column alignment; a ``...`` line stands for any lines.
 * A block titled with a path under ``examples/`` is that file, verbatim.
 * Every public name has a docstring and an entry in ``docs/api.md`` that
   resolves to that very object (the way mkdocstrings resolves it: a submodule
@@ -14,10 +21,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
+import io
+import os
 import re
+import shlex
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -105,40 +118,211 @@ def test_fences_are_deliberate(page: Path) -> None:
             assert b.title, f'{where}: a display-only ```py block needs title="..."'
 
 
-RUNNABLE = [p for p in PAGES if any(b.language == "python" for b in blocks_of(p))]
 #: pages whose examples assert what size folding gives
 FOLDING_PAGES = {"concepts.md"}
 
 
+# -- what the pages show the examples printing --------------------------------------
+
+#: an address, a time, a size, a decimal, a version: what differs between runs
+_VARYING = [
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
+    (re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|µs|us|s|min)\b"), "<time>"),
+    (re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:B|kB|MB|GB)\b"), "<size>"),
+    (re.compile(r"(?<![\w.])\d+\.\d+\.\d+[\w.+]*"), "<version>"),
+    (re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])"), "<decimal>"),
+]
+
+
+def normalise(text: str) -> list[str]:
+    """The lines of an output as compared: varying values replaced, spaces
+    collapsed (alignment follows the values' widths), a rule shortened."""
+    lines = []
+    for line in text.rstrip().splitlines():
+        for pattern, placeholder in _VARYING:
+            line = pattern.sub(placeholder, line)
+        line = " ".join(line.split())
+        lines.append("---" if line and set(line) == {"-"} else line)
+    while lines and not lines[0]:
+        lines.pop(0)
+    return lines
+
+
+def shows(shown: str, printed: str) -> bool:
+    """Whether ``printed`` is what ``shown`` shows (a ``...`` line stands for
+    any lines, none included)."""
+    want, got = normalise(shown), normalise(printed)
+
+    def match(i: int, j: int) -> bool:
+        if i == len(want):
+            return j == len(got)
+        if want[i] == "...":
+            return any(match(i + 1, k) for k in range(j, len(got) + 1))
+        return j < len(got) and want[i] == got[j] and match(i + 1, j + 1)
+
+    return match(0, 0)
+
+
+def _outputs(blocks: list[Block]) -> dict[int, str]:
+    """Index of a python or console block -> the output the page shows for it."""
+    out = {}
+    for i, b in enumerate(blocks[1:], 1):
+        if b.language in ("text", "json") and b.title is None and \
+                blocks[i - 1].language in ("python", "console"):
+            out[i - 1] = b.code
+    return out
+
+
+def _commands(block: Block, after: str | None) -> list[tuple[str, str | None]]:
+    """A console block's ``(command, shown output)``: the lines under a
+    ``$ command``, or the text block after it for the last command."""
+    out: list[tuple[str, list[str]]] = []
+    for line in block.code.splitlines():
+        if line.startswith("$ "):
+            out.append((line[2:], []))
+        elif out:
+            out[-1][1].append(line)
+        else:
+            raise AssertionError(f"{block.page}:{block.line}: console output before "
+                                 "any '$ command'")
+    shown: list[tuple[str, str | None]] = [(c, "\n".join(o) if o else None) for c, o in out]
+    if after is not None:
+        assert shown and shown[-1][1] is None, (
+            f"{block.page}:{block.line}: output both in the console block and after it")
+        shown[-1] = (shown[-1][0], after)
+    return shown
+
+
+def run_command(command: str, cwd: Path) -> str:
+    """``ctxreplay ...`` in a fresh process, stdout and stderr as a terminal
+    88 columns wide shows them."""
+    argv = shlex.split(command, comments=True)
+    assert argv[0] == "ctxreplay", argv
+    env = {**os.environ, "COLUMNS": "88"}
+    proc = subprocess.run([sys.executable, "-m", "ctxreplay.cli", *argv[1:]], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    return proc.stdout + proc.stderr
+
+
+def _console(block: Block, after: str | None, cwd: Path) -> list[tuple[str, str, str]]:
+    """``(what, shown, printed)`` for each command of a console block that
+    shows output; a command the test cannot run shows none."""
+    checked = []
+    for command, shown in _commands(block, after):
+        if not command.startswith("ctxreplay"):
+            assert shown is None, (f"{block.page}:{block.line}: shows the output of "
+                                   f"{command!r}, which the docs test cannot run")
+            continue
+        printed = run_command(command, cwd)
+        if shown is not None:
+            checked.append((f"{block.page}:{block.line} $ {command}", shown, printed))
+    return checked
+
+
+def _diff(what: str, shown: str, printed: str) -> str:
+    lines = difflib.unified_diff(normalise(shown), normalise(printed), "shown", "printed",
+                                 lineterm="")
+    return f"{what}: the page shows another output than the code prints now\n" + \
+        "\n".join(lines) + "\n--- printed, verbatim:\n" + printed
+
+
+def run_page(page: Path, cwd: Path, module: types.ModuleType) -> tuple[list[str], list[str]]:
+    """Run a page's python and console blocks in order; ``(differences,
+    skipped)`` between what it shows them printing and what they print."""
+    blocks = blocks_of(page)
+    outputs = _outputs(blocks)
+    differences: list[str] = []
+    skipped: list[str] = []
+    for i, b in enumerate(blocks):
+        if b.language == "console":
+            differences += [_diff(*c) for c in _console(b, outputs.get(i), cwd)
+                            if not shows(c[1], c[2])]
+            continue
+        if b.language != "python":
+            continue
+        missing = _missing(_requirements(b))
+        if missing:
+            skipped.append(f"line {b.line} (needs {', '.join(missing)})")
+            continue
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                exec(compile(b.code, f"{b.page}:{b.line}", "exec"), module.__dict__)
+        except BaseException as exc:
+            raise AssertionError(
+                f"{b.page}: the python block at line {b.line} failed: "
+                f"{type(exc).__name__}: {exc}") from exc
+        if i in outputs and not shows(outputs[i], printed.getvalue()):
+            differences.append(_diff(f"{b.page}:{b.line}", outputs[i], printed.getvalue()))
+    return differences, skipped
+
+
+#: pages whose examples run: python blocks, or ctxreplay commands
+RUNNABLE = [p for p in PAGES if any(
+    b.language == "python" or (b.language == "console" and "$ ctxreplay" in b.code)
+    for b in blocks_of(p))]
+
+
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
-def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_examples_run_and_print_what_is_shown(page: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     if page.name in FOLDING_PAGES and not CAPS.export_guards_sizes:
         pytest.skip(f"{page.name} shows size variants folded, which torch "
                     f"{torch.__version__} cannot guard (ctxreplay does not fold there)")
-    blocks = [b for b in blocks_of(page) if b.language == "python"]
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "88")  # the width a command's tables wrap to
     # A real module, so dataclasses, pickling and torch.export can find the
     # classes a block defines.
     name = "ctxreplay_docs_" + re.sub(r"\W", "_", page.stem)
     module = types.ModuleType(name)
     module.__file__ = str(page)
     monkeypatch.setitem(sys.modules, name, module)
-    skipped: list[str] = []
-    for b in blocks:
-        missing = _missing(_requirements(b))
-        if missing:
-            skipped.append(f"line {b.line} (needs {', '.join(missing)})")
-            continue
-        code = compile(b.code, f"{b.page}:{b.line}", "exec")
-        try:
-            exec(code, module.__dict__)
-        except BaseException as exc:
-            raise AssertionError(
-                f"{b.page}: the python block at line {b.line} failed: "
-                f"{type(exc).__name__}: {exc}") from exc
+    differences, skipped = run_page(page, tmp_path, module)
+    assert not differences, "\n\n".join(differences)
     if skipped:
-        pytest.skip(f"{page.name}: ran {len(blocks) - len(skipped)} of {len(blocks)} blocks; "
-                    f"skipped {'; '.join(skipped)}")
+        pytest.skip(f"{page.name}: ran every block but {'; '.join(skipped)}")
+
+
+def test_the_output_check_fails_on_a_drifted_output(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("""
+```python
+print(f"unsupported_graph  {object()!r}  took {0.25} s")
+```
+
+```text
+trace_error  <object object at 0x7f0c2d1e4a30>  took 1.5 s
+```
+
+```python
+print(f"unsupported_graph  {object()!r}  took {0.25} s")
+print("a", "b")
+```
+
+```text
+unsupported_graph    <object object at 0x7f0c2d1e4a30>  took 168 ms
+...
+```
+
+```console
+$ ctxreplay --version
+```
+
+```text
+ctxreplay 0.0.1
+```
+""", encoding="utf-8")
+    module = types.ModuleType("ctxreplay_docs_fixture")
+    differences, skipped = run_page(page, tmp_path, module)
+    assert skipped == []
+    # the drifted word is found; an address, a time, alignment, a version and
+    # '...' are not drift
+    assert len(differences) == 1, differences
+    assert "\n-trace_error <object object at 0x?> took <time>\n" in differences[0]
+    assert shows("ctxreplay 0.0.1\n", "ctxreplay 9.2.0rc1\n")
+    assert not shows("a\n...\nc\n", "a\nb\n")
+    assert shows("a\n...\nc\n", "a\nc\n") and shows("a\n...\nc\n", "a\nb\nb\nc\n")
+    assert not shows("x 12 calls\n", "x 13 calls\n")
 
 
 def test_example_files_are_shown_verbatim() -> None:
