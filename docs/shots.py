@@ -11,12 +11,9 @@ Pillow is installed, cuts it into 2000-px tiles (``page-1.png``, ...), so long
 pages can be read to the end.  (A headless screenshot of a page scrolled to
 an anchor comes out blank, so tiles are cut from one tall shot instead.)
 
-The site draws its Mermaid diagrams with ``mermaid.min.js``, which Material
-loads from unpkg.com. Where that cannot be reached, this script serves a local
-copy instead (injected into the pages it serves, never into ``site/``):
-``$MERMAID_JS``, or ``build/mermaid/mermaid.min.js``, fetched once with
-``npm pack mermaid@11`` when npm is there. Without one the diagrams show as
-their source text, and the script says so.
+The site ships its Mermaid script (``docs/javascripts/mermaid.tiny.js``), so
+the diagrams draw with no network; a page whose diagram Mermaid could not
+parse (its source left as text) is named at the end.
 """
 
 from __future__ import annotations
@@ -24,17 +21,14 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
-import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MERMAID_URL = "/_shots/mermaid.min.js"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--hide-scrollbars",
@@ -50,57 +44,9 @@ def find_chromium() -> str:
              "chromium)")
 
 
-def local_mermaid() -> Path | None:
-    env = os.environ.get("MERMAID_JS")
-    if env:
-        return Path(env) if Path(env).is_file() else None
-    cached = ROOT / "build" / "mermaid" / "mermaid.min.js"
-    if cached.is_file():
-        return cached
-    npm = shutil.which("npm")
-    if npm is None:
-        return None
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        out = subprocess.run([npm, "pack", "mermaid@11", "--silent", "--pack-destination",
-                              str(cached.parent)], capture_output=True, text=True,
-                             timeout=180, check=True)
-        tarball = cached.parent / out.stdout.strip().splitlines()[-1]
-        with tarfile.open(tarball) as tar:
-            member = tar.extractfile("package/dist/mermaid.min.js")
-            if member is None:
-                return None
-            cached.write_bytes(member.read())
-        tarball.unlink()
-    except (OSError, subprocess.SubprocessError, KeyError, IndexError, tarfile.TarError):
-        return None
-    return cached
-
-
 class Handler(http.server.SimpleHTTPRequestHandler):
-    mermaid: Path | None = None
-
     def log_message(self, format: str, *args: object) -> None:  # quiet
         pass
-
-    def do_GET(self) -> None:
-        if self.path == MERMAID_URL and self.mermaid is not None:
-            return self._send(self.mermaid.read_bytes(), "text/javascript")
-        path = Path(self.translate_path(self.path))
-        if path.is_dir():
-            path = path / "index.html"
-        if self.mermaid is not None and path.suffix == ".html" and path.is_file():
-            html = path.read_text(encoding="utf-8")
-            html = html.replace("</head>", f'<script src="{MERMAID_URL}"></script></head>', 1)
-            return self._send(html.encode("utf-8"), "text/html; charset=utf-8")
-        return super().do_GET()
-
-    def _send(self, body: bytes, kind: str) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
 
 def pages(site: Path) -> list[tuple[str, str]]:
@@ -195,11 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     chromium = find_chromium()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-
-    Handler.mermaid = local_mermaid()
-    if Handler.mermaid is None:
-        print("docs-shots: no local mermaid.min.js (set MERMAID_JS, or install npm): "
-              "diagrams render only where unpkg.com can be reached", file=sys.stderr)
     server = http.server.ThreadingHTTPServer(
         ("127.0.0.1", 0), functools.partial(Handler, directory=str(site)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -214,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             made = [png]
             has_diagrams = 'class="mermaid"' in (site / url.strip("/") / "index.html").read_text(
                 encoding="utf-8")
-            if Handler.mermaid is not None and has_diagrams:
+            if has_diagrams:
                 left = unrendered_diagrams(chromium, base + url)
                 if left:
                     failed.append(f"{name} ({left} Mermaid diagrams did not render)")

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..backends import Backend, exception_message
 from ..core.probe import ContextProbe
-from ..fidelity.levels import checked_by, level
+from ..fidelity.levels import checked_by, level, level_names
 from ..fidelity.verify import (
     Fidelity,
     Mismatch,
@@ -37,6 +37,7 @@ from ..fidelity.verify import (
 )
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
+from .hookfree import user_hooks
 from .isolate import BookkeepingError, isolated, rng_guard
 from .mutation import ARGUMENT_FIELD, Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
@@ -151,12 +152,16 @@ class Checker:
         for m in members:
             shown = None if single else m.name
             module = modules.get(m.name)
+            first, compared = len(found), self.by_value
             for step in checked_by(name):
                 if level(step).executes and module is None:
                     found.append(_mismatch("execution", "member", "released", step, None,
                                            shown))
                     break
                 found += _STEPS[step](self, m, module, shown)
+            if module is not None:
+                found[first:] = _hooked(found[first:], user_hooks(module),
+                                        self.by_value > compared, name, shown)
         return found
 
     def _signature(self, m: MemberCall, module: nn.Module | None,
@@ -363,6 +368,43 @@ def _mismatch(field: str, live: str, captured: str, level: str, hint: str | None
               member: str | None) -> Mismatch:
     return Mismatch("out", field, live, captured, level, hint,
                     () if member is None else (member,))
+
+
+def _hooked(found: list[Mismatch], hooks: list[str], compared: bool, at: str,
+            member: str | None) -> list[Mismatch]:
+    """``found`` for a member whose live calls ran ``hooks`` (user hooks
+    inside it: its submodules', torch's global ones), which its capture and
+    checks never run: the artifact does not carry them.  What was found
+    against its live calls (output metadata, live values) names them in its
+    hint; and where none of its live outputs was compared by value, nothing
+    shows that they changed nothing (a hook that returns a value or writes a
+    tensor in place changes what the call computed): a ``hooks`` mismatch
+    says so."""
+    if not hooks:
+        return found
+    # two named, each cut short: a report's strings stay short metadata
+    named = ", ".join(f"hook={h[-60:]}" for h in hooks[:2]) + \
+        (f", hooks={len(hooks)}" if len(hooks) > 2 else "")
+    out = [attrs.evolve(f, hint=f"{f.hint}, {named}" if (f.hint or "").startswith(_CARRIED)
+                        else _CARRIED + named) if _against_live(f) else f for f in found]
+    if not compared:
+        out.append(_mismatch("hooks", ", ".join(h[-60:] for h in hooks[:2]) + (
+            f" +{len(hooks) - 2}" if len(hooks) > 2 else ""),
+            "not run, compared_by_value=0", at, _CARRIED + named, member))
+    return out
+
+
+#: how a hint begins (``fidelity.verify.hint_for``): what the artifact lacks follows
+_CARRIED = "not carried by the artifact: "
+
+
+def _against_live(m: Mismatch) -> bool:
+    """Whether ``m`` compares the capture with a live call (its output
+    metadata, or its retained values), not with a run of the member made
+    here without its hooks."""
+    if m.field in ("execution", ARGUMENT_FIELD) or m.level not in level_names():
+        return False
+    return m.level == "signature" or level(m.level).retains or m.field != "values"
 
 
 def _weight_writes(by_forward: Mapping[int, str], by_program: Mapping[int, str],

@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import Error
 from ..specs.storage import inner_tensors, storage_ptr, storage_ptrs
+from .hookfree import gated_global_hooks, silence_view
 from .offload import weight_hooks
 
 __all__ = ["BookkeepingError", "HookedWeights", "NotIsolable", "forward_alone", "isolated",
@@ -129,7 +130,8 @@ def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
     place (``rng_guard(weights=view)``)."""
     view = _copy(module)  # raises NotIsolable: never run on the user's module
     _set_training(view, training)
-    with _isolating():
+    silence_view(view)  # no user hook runs in a capture or check (``hookfree``)
+    with _isolating(), gated_global_hooks(isolating):
         yield view
 
 

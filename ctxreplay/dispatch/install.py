@@ -20,8 +20,8 @@ cached snapshot check (``observer.Observer``), a check of the call's tensors
 against the last hit's (``TensorGuards``; for keyword or object arguments a
 generated re-match, ``specs.rematch``), the tensors' metadata check, and
 the program.  A member whose weights hooks put in place (offloading) has
-its hooks run around the program; one whose inner hooks changed since
-install runs eagerly (``dispatch.hooks``).
+its hooks run around the program; one whose submodules hold module hooks
+(or while torch's global ones exist) runs eagerly (``dispatch.hooks``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.rematch import Rematcher, rematcher
 from ..specs.signature import NotRealError, call_key, call_spec
-from .hooks import HookWatch, inner_hooks
+from .hooks import Blocking, HookWatch
 from .programs import REFUSED, UNFIT, Call, Compiler, Entry, Programs, Target, entry, sources
 
 _log = logging.getLogger("ctxreplay")
@@ -97,11 +97,11 @@ class DispatchStats:
     holds the member's tensors (compiled), was replaced in its module
     without an assignment); ``hooked_weights``: the member's weights are put
     in place by hooks ctxreplay cannot follow (an offloading hook beside one
-    that changes what the forward computes); ``hooks``: a forward hook was
-    registered on one of the member's submodules (or a global module hook),
-    or one removed, since install -- the graph would skip it or still do what
-    it did (the member's own hooks run around the graph and change nothing
-    here).  ``compiled``: labels compiled so far (per member);
+    that changes what the forward computes); ``hooks``: one of the member's
+    submodules holds a module hook (or torch's global tables do) when it is
+    called -- the graph, traced without user hooks, would skip it (the
+    member's own hooks run around the graph as around its forward).
+    ``compiled``: labels compiled so far (per member);
     ``unflattened``: labels whose program runs as torch's ``program.module()``
     (correct, but a dispatched call then costs ~10x more), and why."""
 
@@ -151,8 +151,9 @@ class _Slot(Wrapper):
         self.targets: dict[int, Target] = {}
         self.misses = 0
         self.reasons: Counter[str] = Counter()
-        #: a hook inside the member (a submodule's, a global one) changed since install
-        self.hooked = False
+        #: what the user hooks inside the member (a submodule's, a global one) ask
+        #: of its calls (``hooks.blocking``): the graph would skip them
+        self.hooked: Blocking = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.off or _dynamo_compiling() or _is_tracing():
@@ -173,8 +174,9 @@ class _Slot(Wrapper):
             else:
                 snaps = tuple(g[0]() for g in groups)
             last, near = self.last, self.near
-            if self.hooked:  # a hook inside it changed since install: the graph would skip it
-                target = "hooks"
+            hooked = self.hooked
+            if hooked is not False and (hooked is True or hooked()):
+                target = "hooks"  # a hook inside it would not run: the graph skips it
             elif last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
                     and last[2].check(*args):
                 target = last[3]
@@ -365,8 +367,8 @@ class InstallHandle:
             if register is not None:
                 self._hooks.append(register(self._replaced))
 
-    def _hooks_changed(self, index: int, differs: bool) -> None:
-        self._slots[index].hooked = differs
+    def _hooks_changed(self, index: int, blocks: Blocking) -> None:
+        self._slots[index].hooked = blocks
 
     def _replaced(self, module: nn.Module, name: str, value: Any) -> None:
         slot = self._owners.get(id(module))
@@ -476,8 +478,7 @@ def install(model: nn.Module,
     observers = _add_slots(handle, modules, entries)
     handle._watch()
     # after ``_watch``, whose registration hooks count as hooks registered
-    watch = HookWatch([(s.module, inner_hooks(s.module)[0]) for s in handle._slots],
-                      handle._hooks_changed)
+    watch = HookWatch([s.module for s in handle._slots], handle._hooks_changed)
     handle._observers = (*observers.values(), watch)
     for slot in handle._slots:
         wrap(slot)

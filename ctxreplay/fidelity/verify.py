@@ -50,8 +50,10 @@ class Mismatch:
     field: str
     """What disagrees: ``dtype``, ``shape``, ``stride``, ``device``, ``requires_grad``,
     ``structure``, ``values``, ``graph`` (no output metadata), ``execution`` (the artifact did not
-    run) or ``argument`` (the forward changed an argument object in Python, which no graph op does;
-    ``path`` names the argument, ``live`` its type and the change)."""
+    run), ``argument`` (the forward changed an argument object in Python, which no graph op does;
+    ``path`` names the argument, ``live`` its type and the change) or ``hooks`` (user hooks inside
+    the member ran in its live calls, never in the capture, and no live output was compared by
+    value to show they changed nothing; ``live`` names them)."""
     live: str
     """What the live call had, in words."""
     captured: str

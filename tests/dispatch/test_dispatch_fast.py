@@ -402,27 +402,71 @@ def test_a_hook_inside_a_member_registered_after_install_runs_eagerly_until_remo
     assert not torch.equal(want, _run(stack, x))  # the hook changes the output
 
 
-def test_a_hook_traced_into_the_graph_and_removed_after_install_runs_eagerly(
+def test_a_member_holding_a_submodule_hook_at_install_runs_eagerly_until_removed(
         stack: Stack, x: torch.Tensor) -> None:
-    """A submodule hook present when the variant was captured is in the graph;
-    removed after install, the graph would still apply it."""
-    hooks = [b.lin.register_forward_hook(lambda m, a, out: _adds(m, out))
-             for b in stack.blocks]
+    """Hooks on the members' submodules when install runs (the capture was
+    made without them): every call of those members runs eagerly, counted
+    as ``hooks``, the hooks run as in eager and the outputs are eager's; a
+    member whose hook is removed is dispatched again."""
     report = _captured(stack, x)
+    calls: list[int] = []
+
+    def hook(m: nn.Module, a: Any, out: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return _adds(m, out)
+
+    hooks = [b.lin.register_forward_hook(hook) for b in stack.blocks]
+    want = _run(stack, x)
     with ctxreplay.install(stack, report) as handle:
-        with_hook = _run(stack, x)
-        assert handle.stats().total_hits == 3
-        hooks[0].remove()
         got = _run(stack, x)
-        assert handle.stats().reasons == {"hooks": 1}
+        assert handle.stats().reasons == {"hooks": 3} and handle.stats().total_hits == 0
+        assert len(calls) == 6  # 3 in the eager run, 3 in the installed one
+        hooks[0].remove()
+        _run(stack, x)
+        assert handle.stats().reasons == {"hooks": 5} and handle.stats().total_hits == 1
     for h in hooks[1:]:
         h.remove()
-    hooks = [b.lin.register_forward_hook(lambda m, a, out: _adds(m, out))
-             for b in stack.blocks[1:]]
-    want = _run(stack, x)
-    for h in hooks:
-        h.remove()
-    assert torch.equal(got, want) and not torch.equal(got, with_hook)
+    assert torch.equal(got, want) and not torch.equal(got, _run(stack, x))
+
+
+def test_a_hook_that_only_records_while_collecting_blocks_dispatch_only_then(
+        stack: Stack, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook known to change nothing a forward computes (transformers'
+    output-capturing hook, here a stand-in of the same name over a stand-in
+    collector) lets the member be dispatched while it records nothing, and
+    runs it eagerly while its model collects outputs."""
+    import contextvars
+    import sys
+    import types
+
+    collector: contextvars.ContextVar[Any] = contextvars.ContextVar("collector", default=None)
+    module = types.ModuleType("transformers.utils.output_capturing")
+    module._active_collector = collector  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers.utils.output_capturing", module)
+    seen: list[torch.Tensor] = []
+
+    def output_capturing_hook(m: nn.Module, a: Any, out: torch.Tensor) -> None:
+        if collector.get() is not None:
+            seen.append(out)
+
+    output_capturing_hook.__module__ = module.__name__
+    output_capturing_hook.__qualname__ = \
+        "install_output_capuring_hook.<locals>.output_capturing_hook"
+    report = _captured(stack, x)
+    hooks = [b.lin.register_forward_hook(output_capturing_hook) for b in stack.blocks]
+    try:
+        with ctxreplay.install(stack, report) as handle:
+            _run(stack, x)
+            assert handle.stats().total_hits == 3 and seen == []
+            token = collector.set({})
+            try:
+                _run(stack, x)
+            finally:
+                collector.reset(token)
+            assert handle.stats().reasons == {"hooks": 3} and len(seen) == 3
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def test_a_members_own_hook_added_after_install_runs_once_around_the_graph(

@@ -202,7 +202,45 @@ def test_the_flows_have_pictures(site: Path) -> None:
     assert total >= 4
 
 
+def foreign_scripts(page: Node) -> list[str]:
+    """The ``<script src>`` of a page that another host would serve."""
+    return [n.attrs["src"] for n in page.find_all("script")
+            if re.match(r"^(?:[a-z][a-z0-9+.-]*:)?//", n.attrs.get("src", ""), re.I)]
+
+
+def test_the_site_loads_no_script_from_another_host(site: Path, tmp_path: Path) -> None:
+    # offline, or behind a firewall, a script from unpkg.com never loads and the
+    # diagrams show as their source: the site ships the Mermaid it draws with
+    for name, path in pages(site).items():
+        page = parse(path)
+        assert foreign_scripts(page) == [], name
+        local = [n.attrs["src"] for n in page.find_all("script")
+                 if n.attrs.get("src", "").endswith("javascripts/mermaid.tiny.js")]
+        assert len(local) == 1, f"{name}: the shipped Mermaid script is not loaded"
+    shipped = site / "javascripts" / "mermaid.tiny.js"
+    assert shipped.stat().st_size > 100_000 and b"globalThis" in shipped.read_bytes()[-300:]
+    assert "MIT" in (site / "javascripts" / "mermaid.LICENSE").read_text(encoding="utf-8")
+    fixture = _fixture_page('<script src="https://unpkg.com/mermaid@11/dist/mermaid.min.js">'
+                            '</script><script src="//cdn.example/x.js"></script>'
+                            '<script src="assets/bundle.js"></script>', tmp_path)
+    assert foreign_scripts(fixture) == ["https://unpkg.com/mermaid@11/dist/mermaid.min.js",
+                                        "//cdn.example/x.js"]
+
+
 # -- the API page --------------------------------------------------------------------
+
+def test_signatures_are_formatted_to_the_column(site: Path) -> None:
+    # without Black or Ruff, mkdocstrings renders each signature on one line
+    # (capture_with's was 4,862 px wide in a 938 px column)
+    api = parse(site / "api" / "index.html")
+    signatures = [n for n in api.iter() if "doc-signature" in n.classes]
+    assert len(signatures) > 50
+    wide = [sig.text().splitlines()[0][:60] for sig in signatures
+            if max(len(line) for line in sig.text().splitlines()) > MAX_CODE_LINE]
+    assert not wide, f"signatures wider than {MAX_CODE_LINE} characters: {wide}"
+    obj, _ = _api_objects(site)["ctxreplay.capture_with"]
+    (signature,) = [n for n in obj.iter() if "doc-signature" in n.classes][:1]
+    assert len(signature.text().strip().splitlines()) > 10  # a parameter a line
 
 def _api_objects(site: Path) -> dict[str, tuple[Node, Node]]:
     """Object id (``ctxreplay.Capture.scope``) -> (the object's element, its
