@@ -14,7 +14,7 @@ import functools
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -22,7 +22,14 @@ import attrs
 import torch
 from torch import nn
 
-from ..backends import Backend, BackendError, classify_exception, exception_message
+from ..backends import (
+    AutoBackend,
+    Backend,
+    BackendError,
+    ExportBackend,
+    classify_exception,
+    exception_message,
+)
 from ..backends.passes import (
     graph_code,
     graph_op_args,
@@ -52,11 +59,12 @@ from .checker import Checker
 from .isolate import HookedWeights, forward_alone, forward_wrapped, isolated, rng_guard
 from .mutation import ARGUMENT_FIELD, Watch, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
+from .reads import Reads, recorded
 from .restore import restore_state
 from .results import Capture, CaptureFailure
 from .worker import WorkerTimeout, run_in_worker
 
-__all__ = ["CaptureFailed", "Source", "capture_variant", "recapture"]
+__all__ = ["CaptureFailed", "Kin", "Source", "capture_variant", "recapture"]
 
 
 #: an artifact from elsewhere than a trace (the capture cache): given the
@@ -68,6 +76,22 @@ Source = Callable[[nn.Module, str], tuple[Any, "Spec | None", Backend]]
 #: ``(artifact, checker for another request of the same member identity,
 #: modules)`` -- a fold runs its graph at the other variants' sizes
 After = Callable[[Any, Callable[[VariantRequest], Checker], Mapping[str, nn.Module]], None]
+
+
+@attrs.define(eq=False)
+class Kin:
+    """Variants a capture's graph may serve without a trace of their own:
+    of its scope, context, training flags and signature, their members
+    differing from the traced one's only in plain attributes -- each
+    ``(request, the (submodule path, attribute) pairs that differ)``.  A
+    variant is served when the trace never read one of those attributes
+    (``capture.reads``: they cannot have shaped the graph) and the graph
+    passes its own check against every member that ran it, with each
+    member's own weights and attributes; ``served`` then holds its
+    capture, by variant.  The others are left to a trace of their own."""
+
+    others: Sequence[tuple[VariantRequest, frozenset[tuple[str, str]]]]
+    served: dict[int, Capture] = attrs.Factory(dict)
 
 
 class CaptureFailed(Error):
@@ -105,6 +129,8 @@ class _Plan:
     watch: Watch = attrs.field(factory=Watch)
     #: leaf index -> dimensions traced as dynamic sizes (a fold); empty: fixed
     dims: Mapping[int, tuple[int, ...]] = attrs.field(factory=dict)
+    #: what the trace read of the view's attributes (``None``: not recorded)
+    reads: Reads | None = None
 
     @classmethod
     def make(cls, request: VariantRequest, options: CaptureOptions,
@@ -132,7 +158,7 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                     baseline: tuple[ContextProbe[Any], ...] = (),
                     defer_collectives: bool = False, source: Source | None = None,
                     dims: Mapping[int, tuple[int, ...]] | None = None,
-                    after: After | None = None) -> Capture:
+                    after: After | None = None, kin: Kin | None = None) -> Capture:
     """See ``_capture_variant``; it runs from the state a fresh process has
     (inputs made under the caller's ``inference_mode`` would be inference
     tensors), whatever the caller of ``finalize()`` has active."""
@@ -144,7 +170,7 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     try:
         return _capture_variant(request, modules, options, baseline=baseline,
                                 defer_collectives=defer_collectives, source=source, dims=dims,
-                                after=after)
+                                after=after, kin=kin)
     finally:
         neutral.__exit__(None, None, None)
 
@@ -154,7 +180,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                      baseline: tuple[ContextProbe[Any], ...] = (),
                      defer_collectives: bool = False, source: Source | None = None,
                      dims: Mapping[int, tuple[int, ...]] | None = None,
-                     after: After | None = None) -> Capture:
+                     after: After | None = None, kin: Kin | None = None) -> Capture:
     """Capture ``request``; ``modules`` maps member names to the live modules
     (never changed: every trace and run uses an isolated view).
     ``source``: where the artifact comes from instead of a trace (the
@@ -165,7 +191,8 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     alone would wait for the other ranks); ``Capture.collective`` says so,
     and the distributed finalize runs it on every rank together.
     ``dims``: leaf index -> dimensions to trace as dynamic sizes (a fold;
-    the backend must fold)."""
+    the backend must fold).  ``kin``: other variants the graph may serve
+    (see ``Kin``; fills ``kin.served``)."""
     t0 = time.perf_counter()
     backend = options.backend
     fail = functools.partial(_failure, request, backend)
@@ -180,6 +207,10 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         plan = _Plan.make(request, options, backend, dims)
     except Exception as exc:
         raise fail("replay_failed", exc) from None
+    if kin is not None and kin.others and not dims and source is None \
+            and _python_export(backend, first=True):
+        plan = attrs.evolve(plan, reads=Reads())
+    served: list[tuple[VariantRequest, Fidelity, float]] = []
     with _view(module, request, fail) as view:
         artifact, graph_outputs, real = _artifact(request, plan, view, options, fail,
                                                   baseline, source)
@@ -200,8 +231,62 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         fidelity = _checked(checker_for(request, graph_outputs), plan, modules, fail,
                             after if alone else None, artifact, checker_for,
                             runs="here" if alone else "ranks" if together else "nowhere")
-    return _record(request, options, plan, real, artifact, graph_outputs, fidelity,
-                   (embedded, ambient_only), collective, source is not None, t0, fail)
+        if kin is not None and alone and fidelity.ok and _python_export(real, first=False):
+            served = _serve(kin, plan, modules, options, graph_outputs, checker_for)
+    capture = _record(request, options, plan, real, artifact, graph_outputs, fidelity,
+                      (embedded, ambient_only), collective, source is not None, t0, fail)
+    if kin is not None:
+        kin.served.update((o.variant, _served(capture, o, f, s)) for o, f, s in served)
+    return capture
+
+
+def _python_export(backend: Backend, *, first: bool) -> bool:
+    """Whether ``backend`` traces (``first``: tries first) with a non-strict
+    ``torch.export``: the forward's Python runs once, each attribute read
+    a real read (Dynamo interprets the bytecode instead)."""
+    if first and isinstance(backend, AutoBackend):
+        backend = backend.backends[0] if backend.backends else backend
+    return isinstance(backend, ExportBackend) and not backend.strict
+
+
+def _serve(kin: Kin, plan: _Plan, modules: Mapping[str, nn.Module], options: CaptureOptions,
+           graph_outputs: Spec | None,
+           checker_for: Callable[[VariantRequest, Spec | None], Checker]
+           ) -> list[tuple[VariantRequest, Fidelity, float]]:
+    """The variants of ``kin`` the traced graph serves: the trace read none
+    of the attributes their members differ in, and the graph passes the
+    session's check against each of their members (a failing one is left
+    to a trace of its own, never reported from another's graph)."""
+    out: list[tuple[VariantRequest, Fidelity, float]] = []
+    reads = plan.reads
+    if reads is None or not reads.complete:
+        return out
+    for other, changed in kin.others:
+        # another ``forward`` set on a submodule runs other code: never served
+        if any(name == "forward" for _, name in changed) or not reads.untouched(changed):
+            continue
+        t0 = time.perf_counter()
+        fail = functools.partial(_failure, other, options.backend)
+        try:
+            fidelity = _checked(checker_for(other, graph_outputs), plan, modules, fail, None,
+                                None, lambda r: checker_for(r, None), runs="here")
+        except CaptureFailed:
+            continue
+        if fidelity.ok:
+            out.append((other, fidelity, time.perf_counter() - t0))
+    return out
+
+
+def _served(capture: Capture, other: VariantRequest, fidelity: Fidelity,
+            seconds: float) -> Capture:
+    """``capture`` (its graph, weights and summary) as the record of the
+    variant ``other`` it serves: the same scope, context and signature, its
+    own members, calls, outputs and check."""
+    return attrs.evolve(
+        capture, members=tuple(m.name for m in other.members), variant=other.variant,
+        outputs=other.outputs, calls=other.calls, fidelity=fidelity, seconds=seconds,
+        member_calls=tuple((m.name, m.calls) for m in other.members),
+        identities=tuple((m.name, other.identity) for m in other.members if other.identity))
 
 
 def _record(request: VariantRequest, options: CaptureOptions, plan: _Plan, real: Backend,
@@ -471,7 +556,8 @@ def _trace_once(request: VariantRequest, plan: _Plan, options: CaptureOptions,
             raise _ReplayFault() from exc
         inside = plan.inside if plan.binding == "native" else None
         with rng_guard(watch_generators=False), forward_alone(view), \
-                watched(view, plan.watch), _swapped_forward(target, inside):
+                watched(view, plan.watch), _swapped_forward(target, inside), \
+                recorded(view, plan.reads) if plan.reads is not None else nullcontext():
             if plan.dims:
                 raw = options.backend.capture_dynamic(
                     target, args, kwargs, _dynamic_shapes(plan, target, args, kwargs))

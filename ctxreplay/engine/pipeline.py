@@ -21,12 +21,13 @@ from ..capture.fold import Trial, families, fold_family, folds
 from ..capture.merge import merge_identical
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
-from ..capture.variant import CaptureFailed, Source, capture_variant
+from ..capture.variant import CaptureFailed, Kin, Source, capture_variant
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
 from ..distributed.exchange import Exchange, Observed, Plan, RankResults
 from ..observation.attach import Observation
+from ..observation.targets import changed_attributes
 from ..report.capture_report import CaptureReport
 from ..report.explain import explain_captures
 from .baseline import Baseline
@@ -129,15 +130,26 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
     requests = [r for _, r in mine]
     local = {(r.scope, r.variant): k for k, r in mine}
     groups = families(requests) if folds(job.options) else [[r] for r in requests]
+    kin = _kin(job, requests)
+
+    def label(request: VariantRequest) -> str:
+        return f"{request.scope}#{plan.variant[keys[id(request)]]}"
+
     try:
         for group in groups:
             _fold(job, group, modules, baseline, net, bar, cache, distributed)
             for request in group:
                 where = (request.scope, request.variant)
                 if where not in job.done:
+                    others = _kin_of(job, request, kin.get(id(request), ()))
                     job.done[where] = _one(job, request, modules, baseline, net,
-                                           distributed, cache)
-                    bar.step(f"{request.scope}#{plan.variant[keys[id(request)]]}")
+                                           distributed, cache, others)
+                    bar.step(label(request))
+                    for other, _ in others.others:
+                        served = others.served.get(other.variant)
+                        if served is not None:  # checked against its members, no trace
+                            job.done[(other.scope, other.variant)] = [served]
+                            bar.step(label(other))
                 out += [exchange.relabel(r, keys[id(request)], plan, _folded_keys(r, local))
                         for r in job.done[where]]
     finally:
@@ -153,14 +165,57 @@ def _folded_keys(result: Result, local: Mapping[tuple[str, int], str]) -> tuple[
     return tuple(local[(result.scope, v)] for v in result.folded)
 
 
+def _kin(job: Finalizing, requests: Sequence[VariantRequest]
+         ) -> dict[int, tuple[tuple[VariantRequest, Any], ...]]:
+    """For each request (by ``id``), the others whose members' identity
+    may differ from its members' in plain attributes alone -- of its scope,
+    context, training flags, input and output signature -- each with its
+    identity: a trace of one may serve them (``capture.variant.Kin``)."""
+    groups: dict[Any, list[tuple[VariantRequest, Any]]] = {}
+    for r in requests:
+        if r.identity_number < 0:
+            continue
+        try:
+            key = (r.scope, r.snapshot, r.training, r.inputs, r.outputs)
+            hash(key)
+        except Exception:  # a constant that cannot be hashed: on its own
+            continue
+        groups.setdefault(key, []).append((r, job.observation.identity_value(r)))
+    out: dict[int, tuple[tuple[VariantRequest, Any], ...]] = {}
+    for group in groups.values():
+        if len(group) > 1:
+            for r, _ in group:
+                out[id(r)] = tuple(group)
+    return out
+
+
+def _kin_of(job: Finalizing, request: VariantRequest,
+            group: Sequence[tuple[VariantRequest, Any]]) -> Kin:
+    """The variants of ``request``'s kin not captured yet whose identity
+    differs from its own in plain attributes alone, with those attributes."""
+    mine = next((i for r, i in group if r is request), None)
+    others: list[tuple[VariantRequest, frozenset[tuple[str, str]]]] = []
+    for r, identity in group:
+        if r is request or (r.scope, r.variant) in job.done or mine is None \
+                or identity is None:
+            continue
+        try:
+            changed = changed_attributes(mine, identity)
+        except Exception:
+            changed = None
+        if changed is not None:
+            others.append((r, frozenset(changed)))
+    return Kin(others)
+
+
 def _one(job: Finalizing, request: VariantRequest, modules: dict[str, nn.Module],
          baseline: tuple[ContextProbe[Any], ...], net: Baseline, distributed: bool,
-         cache: CaptureCache | None) -> list[Result]:
+         cache: CaptureCache | None, kin: Kin | None = None) -> list[Result]:
     if job.interrupted:  # nothing is held any more
         return [CaptureFailure(request.scope, request.variant, job.options.backend.name,
                                "interrupted", "-")]
     return capture_one(request, modules, job.options, baseline, net,
-                       distributed=distributed, cache=cache)
+                       distributed=distributed, cache=cache, kin=kin)
 
 
 def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Module],
@@ -204,15 +259,16 @@ def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Mo
 def capture_one(request: VariantRequest, modules: dict[str, nn.Module],
                 options: CaptureOptions, baseline: tuple[ContextProbe[Any], ...],
                 net: Baseline, *, distributed: bool,
-                cache: CaptureCache | None = None) -> list[Result]:
+                cache: CaptureCache | None = None, kin: Kin | None = None) -> list[Result]:
     """One variant's capture (through ``cache`` when given), or why it
     failed; and a ``state_leak`` failure when it left the ambient state
-    changed (the safety net put it back)."""
+    changed (the safety net put it back).  ``kin``: variants its graph may
+    serve (``kin.served``; none where the run leaked state)."""
     failure: CaptureFailure | None = None
 
     def run(source: Source | None) -> Capture:
         return capture_variant(request, modules, options, baseline=baseline,
-                               defer_collectives=distributed, source=source)
+                               defer_collectives=distributed, source=source, kin=kin)
 
     try:
         result: Result = run(None) if cache is None else \
@@ -226,6 +282,8 @@ def capture_one(request: VariantRequest, modules: dict[str, nn.Module],
         leaked = net.restore()
     # an abandoned capture thread holds its replay until its backend
     # returns: expected after a timeout, not a leak
+    if leaked and kin is not None:  # its checks ran in that state: not served
+        kin.served.clear()
     if leaked and (failure is None or failure.reason != "timeout"):
         return [result, CaptureFailure(request.scope, request.variant, options.backend.name,
                                        "state_leak", "-", (), leaked)]
