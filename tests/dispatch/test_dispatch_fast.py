@@ -433,8 +433,9 @@ def test_a_hook_that_only_records_while_collecting_blocks_dispatch_only_then(
         stack: Stack, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hook known to change nothing a forward computes (transformers'
     output-capturing hook, here a stand-in of the same name over a stand-in
-    collector) lets the member be dispatched while it records nothing, and
-    runs it eagerly while its model collects outputs."""
+    collector) lets the member be dispatched while it records nothing --
+    no collector, or one collecting other outputs -- and runs it eagerly
+    while its model collects the outputs it captures."""
     import contextvars
     import sys
     import types
@@ -443,27 +444,37 @@ def test_a_hook_that_only_records_while_collecting_blocks_dispatch_only_then(
     module = types.ModuleType("transformers.utils.output_capturing")
     module._active_collector = collector  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers.utils.output_capturing", module)
-    seen: list[torch.Tensor] = []
 
-    def output_capturing_hook(m: nn.Module, a: Any, out: torch.Tensor) -> None:
-        if collector.get() is not None:
-            seen.append(out)
+    def install_output_capuring_hook(key: str) -> Callable[..., None]:
+        def output_capturing_hook(m: nn.Module, a: Any, out: torch.Tensor) -> None:
+            collected = collector.get()
+            if collected is not None and key in collected:
+                collected[key].append(out)
 
-    output_capturing_hook.__module__ = module.__name__
-    output_capturing_hook.__qualname__ = \
-        "install_output_capuring_hook.<locals>.output_capturing_hook"
+        output_capturing_hook.__module__ = module.__name__
+        output_capturing_hook.__qualname__ = \
+            "install_output_capuring_hook.<locals>.output_capturing_hook"
+        return output_capturing_hook
+
+    def collecting(*keys: str) -> dict[str, list[torch.Tensor]]:
+        collected: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+        token = collector.set(collected)
+        try:
+            _run(stack, x)
+        finally:
+            collector.reset(token)
+        return collected
+
     report = _captured(stack, x)
-    hooks = [b.lin.register_forward_hook(output_capturing_hook) for b in stack.blocks]
+    hooks = [b.lin.register_forward_hook(install_output_capuring_hook("attentions"))
+             for b in stack.blocks]
     try:
         with ctxreplay.install(stack, report) as handle:
             _run(stack, x)
-            assert handle.stats().total_hits == 3 and seen == []
-            token = collector.set({})
-            try:
-                _run(stack, x)
-            finally:
-                collector.reset(token)
-            assert handle.stats().reasons == {"hooks": 3} and len(seen) == 3
+            assert collecting("hidden_states") == {"hidden_states": []}
+            assert handle.stats().total_hits == 6
+            assert len(collecting("attentions")["attentions"]) == 3
+            assert handle.stats().reasons == {"hooks": 3}
     finally:
         for h in hooks:
             h.remove()

@@ -283,6 +283,19 @@ def test_examples_run_and_print_what_is_shown(page: Path, tmp_path: Path,
         pytest.skip(f"{page.name}: ran every block but {'; '.join(skipped)}")
 
 
+def test_the_readme_example_runs_and_prints_what_it_shows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = ROOT / "README.md"
+    assert [b.language for b in blocks_of(readme)].count("python") == 1
+    monkeypatch.chdir(tmp_path)
+    module = types.ModuleType("ctxreplay_docs_readme")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    differences, skipped = run_page(readme, tmp_path, module)
+    assert (differences, skipped) == ([], [])
+    assert len([line for line in blocks_of(readme)[1].code.splitlines()
+                if line.strip()]) <= 10, "the README's example is ten lines"
+
+
 def test_the_output_check_fails_on_a_drifted_output(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("""
