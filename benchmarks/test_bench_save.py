@@ -10,19 +10,29 @@ run.  The collector is held off while each is written and read
 N = 8 variants of a TinyDiT block, live under CPU bfloat16 autocast and
 inference mode, replay embedded (the programs hold ``wrap_with_autocast``).
 Speed is printed, never asserted.
+
+What a saved file holds beyond its weights: a Wan transformer block (tiny
+dims, diffusers) saved after calls at two latent sizes, 256 and 4096
+tokens.  The files' example inputs are meta placeholders (target: a few
+kB; torch's own save wrote ~4 kB per latent token at the 1.3B shape) and
+the rest (graph, weight configs, archive headers) does not grow with the
+latent.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
 import warnings
+import zipfile
 from typing import Any
 
 import pytest
 import torch
 from benchutil import fast, report
+from torch import nn
 
 import ctxreplay
 from ctxreplay.demo import TinyDiT
@@ -78,3 +88,55 @@ def test_save_all_vs_finalize(benchmark: Any, request: pytest.FixtureRequest,
     report(f"save_all/finalize ratio [verify={verify}, {n} captures]", ratio, "<= 1.0",
            f"save_all {saves * 1e3:.0f} ms, finalize {finals * 1e3:.0f} ms")
     assert ratio > 0
+
+
+def _beyond_weights(model: nn.Module, latent: tuple[int, ...]) -> tuple[int, int, int]:
+    """The largest saved file's bytes beyond its weights, the largest
+    example-input entry torch's archive holds, and the largest graph."""
+    session = ctxreplay.capture_with(model, targets="repeated", verify="signature")
+    with session, torch.inference_mode():
+        model(torch.rand(latent), torch.tensor([500.0]), torch.rand(1, 8, 16))
+    rep = session.finalize()
+    assert rep.ok, rep.problems
+    beyond = inputs = graph = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        written = rep.save_all(tmp)
+        assert written.ok
+        for saved, capture in zip(written.saved, rep.captures):
+            program = capture.artifact
+            weights = sum(t.nbytes for t in (*program.state_dict.values(),
+                                             *program.constants.values())
+                          if isinstance(t, torch.Tensor))
+            beyond = max(beyond, os.path.getsize(saved.path) - weights)
+            with zipfile.ZipFile(saved.path) as archive:
+                for info in archive.infolist():
+                    # sample_inputs/model.pt; serialized_example_inputs.pt before 2.8
+                    if "sample_inputs" in info.filename or "example_inputs" in info.filename:
+                        inputs = max(inputs, info.file_size)
+                    if info.filename.endswith(("model.json", "exported_program.json")):
+                        graph = max(graph, info.file_size)
+    return beyond, inputs, graph
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning",
+                            "ignore::DeprecationWarning")
+def test_saved_bytes_beyond_weights(benchmark: Any) -> None:
+    """Sizes, not times: pytest-benchmark times the two finalize + save_all."""
+    real_models = pytest.importorskip("real_models")
+    pytest.importorskip("diffusers")
+    model = real_models.wan(num_layers=2)
+    # (batch, channels, frames, height, width), patches of 1x2x2: 256 and 4096 tokens
+    small, large = (1, 4, 1, 32, 32), (1, 4, 4, 64, 64)
+
+    def measure() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        return _beyond_weights(model, small), _beyond_weights(model, large)
+
+    (b_small, _, _), (b_large, inputs, graph) = benchmark.pedantic(measure, rounds=1,
+                                                                  iterations=1)
+    benchmark.extra_info.update(example_input_bytes=inputs, beyond_weights_bytes=b_large,
+                                graph_bytes=graph)
+    report("largest saved file's example-input bytes [Wan block, 4096 latent tokens]",
+           float(inputs), "a few kB",
+           f"bytes beyond the weights {b_large} at 4096 tokens, {b_small} at 256 "
+           f"(graph JSON {graph}; the rest is weight configs and archive headers)")
+    assert inputs < 4096 and abs(b_large - b_small) < 4096

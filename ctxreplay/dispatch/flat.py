@@ -153,15 +153,25 @@ def flatten(program: Any, *, keep_guards: bool) -> Flat | str:
 
 
 def _holds_modules(program: Any) -> bool:
-    """Whether an example input is a module (torch's module then enters a
-    state for it around every call, which the flat function does not)."""
+    """Whether a graph input is a module (torch's module then enters a state
+    for it around every call, which the flat function does not).  Read from
+    the in-spec, where export records such an input as a node of its module
+    class: a program loaded from a file or the cache holds no example inputs."""
     try:
+        spec = program.call_spec.in_spec
         inputs = program.example_inputs
     except Exception:
         return True
-    if inputs is None:
-        return False
-    return any(isinstance(leaf, nn.Module) for leaf in pytree.tree_leaves(inputs))
+    if spec is not None and _spec_has_module(spec):
+        return True
+    return inputs is not None and any(isinstance(leaf, nn.Module)
+                                      for leaf in pytree.tree_leaves(inputs))
+
+
+def _spec_has_module(spec: pytree.TreeSpec) -> bool:
+    if isinstance(spec.type, type) and issubclass(spec.type, nn.Module):
+        return True
+    return any(_spec_has_module(c) for c in _children(spec))
 
 
 def _state_of(gm: fx.GraphModule, wanted: set[str]) -> dict[str, torch.Tensor]:
