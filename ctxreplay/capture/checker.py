@@ -1,14 +1,14 @@
 """Running one artifact against every member call it stands for.
 
-``Checker.run(modules)`` is ``verify="signature" | "execute" | "values"``
-for one capture: per member that ran the variant, the graph's output
+``Checker.run(modules)`` is ``verify="signature" | "execute" | "sampled" |
+"values"`` for one capture: per member that ran the variant, the graph's output
 metadata against that member's live outputs; the artifact run with the
 member's own weights (an isolated view of it: parameters shared, buffers
 and Python state its own) from a neutral state, against the live output
 metadata and against the member itself on the same inputs under the live
-context; and, for ``values``, against retained copies of the member's live
-calls across the session (its first, its last and a sample between), one
-by one.  What it compares is in ``verify``; what it runs is here.
+context; and, for ``sampled`` and ``values``, against retained copies of the
+member's live calls across the session (its first and a sample of the
+others), one by one.  What it compares is in ``verify``; what it runs is here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..backends import Backend, exception_message
 from ..core.probe import ContextProbe
 from ..fidelity.levels import checked_by, level, level_names
 from ..fidelity.verify import (
+    UNOBSERVED,
     Fidelity,
     Mismatch,
     check_outputs,
@@ -43,11 +44,16 @@ from .mutation import ARGUMENT_FIELD, Watch
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 
-__all__ = ["GUARD_FAILED", "Checker", "Step", "register_step", "unregister_step"]
+__all__ = ["GUARD_FAILED", "UNOBSERVED_HINT", "Checker", "Step", "register_step",
+           "unregister_step"]
 
 #: what an execution mismatch says when a graph's own input guard refused
 #: the sizes it was given (``Mismatch.captured``)
 GUARD_FAILED = "Guard failed"
+
+#: the hint of a value mismatch that remains with every observed state
+#: re-established: no probe saw its cause
+UNOBSERVED_HINT = UNOBSERVED
 
 
 class Checker:
@@ -149,11 +155,15 @@ class Checker:
         runs the artifact."""
         found: list[Mismatch] = []
         single = len(self.request.members) == 1
+        # ``sampled`` and ``values`` share one step: they differ in which
+        # calls observation retained, not in how they are compared
+        steps = list({_STEPS[step]: step for step in reversed(checked_by(name))}.values())
+        steps.reverse()
         for m in members:
             shown = None if single else m.name
             module = modules.get(m.name)
             first, compared = len(found), self.by_value
-            for step in checked_by(name):
+            for step in steps:
                 if level(step).executes and module is None:
                     found.append(_mismatch("execution", "member", "released", step, None,
                                            shown))
@@ -280,12 +290,17 @@ class Checker:
 
     def _values(self, m: MemberCall, module: nn.Module | None,
                 name: str | None) -> list[Mismatch]:
-        """Every retained call of the member (its first, its last and a sample
-        between), each run through the artifact with the member's weights
-        from a fresh isolated view, compared with what the live call returned."""
+        """Every retained call of the member (its first and a sample of the
+        others), each run through the artifact with the member's weights
+        from a fresh isolated view, compared with what the live call returned.
+        A member none of whose calls was retained is a mismatch: its capture
+        was not compared with it by value, and says so."""
         assert module is not None  # _check stops at a released member
+        at = self._value_level()
         if not m.retained:
-            return [_mismatch("values", "retained", "not retained (retain_bytes cap)", "values",
+            # (a budget reached, or inputs that could not be copied)
+            return [_mismatch("values", "retained", "compared_by_value=0, "
+                              f"retain_bytes={self.options.retain_bytes}", at,
                               None, name)]
         specs = [s for _, s in self.request.inputs.leaves()]
         found: list[Mismatch] = []
@@ -301,12 +316,41 @@ class Checker:
                     raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
                 except Exception as exc:
                     found.append(_mismatch("execution", "ran", exception_message(exc)[0],
-                                           "values", self.hint, name))
+                                           at, self.hint, name))
                     continue
-            self.by_value += 1
-            found += compare_values(call.outputs, produced, "values", hint=self.hint,
-                                    member=name)
+                self.by_value += 1
+                differ = compare_values(call.outputs, produced, at, hint=self.hint,
+                                        member=name)
+                if differ:
+                    hint = self._value_hint(program, leaves, call.outputs)
+                    differ = [attrs.evolve(d, hint=hint) for d in differ]
+            found += differ
         return found
+
+    def _value_level(self) -> str:
+        """The level a value mismatch is reported at: the session's, when it
+        retains calls (a fold's per-size run names ``values``)."""
+        verify = self.options.verify
+        return verify if level(verify).retains else "values"
+
+    def _value_hint(self, program: Callable[..., Any], leaves: tuple[torch.Tensor, ...],
+                    live: tuple[torch.Tensor, ...]) -> str:
+        """Why a retained call's values differ: the artifact is run once more
+        with every observed state re-established (the live call's whole
+        context).  Still different, the cause is state no probe observed --
+        naming a probe then would blame one whose state was equal; equal
+        then, the cause is what the artifact does not carry itself."""
+        try:
+            args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=_clone(leaves))
+            with rng_guard(weights=program), \
+                    neutral_replay(self.request.snapshot, self.baseline, full=True):
+                again = program(*args, **kwargs)
+            replayed_differs = bool(compare_values(live, again, "values"))
+        except Exception:  # cannot run that way: say what is known
+            replayed_differs = True
+        if replayed_differs or self.hint is None:
+            return UNOBSERVED_HINT
+        return self.hint
 
     @contextmanager
     def _isolated(self, module: nn.Module) -> Iterator[nn.Module]:
@@ -348,7 +392,7 @@ class Checker:
 Step = Callable[[Checker, MemberCall, "nn.Module | None", "str | None"], list[Mismatch]]
 
 _STEPS: dict[str, Step] = {"signature": Checker._signature, "execute": Checker._execute,
-                           "values": Checker._values}
+                           "sampled": Checker._values, "values": Checker._values}
 
 
 def register_step(name: str, step: Step) -> None:
@@ -359,7 +403,7 @@ def register_step(name: str, step: Step) -> None:
 
 def unregister_step(name: str) -> None:
     """Take an added level's step out again."""
-    if name in ("signature", "execute", "values"):
+    if name in ("signature", "execute", "sampled", "values"):
         raise ValueError(f"the {name!r} check is built in")
     del _STEPS[name]
 

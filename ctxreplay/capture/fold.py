@@ -251,7 +251,8 @@ class Trial:
         self.rules = rules_of(artifact, self.example.inputs)
         if self.rules is None:
             return
-        steps = ("execute", "values") if self.options.verify == "values" else ("execute",)
+        verify = self.options.verify
+        steps = ("execute", verify) if level(verify).retains else ("execute",)
         last: Checker | None = None
         for r in self.pending:
             if r is self.example and level(self.options.verify).executes:

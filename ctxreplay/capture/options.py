@@ -15,13 +15,16 @@ import torch
 from ..backends import Backend
 from ..core.probe import ContextProbe
 from ..core.snapshots import ContextSnapshot
+from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
 from ..fidelity.levels import level
 from ..specs.signature import CallSpec, Spec
 
-__all__ = ["ABSENT", "REPLAY_MODES", "WATCH_MODES", "CaptureOptions", "MemberCall", "RetainedCall",
-           "Unrestorable", "VariantRequest"]
+__all__ = ["ABSENT", "REPLAY_MODES", "RETAIN_BYTES", "WATCH_MODES", "CaptureOptions",
+           "MemberCall", "RetainedCall", "Unrestorable", "VariantRequest"]
 
 REPLAY_MODES = ("embedded", "ambient", "off")
+#: the default cap on retained copies of live calls: 1 GiB of CPU memory
+RETAIN_BYTES = 1 << 30
 WATCH_MODES = ("forward", "call")
 
 
@@ -34,14 +37,14 @@ class CaptureOptions:
     backend: Backend
     targets: str = "None"
     replay: str = attrs.field(default="embedded", validator=attrs.validators.in_(REPLAY_MODES))
-    verify: str = attrs.field(default="signature", validator=lambda _i, _a, v: level(v))
+    verify: str = attrs.field(default=DEFAULT_LEVEL, validator=lambda _i, _a, v: level(v))
     max_variants: int = 8
     max_scopes: int = 64
     profile_ranges: bool = False
     capture_timeout: float | None = None
     pin_factories: bool = True
     watch: str = attrs.field(default="forward", validator=attrs.validators.in_(WATCH_MODES))
-    retain_bytes: int = 256 << 20
+    retain_bytes: int = RETAIN_BYTES
     ignore_attributes: tuple[str, ...] = ()
     #: the capture cache directory (``None``: no cache)
     cache: str | None = None

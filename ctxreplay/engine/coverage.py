@@ -38,11 +38,11 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     if obs.dropped_scopes:
         problems.append(Problem("scope_limit", None, obs.dropped_structures, 0,
                                 tuple(obs.dropped_scopes), limit=options.max_scopes))
-    counted, marked = obs.compiled_calls()
+    counted, exact, marked = obs.compiled_calls()
     compiled = sum(counted.values()) + len(marked)
     if counted:
         problems.append(Problem("not_observed", None, 0, sum(counted.values()),
-                                tuple(counted)))
+                                tuple(counted), exact=exact))
     if marked:  # compiled after capture_with: that they ran is known, not how often
         problems.append(Problem("not_observed", None, 0, 0, tuple(marked), exact=False))
     for scope_name, reqs in _by_scope(r for r in requests

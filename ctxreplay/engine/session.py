@@ -16,12 +16,13 @@ from torch import nn
 
 from ..backends import Backend, get_backend
 from ..capture.fold import folds
-from ..capture.options import CaptureOptions
+from ..capture.options import RETAIN_BYTES, CaptureOptions
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
 from ..distributed.exchange import Alone, Collective, Exchange, active_group
 from ..errors import Error
+from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
 from ..fidelity.levels import level
 from ..observation.attach import Observation
 from ..observation.targets import resolve_targets
@@ -60,7 +61,8 @@ class CaptureSession:
             max_variants=options.max_variants, max_scopes=options.max_scopes,
             profile=options.profile_ranges,
             retain_bytes=options.retain_bytes if level(options.verify).retains else None,
-            ignore=options.ignore_attributes, fold=folds(options))
+            ignore=options.ignore_attributes, fold=folds(options),
+            sample=level(options.verify).samples)
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None
@@ -215,10 +217,10 @@ def _describe_targets(targets: object) -> str:
 def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]] | None = None,
                  targets: str | Sequence[str] | Callable[[str, nn.Module], bool] | None = None,
                  backend: str | Backend = "auto",
-                 replay: str = "embedded", verify: str = "signature", max_variants: int = 8,
+                 replay: str = "embedded", verify: str = DEFAULT_LEVEL, max_variants: int = 8,
                  max_scopes: int = 64, profile_ranges: bool = False,
                  capture_timeout: float | None = None, pin_factories: bool = True,
-                 watch: str = "forward", retain_bytes: int = 256 << 20,
+                 watch: str = "forward", retain_bytes: int = RETAIN_BYTES,
                  ignore_attributes: Sequence[str] = (), group: Any = None,
                  cache: str | os.PathLike[str] | bool | None = None,
                  fold: bool = True) -> CaptureSession:
@@ -240,11 +242,19 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         replay: ``"embedded"`` (traceable probe contexts inside the captured
             callable, the rest around it), ``"ambient"`` (everything around
             it) or ``"off"`` (no replay: the unfaithful baseline).
-        verify: ``"signature"`` (graph metadata against each member's live
-            outputs), ``"execute"`` (also run the artifact with each member's
-            weights, from a neutral state, and compare with the member), or
-            ``"values"`` (also compare with retained copies of each member's
-            first live call, by value), or ``"off"``.
+        verify: ``"sampled"`` (the default: everything ``"execute"`` checks,
+            and the artifact run on copies of a sample of live calls -- each
+            member's first call of each variant and a reservoir of up to
+            four later ones, chosen before the call runs -- compared with
+            what the live call returned, by value; the calls not sampled
+            stay on the fast path), ``"values"`` (the same, with a copy
+            taken of every call, so the last call is among those compared),
+            ``"execute"`` (run the artifact with each member's weights on
+            fresh inputs, from a neutral state, and compare with the
+            member), ``"signature"`` (graph metadata against each member's
+            live outputs) or ``"off"``.  Only a value check catches state
+            no probe observes; a capture whose calls could not be compared
+            by value is not ok, and its mismatch says why.
         max_variants: distinct graphs kept per structure: variants that
             differ in tensor sizes only count once (``fold``), and so do
             members that differ in plain attributes only; calls of more are
@@ -264,7 +274,11 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         watch: ``"forward"`` checks numerics-only flags (cuDNN, TF32,
             per-backend float32 precision) once per call of ``module``;
             ``"call"`` checks them on every block call (slower).
-        retain_bytes: memory cap for ``verify="values"`` copies.
+        retain_bytes: memory cap for the copies ``"sampled"`` and
+            ``"values"`` keep (CPU memory; default 1 GiB, enough for the
+            first call of each of 30 blocks of width 1536 at about 2,900
+            tokens in float32, inputs and outputs; later samples are given
+            up first to make room for a first call).
         ignore_attributes: attribute names left out of a member's identity
             (e.g. a step counter the forward increments).
         group: a ``torch.distributed`` process group.  When one is given, or

@@ -1,5 +1,5 @@
 """The verification levels, in order: each checks what the one below it does,
-and more -- ``off < signature < execute < values``.
+and more -- ``off < signature < execute < sampled < values``.
 
 A level is one ``Level`` here and one check step in
 ``ctxreplay.capture.checker`` (``register_step``): adding a level is adding
@@ -14,7 +14,7 @@ import attrs
 
 from ..errors import Error
 
-__all__ = ["Level", "UnknownLevelError", "add_level", "at_least", "checked_by", "level",
+__all__ = ["DEFAULT", "Level", "UnknownLevelError", "add_level", "at_least", "checked_by", "level",
            "level_names", "remove_level"]
 
 
@@ -30,6 +30,10 @@ class Level:
     """Whether it needs copies of live calls kept during the session."""
     description: str = ""
     """What it checks beyond the level below it, in words."""
+    samples: bool = False
+    """Whether the calls it retains are a sample chosen before each call
+    runs (the others stay on the observation's fast path), rather than
+    candidates taken from every call."""
 
 
 class UnknownLevelError(Error, ValueError):
@@ -42,9 +46,20 @@ _LEVELS: list[Level] = [
           "live outputs"),
     Level("execute", True, False, "the artifact run with each member's weights on fresh "
           "inputs, against the member itself"),
-    Level("values", True, True, "the artifact run on retained copies of live calls, "
-          "against their live outputs by value"),
+    Level("sampled", True, True, "the artifact run on copies of a sample of live calls "
+          "(each member's first call of each variant and a bounded reservoir of later ones, "
+          "chosen before the call runs), against their live outputs by value", samples=True),
+    Level("values", True, True, "the same comparison, with copies taken from every live "
+          "call (the first, the last and a reservoir between): each observed call pays a "
+          "copy"),
 ]
+
+#: the level ``capture_with`` verifies at unless told otherwise: values, not
+#: signatures, because probes always miss some state a framework keeps outside
+#: torch, and only a comparison with live values catches that
+DEFAULT = "sampled"
+
+_BUILT_IN = ("off", "signature", "execute", "sampled", "values")
 
 
 def level_names() -> tuple[str, ...]:
@@ -85,6 +100,6 @@ def add_level(new: Level, *, after: str) -> None:
 
 def remove_level(name: str) -> None:
     """Take an added level out again (the built-in ones stay)."""
-    if name in ("off", "signature", "execute", "values"):
+    if name in _BUILT_IN:
         raise ValueError(f"verification level {name!r} is built in")
     _LEVELS.remove(level(name))

@@ -29,7 +29,8 @@ from ..core.snapshots import ContextSnapshot, describe_state
 from ..specs.signature import SeqSpec, Spec, TensorSpec, flatten_spec, spec_of, tensor_values
 from .compare import SpecMismatch, compare_specs, symbolic_dims
 
-__all__ = ["Fidelity", "Mismatch", "check_outputs", "check_signature",
+__all__ = ["UNOBSERVED", "UNOBSERVED_HELP", "Fidelity", "Mismatch", "check_outputs",
+           "check_signature",
            "compare_values", "flat_tensor_spec", "hint_for", "is_neutral", "merge_mismatches",
            "neutral_replay"]
 
@@ -195,6 +196,19 @@ def flat_tensor_spec(spec: Spec) -> SeqSpec:
     """The tensor leaves of an output, in order, as one list spec: backends
     flatten outputs, so live and captured are compared leaf by leaf."""
     return SeqSpec(list, tuple(s for s in flatten_spec(spec) if isinstance(s, TensorSpec)))
+
+
+#: the hint of a value mismatch that remains with every observed probe state
+#: re-established around the artifact: its cause is state no probe observes (a
+#: module-level setting, a cache or memo the forward keeps, a framework's own
+#: context), never a probe whose state agreed.  ``UNOBSERVED_HELP`` says how to
+#: find it.
+UNOBSERVED = "state no probe observes"
+UNOBSERVED_HELP = ("values differ with every observed probe state re-established: the "
+                   "cause is state no probe observes (a module-level setting, a cache or "
+                   "memo the forward keeps); report.explain() shows what each probe saw, and "
+                   "a ContextProbe for that state (docs: Writing probes) makes it part of "
+                   "the key")
 
 
 def hint_for(snapshot: ContextSnapshot, carried: Iterable[str]) -> str | None:

@@ -29,7 +29,7 @@ from .targets import (
 )
 from .variants import MemberVariant, Scope
 from .watch import Watch as AttributeWatch
-from .wrapper import _Member, _Shared
+from .wrapper import TRACED, _Member, _Shared
 from .wrapping import Root, Watch, Wrapper, let_go, reaches, unwrap, wrap
 
 __all__ = ["Observation"]
@@ -62,9 +62,9 @@ class Observation:
     def __init__(self, root: nn.Module, targets: list[tuple[str, nn.Module]], *,
                  observer: Observer, max_variants: int, max_scopes: int, profile: bool,
                  retain_bytes: int | None, ignore: tuple[str, ...],
-                 fold: bool = False) -> None:
+                 fold: bool = False, sample: bool = False) -> None:
         self.shared = _Shared(observer, max_variants=max_variants, profile=profile,
-                              retain_bytes=retain_bytes, fold=fold)
+                              retain_bytes=retain_bytes, fold=fold, sample=sample)
         self.scopes: list[Scope] = []
         self.dropped_scopes: list[str] = []
         self.members: list[_Member] = []
@@ -72,11 +72,12 @@ class Observation:
         self.left: list[Wrapper] = []  # wrappers detach left in another tool's chain
         by_key: dict[tuple[Any, ...], Scope] = {}
         dropped: set[tuple[Any, ...]] = set()
-        # compiled entry points that exist now are counted exactly; blocks
-        # compiled later are only marked (see observe._Member.forward)
+        # compiled entry points that exist now are counted, with the block
+        # calls inside their runs; blocks compiled later are only marked
+        # (``wrapper._Tally``)
         self.compiled: list[CompiledCounter] = []
         for name, owner, attr in _compiled_entry_points(root):
-            counter = CompiledCounter(owner, attr, name)
+            counter = CompiledCounter(owner, attr, name, TRACED)
             owner.__dict__[attr] = counter
             self.compiled.append(counter)
         for name, mod in targets:
@@ -276,13 +277,18 @@ class Observation:
                 out.append((m.scope, m.name or m.scope.name, n))
         return out
 
-    def compiled_calls(self) -> tuple[dict[str, int], list[str]]:
-        """Calls of each compiled entry point counted, and the members that
-        ran compiled outside any of them (not countable)."""
-        counted = {c.name or type(c.owner).__name__: c.calls for c in self.compiled if c.calls}
+    def compiled_calls(self) -> tuple[dict[str, int], bool, list[str]]:
+        """Block calls inside each compiled entry point's runs (where Dynamo
+        traced none of the observed blocks during the session, the entry
+        point's own calls), whether those counts are exact (each entry
+        point traced once, or not at all), and the members that ran compiled
+        outside any of them (not countable)."""
+        counted = {c.name or type(c.owner).__name__: c.blocks or c.calls
+                   for c in self.compiled if c.calls}
+        exact = all(c.traces == 1 for c in self.compiled if c.calls)
         marked = [m.name or m.scope.name for m in self.members if m.compiled.seen
                   and not any(_inside(m.name, c.name) for c in self.compiled if c.calls)]
-        return counted, marked
+        return counted, exact, marked
 
     def identity_value(self, request: VariantRequest) -> Any:
         """The identity of the members that ran ``request``'s variant."""

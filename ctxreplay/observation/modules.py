@@ -144,16 +144,32 @@ class CompiledCounter:
     attaches (an ``OptimizedModule``'s forward, a module's
     ``_compiled_call_impl``): the blocks inside run compiled, unobserved."""
 
-    __slots__ = ("attr", "calls", "name", "orig", "owner")
+    __slots__ = ("_traced", "attr", "blocks", "calls", "name", "orig", "owner", "per_call",
+                 "traces")
 
-    def __init__(self, owner: nn.Module, attr: str, name: str) -> None:
+    def __init__(self, owner: nn.Module, attr: str, name: str,
+                 traced: list[int] | None = None) -> None:
         self.owner, self.attr, self.name = owner, attr, name
         self.orig = owner.__dict__[attr]
         self.calls = 0
+        #: block calls inside its runs: each run counts the observed blocks
+        #: Dynamo traced into its code the last time it traced (``traced``,
+        #: a running count of those traces); exact while it traced once
+        self.blocks = 0
+        self.per_call = 0
+        self.traces = 0
+        self._traced = [0] if traced is None else traced
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        return self.orig(*args, **kwargs)
+        before = self._traced[0]
+        try:
+            return self.orig(*args, **kwargs)
+        finally:
+            traced = self._traced[0] - before
+            if traced:
+                self.per_call, self.traces = traced, self.traces + 1
+            self.blocks += self.per_call
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.orig, memo)

@@ -1,21 +1,32 @@
-"""Copies of live calls for ``verify="values"``: per member and variant a
-reservoir spanning the session -- its first call, its last call and up to
-``BETWEEN`` calls sampled uniformly from those in between -- as CPU copies
-(inputs taken before the forward can change them in place, outputs when it
+"""Copies of live calls for the value-checking levels: per member and
+variant its first call and a reservoir of later ones, as CPU copies (inputs
+taken before the forward can change them in place, outputs when it
 returns), within one byte budget for the session.
 
-Every call of a retaining session is copied once (it is the newest "last"
-until the next call): the cost of ``verify="values"``, which a session pays
-only when it asks for it.  The calls in between are sampled with a
-generator of the session's own (seeded, so runs are reproducible; the
-global random state is never touched).  A call that does not fit the
-budget is not retained, after the variant's sampled calls in between and
-its previous last call were given up to make room for it; ``summary()``
+Two policies:
+
+* ``verify="sampled"`` (the default) decides *before* a call runs whether it
+  is sampled (``Schedule``: reservoir sampling with skips, Li's "Algorithm
+  L"): the first ``SAMPLED`` later calls, then ever rarer ones, each
+  replacing a random slot, so the slots stay a uniform sample of the calls
+  after the first.  The others stay on the observation's fast path: a
+  session of n calls per member copies about ``SAMPLED * (1 + ln(n /
+  SAMPLED))`` of them.
+* ``verify="values"`` copies every call once (it is the newest "last" until
+  the next call) and keeps the first, the last and up to ``BETWEEN`` sampled
+  uniformly from those in between.
+
+Both sample with a generator of the session's own (seeded, so runs are
+reproducible; the global random state is never touched).  A call that does
+not fit the budget is not retained, after sampled calls were given up to
+make room for it -- for a variant's first call, those of any variant: every
+member's first call is what a value check needs first.  ``summary()``
 counts them.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from collections.abc import Iterable
@@ -26,10 +37,13 @@ import torch
 from ..capture.options import RetainedCall
 from ..specs.signature import call_tensors, tensor_values
 
-__all__ = ["BETWEEN", "Kept", "Retention"]
+__all__ = ["BETWEEN", "SAMPLED", "Kept", "Retention", "Schedule"]
 
 #: calls sampled between a variant's first and last call, per member
+#: (``verify="values"``)
 BETWEEN = 6
+#: calls after the first sampled per member and variant (``verify="sampled"``)
+SAMPLED = 4
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -57,40 +71,90 @@ class Kept:
         return tuple(c for c in (self.first, *self.between, self.last) if c is not None)
 
 
+class Schedule:
+    """When a member's next call of one variant is due to be sampled
+    (``verify="sampled"``): ``due`` is its index (0 is the first call,
+    retained as such).  Reservoir sampling with skips (Li, "Reservoir-sampling
+    algorithms of time complexity O(n(1 + log(N/n)))", 1994): the first
+    ``SAMPLED`` later calls are due one by one, then each sample draws how
+    many calls to let pass before the next."""
+
+    __slots__ = ("due", "w")
+
+    def __init__(self) -> None:
+        self.due = 1
+        self.w = 1.0
+
+    def advance(self, n: int, rng: random.Random) -> None:
+        """Call ``n`` was just sampled: the next due."""
+        if n < SAMPLED:
+            self.due = n + 1
+            return
+        # (1 - random() lies in (0, 1]: log never sees 0)
+        self.w *= math.exp(math.log(1.0 - rng.random()) / SAMPLED)
+        w = min(self.w, 1.0 - 1e-12)
+        self.due = n + 1 + int(math.log(1.0 - rng.random()) / math.log1p(-w))
+
+    def hits(self, n: int) -> int:
+        """Calls from index ``n`` on that are not due."""
+        return max(0, self.due - n)
+
+
 class Retention:
     """The session's byte budget for retained copies (``limit`` ``None``:
     values are not retained); ``held`` bytes are held now, ``peak`` at
-    most; ``skipped`` calls were not retained for the budget."""
+    most; ``skipped`` calls were not retained for the budget.  ``sample``:
+    the ``verify="sampled"`` policy (calls chosen before they run)."""
 
-    __slots__ = ("held", "kept", "limit", "lock", "peak", "rng", "skipped")
+    __slots__ = ("held", "kept", "kepts", "limit", "lock", "peak", "rng", "sample", "skipped")
 
-    def __init__(self, limit: int | None, lock: threading.Lock) -> None:
+    def __init__(self, limit: int | None, lock: threading.Lock, sample: bool = False) -> None:
         self.limit = limit
         self.lock = lock
+        self.sample = sample
         self.held = 0
         self.peak = 0
         self.kept = 0  # calls retained over the session (some given up later)
         self.skipped = 0
         self.rng = random.Random(0)
+        self.kepts: list[Kept] = []  # every member variant's, to make room for a first call
 
     def summary(self) -> dict[str, int] | None:
         """The report's ``retained``: the cap, bytes held at finalize and at
         most, calls retained and calls not retained for the cap (``None``
-        without ``verify="values"``)."""
+        where values are not retained)."""
         if self.limit is None:
             return None
         return {"retain_bytes": self.limit, "retained_bytes": self.held,
                 "peak_bytes": self.peak, "retained_calls": self.kept,
                 "not_retained": self.skipped}
 
+    def new(self) -> Kept:
+        """A member variant's retained calls, counted in the budget's care
+        (under the lock)."""
+        kept = Kept()
+        self.kepts.append(kept)
+        return kept
+
+    def advance(self, schedule: Schedule, n: int) -> None:
+        """Call ``n`` of ``schedule``'s member variant is sampled: its next due."""
+        with self.lock:
+            schedule.advance(n, self.rng)
+
     def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], kept: Kept | None = None
                ) -> tuple[torch.Tensor, ...] | None:
         """CPU copies of a call's input tensors, or ``None`` past the budget
-        (``kept``'s sampled calls and last call given up first to make room:
-        this call is its newest)."""
+        (other sampled calls given up first to make room, ``_reserve``).
+        ``kept``: where the call is to be retained (``None``: a first call)."""
         tensors = call_tensors(args, kwargs)
         need = _nbytes(tensors)
         with self.lock:
+            if self.sample and kept is not None and kept.first is not None \
+                    and len(kept.between) >= SAMPLED:
+                # the sample replaces a random slot (each slot stays a
+                # uniform pick of the calls after the first)
+                gone = kept.between.pop(self.rng.randrange(len(kept.between)))
+                self.held -= gone.nbytes
             if not self._reserve(need, kept):
                 self.skipped += 1
                 return None
@@ -118,15 +182,23 @@ class Retention:
             self._place(kept, call)
 
     def _reserve(self, need: int, kept: Kept | None) -> bool:
-        """Reserve ``need`` bytes (under the lock), giving up ``kept``'s
-        sampled calls in between, then its last call (the call being retained
-        replaces it), when they are in the way."""
+        """Reserve ``need`` bytes (under the lock).  What is given up to make
+        room: for a first call, sampled later calls of any member variant;
+        under ``values``, ``kept``'s own sampled calls in between, then its
+        last call (the call being retained replaces it).  A later sample
+        under ``sampled`` displaces nothing."""
         limit = self.limit or 0
-        while self.held + need > limit and kept is not None and kept.between:
-            self.held -= kept.between.pop().nbytes
-        if self.held + need > limit and kept is not None and kept.last is not None:
-            self.held -= kept.last.nbytes
-            kept.last = None
+        first = kept is None or kept.first is None
+        if first:
+            for other in self.kepts:
+                while self.held + need > limit and other.between:
+                    self.held -= other.between.pop().nbytes
+        elif not self.sample:
+            while self.held + need > limit and kept is not None and kept.between:
+                self.held -= kept.between.pop().nbytes
+            if self.held + need > limit and kept is not None and kept.last is not None:
+                self.held -= kept.last.nbytes
+                kept.last = None
         if self.held + need > limit:
             return False
         self.held += need
@@ -136,6 +208,10 @@ class Retention:
     def _place(self, kept: Kept, call: RetainedCall) -> None:
         if kept.first is None:
             kept.first = call
+            return
+        if self.sample:  # (``inputs`` made room in the slots)
+            kept.seen += 1
+            kept.between.append(call)
             return
         old, kept.last = kept.last, call
         if old is None:

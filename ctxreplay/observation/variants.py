@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core.snapshots import ContextSnapshot
 from ..specs.signature import CallSpec, Spec
-from .retained import Kept
+from .retained import Kept, Schedule
 
 
 class _MemberLike(Protocol):
@@ -46,8 +46,10 @@ class MemberVariant:
     outputs: Spec | None = None
     completed: bool = False
     counter: Any = attrs.field(factory=itertools.count)
-    #: ``verify="values"``: the calls retained (first, last, a sample between)
+    #: the calls retained for a value check (the first and a sample of the others)
     retained: Kept | None = None
+    #: ``verify="sampled"``: when its next call is due to be sampled
+    schedule: Schedule | None = None
     #: copies of the inputs of the call in progress that is to be retained
     retained_inputs: tuple[torch.Tensor, ...] | None = None
     #: calls counted that raised in the user's forward (the caller handled

@@ -26,6 +26,7 @@ calls the copy's own forward and observes nothing (``Detached``).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -44,7 +45,7 @@ from ..specs.dims import size_free_key
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
-from .retained import Kept, Retention
+from .retained import Retention, Schedule
 from .targets import identity_of, state_of
 from .variants import MemberVariant, Scope
 from .wrapping import Wrapper
@@ -54,12 +55,36 @@ __all__ = ["ABSENT"]
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
 
+#: block calls Dynamo traced into compiled code (``_Tally.mark``), all sessions
+TRACED = [0]
+
 
 class _Tally:
-    """A plain flag compiled code sets (see ``_Member.forward``)."""
+    """Whether Dynamo traced the member into compiled code (``_Member._call``).
+
+    ``mark`` runs when Dynamo *traces* a call of it, not when the compiled
+    code runs: a function marked as ``torch._dynamo.assume_constant_result``
+    marks it (``_dynamo_marked_constant``, the attribute that decorator sets
+    on 2.7-2.14) is called by Dynamo at trace time and its result kept as a
+    constant.  So observation stores nothing in the traced code -- a store
+    there is a side effect Dynamo refuses inside a higher-order op's body
+    (``torch.cond``, ``while_loop``: "Non-nullified side effect", the user's
+    forward raised) and replays on every run elsewhere.  Each mark also
+    counts in ``TRACED``, which the compiled entry points read to count the
+    block calls of each of their runs."""
+
+    __slots__ = ("mark", "seen")
 
     def __init__(self) -> None:
         self.seen = False
+
+        def mark() -> bool:
+            self.seen = True
+            TRACED[0] += 1
+            return True
+
+        mark._dynamo_marked_constant = True  # type: ignore[attr-defined]
+        self.mark = mark
 
 
 class _Python:
@@ -97,7 +122,7 @@ class _Shared:
                  "observer", "profile", "retention")
 
     def __init__(self, observer: Observer, *, max_variants: int, profile: bool,
-                 retain_bytes: int | None, fold: bool = False) -> None:
+                 retain_bytes: int | None, fold: bool = False, sample: bool = False) -> None:
         self.observer = observer
         self.lock = threading.Lock()
         self.max_variants = max_variants
@@ -105,7 +130,7 @@ class _Shared:
         #: differ in plain attributes only, count once against max_variants
         self.fold = fold
         self.profile = profile
-        self.retention = Retention(retain_bytes, self.lock)
+        self.retention = Retention(retain_bytes, self.lock, sample)
         self.errors: Counter[tuple[str, str]] = Counter()
         self.failing_probes: Counter[str] = Counter()
         self.active = 0  # calls of the root module in progress (approximate across threads)
@@ -154,7 +179,9 @@ class _Member(Wrapper):
         # The memo (``_memoize``) holds everything a repeat of the member's
         # last variant needs, in one tuple: a hit reads one attribute of
         # ``self`` and makes one C-level check of the state (the guard and the
-        # watched getters) and one of the inputs (``TensorGuards``).  Every
+        # watched getters) and one of the inputs (``TensorGuards``); ``skip``
+        # runs out when a call is due to be sampled for the value check
+        # (``retained.Schedule``), which the slow path then copies.  Every
         # operation here is paid on every observed call.
         # (Dynamo folds ``_dynamo_compiling()`` first, so it guards on nothing here.)
         if not _dynamo_compiling():
@@ -163,11 +190,12 @@ class _Member(Wrapper):
                 # (another argument count fails ``check``: TensorGuards raises, the
                 # Python key differs; under ``torch.jit.trace`` it fails as well,
                 # ``_memo_check``)
-                cache, state, check, counter, training, module, orig, obs, shared = memo
+                cache, state, check, counter, training, module, orig, obs, shared, skip = memo
                 if obs.cache is cache and module.training is training:
                     try:
                         hit = (state() and check(*args)
-                               and (shared.active or not obs.forward_changed()))
+                               and (shared.active or not obs.forward_changed())
+                               and next(skip, False))
                     except Exception:  # a getter or check that raises: the slow path decides
                         hit = False
                     if hit:
@@ -187,18 +215,15 @@ class _Member(Wrapper):
             # call; ``isolate.watch`` drops the memo while it runs.)
             # Under torch.compile the check is a constant and orig is
             # inlined: compiled regions are not observed and get no graph
-            # break.  The store below is a side effect Dynamo replays on every
-            # run of the compiled code: it marks the block as having run
-            # compiled.  (A count would be read too, and Dynamo would guard on
-            # it and recompile every call; torch.export warns about side
-            # effects.)  Under jit tracing, reading a tensor's shape would be
-            # recorded into the trace.
+            # break.  ``mark`` runs while Dynamo traces, leaving nothing in
+            # the traced code (``_Tally``).  Under jit tracing, reading a
+            # tensor's shape would be recorded into the trace.
             if _dynamo_compiling() and not self.off and not _dynamo_exporting():
-                self.compiled.seen = True
+                self.compiled.mark()
             return self.orig(*args, **kwargs)
         failed: BaseException | None = None
         real = True
-        mv = None
+        mv, sampled = None, False
         try:
             shared = self.shared
             obs = shared.observer
@@ -210,7 +235,7 @@ class _Member(Wrapper):
                 snap = obs.refresh()
             if not shared.active and obs.forward_changed():
                 snap = obs.refresh()  # called outside the model: check those flags here
-            mv = self._lookup(snap, args, kwargs)
+            mv, sampled = self._lookup(snap, args, kwargs)
         except NotRealError:  # fx proxies, fake or functorch tensors: a tracer's call
             real = False
         except Exception as exc:  # observation must never disturb the forward
@@ -226,7 +251,7 @@ class _Member(Wrapper):
         if mv is not None:
             next(mv.counter)
             try:
-                if shared.retention.limit is not None:
+                if sampled:
                     return self._retaining(mv, args, kwargs)
                 if shared.profile:
                     with torch.profiler.record_function(
@@ -253,19 +278,24 @@ class _Member(Wrapper):
             return
 
     def _memoize(self, snap: ContextSnapshot, args: tuple[Any, ...], sig: Any,
-                 mv: MemberVariant) -> None:
+                 mv: MemberVariant, pending: int) -> None:
         """Make ``mv`` the member's memo: what ``forward`` checks first.  Only
         while ``snap`` is the observer's cached snapshot and still holds (and
-        never while profiling, whose calls each open a profiler range)."""
+        never while profiling, whose calls each open a profiler range).
+        ``pending``: calls of ``mv`` under way that are not counted yet."""
         self.memo = None
         shared = self.shared
         obs = shared.observer
         cache = obs.cache
-        # (while values are retained every call takes the slow path, which
-        # copies it: the memo stays empty)
+        # (while ``verify="values"`` retains, every call takes the slow path,
+        # which copies it: the memo stays empty)
+        retention = shared.retention
         if cache is None or cache.snapshot is not snap or shared.profile or self.off \
-                or shared.retention.limit is not None:
+                or (retention.limit is not None and not retention.sample):
             return
+        schedule = mv.schedule
+        skip = itertools.repeat(True) if schedule is None else \
+            itertools.repeat(True, schedule.hits(mv.calls + mv.raised + pending))
         check = _memo_check(args, sig)
         # a TensorGuards check of at least one tensor sees the dispatch keys
         state = cache.beside_tensors if args and not isinstance(check, _Python) else cache.check
@@ -275,20 +305,30 @@ class _Member(Wrapper):
         except Exception:
             return
         self.memo = (cache, state, check.check, mv.counter, self.training, self.module,
-                     self.orig, obs, shared)
+                     self.orig, obs, shared, skip)
 
     # -- the slow paths ---------------------------------------------------
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> MemberVariant | None:
+                kwargs: dict[str, Any]) -> tuple[MemberVariant | None, bool]:
+        """The completed variant this call belongs to (``None``: the call is
+        a first one), and whether it is due to be sampled."""
         sig = call_key(args, kwargs)
         if self.dirty or self.lazy or self.module.training is not self.training:
             self._recheck()
         mv = self.table.get((snap, sig))
         if mv is None or not mv.completed:
-            return None
+            return None, False
+        retention = self.shared.retention
+        sampled = retention.limit is not None and not retention.sample
+        schedule = mv.schedule
+        if schedule is not None:
+            n = mv.calls + mv.raised  # this call's index: it is counted next
+            if n >= schedule.due:
+                sampled = True
+                retention.advance(schedule, n)
         if not kwargs:
-            self._memoize(snap, args, sig, mv)
-        return mv
+            self._memoize(snap, args, sig, mv, 1)
+        return mv, sampled
 
     def _first(self, snap: ContextSnapshot, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
@@ -366,6 +406,8 @@ class _Member(Wrapper):
                             return None
                         index = scope.add(full, family)
                     mv = MemberVariant(index, self.identity, snap, inputs)
+                    if shared.retention.sample:
+                        mv.schedule = Schedule()
                     self.table[key] = mv
         retention = shared.retention
         if retention.limit is not None:
@@ -382,12 +424,13 @@ class _Member(Wrapper):
         if not kwargs:
             sig = call_key(args, kwargs)
             if self.table.get((snap, sig)) is mv:  # the forward left its inputs as they were
-                self._memoize(snap, args, sig, mv)
+                self._memoize(snap, args, sig, mv, 0)
 
     def _retaining(self, mv: MemberVariant, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
-        """A call of a completed variant while ``verify="values"`` retains
-        calls: copied before and after the forward (``retained.Kept``)."""
+        """A call of a completed variant that is retained for the value check
+        (every call under ``verify="values"``, a sampled one under
+        ``"sampled"``): copied before and after the forward (``retained.Kept``)."""
         failed: BaseException | None = None
         inputs = None  # local: other threads may be in a call of ``mv`` too
         try:
@@ -427,7 +470,7 @@ class _Member(Wrapper):
             return
         with self.shared.lock:
             if mv.retained is None:
-                mv.retained = Kept()
+                mv.retained = self.shared.retention.new()
         self.shared.retention.keep(mv.retained, inputs, out)
 
     def changed(self) -> None:

@@ -16,7 +16,7 @@ from ..backends import Backend, get_backend
 from ..capture.options import CaptureOptions
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
 from ..errors import Error
-from ..fidelity.verify import Mismatch
+from ..fidelity.verify import UNOBSERVED, UNOBSERVED_HELP, Mismatch
 from . import manifest as _manifest
 from .explain import CaptureExplanation, Explanation, explain_captures
 
@@ -222,7 +222,7 @@ class FidelityError(Error, AssertionError):
         lines = [f"{c.scope}#{c.variant}: {m.path} {m.field} live={m.live} "
                  f"captured={m.captured} ({m.level})"
                  + (f" [{', '.join(m.members)}]" if m.members else "")
-                 + (f" -- {m.hint}" if m.hint else "")
+                 + (f" -- {_hint_text(m.hint)}" if m.hint else "")
                  for c, m in report.mismatches()]
         lines += [f"{f.scope}#{f.variant}: capture failed: {f.reason} ({f.exc_type}"
                   + (f": {f.message}" if f.message else "") + ")"
@@ -231,3 +231,9 @@ class FidelityError(Error, AssertionError):
         super().__init__("capture does not match the live call:\n  " + "\n  ".join(lines))
         self.report = report
         """The report that was not ok."""
+
+
+def _hint_text(hint: str) -> str:
+    """A mismatch's hint for a person: the unobserved-state hint with how to
+    find that state."""
+    return UNOBSERVED_HELP if hint == UNOBSERVED else hint

@@ -129,9 +129,43 @@ def test_a_compiled_model_given_to_capture_with_counts_its_unobserved_calls() ->
         return
     assert report.captures == () and not report.ok
     p = _problem(report, "not_observed")
-    # compiled before capture_with: its entry point counts every call
-    assert p.exact and p.calls == 3 and p.names == ("OptimizedModule",)
+    # compiled before capture_with: its entry point counts every run, and
+    # each run the two block calls Dynamo traced into it (before, the
+    # entry point's 3 calls stood for 6 block calls)
+    assert p.exact and p.calls == 3 * 2 and p.names == ("OptimizedModule",)
     assert "uncompiled" in p.message  # the fix is in the message
+
+
+class SkipLayers(nn.Module):
+    """Each block called inside a ``torch.cond`` branch: a skip-layer pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.cond(skip, lambda t: t.clone(), lambda t, b=b: b(t), (x,))
+        return x
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_blocks_inside_torch_cond_leave_the_forward_working_and_are_not_observed() -> None:
+    # Dynamo traces cond's branches, and refuses a store into an outer object
+    # there ("Non-nullified side effect"): observation stored a flag, and the
+    # user's forward raised under capture_with
+    torch.manual_seed(0)
+    model = SkipLayers().eval()
+    x = torch.rand(2, 4)
+    with torch.no_grad():
+        expected = [model(x, torch.tensor(i == 1)) for i in range(3)]
+    with ctxreplay.capture_with(model, targets="repeated") as s, torch.no_grad():
+        got = [model(x, torch.tensor(i == 1)) for i in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    report = finalize_checked(s)
+    assert not report.ok and report.captures == ()
+    p = _problem(report, "not_observed")
+    assert p.names == ("blocks.0", "blocks.1")
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
