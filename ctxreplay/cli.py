@@ -263,9 +263,14 @@ def _inspect(ns: argparse.Namespace) -> int:
         caps.append(({**doc_, "weights_from": side.weights_from, "members": side.members},
                       saved, side.artifact.name))
         print(f"saved capture {side.artifact} ({_environment(doc_.get('environment'))})")
-        extra = [f"context: {name}={text}" for name, text in side.snapshot.describe().items()]
-        extra.append(f"carried by the artifact: {', '.join(side.embedded) or '-'}; to "
-                     f"re-establish where it runs: {', '.join(side.ambient_only) or '-'}")
+        described = side.snapshot.describe()
+        extra = [f"context: {name}={text}" for name, text in described.items()]
+        # a probe replayed partly inside the trace and partly around it (grad
+        # mode under inference mode) is carried in part and needed in part
+        carried = [f"{n} (in part)" if n in side.ambient_only else n for n in side.embedded]
+        needed = [f"{n}={described[n]}" if n in described else n for n in side.ambient_only]
+        extra.append(f"carried by the artifact: {', '.join(carried) or '-'}; to "
+                     f"re-establish where it runs: {', '.join(needed) or '-'}")
     print(_table(_HEAD, _capture_rows(caps)))
     for line in extra:
         print(line)

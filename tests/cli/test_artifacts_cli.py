@@ -111,7 +111,9 @@ def test_inspect_every_kind(files: dict[str, Path], capsys: pytest.CaptureFixtur
     assert {r.split()[3] for r in rows} <= {"float32[2,8]", "float32[3,8]"}
     if kind in ("pt2", "sidecar"):
         assert "context: autocast=cpu:bfloat16" in out
-        assert "to re-establish where it runs: grad_mode" in out
+        # grad mode is traced, inference mode is not: carried in part, needed in part
+        assert ("carried by the artifact: autocast, grad_mode (in part); to re-establish "
+                "where it runs: grad_mode=inference_mode\n") in out
 
 
 def test_inspect_shows_what_was_not_saved(files: dict[str, Path],
