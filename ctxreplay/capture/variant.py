@@ -15,7 +15,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
 from typing import Any
 
 import attrs
@@ -30,6 +30,7 @@ from ..backends import (
     classify_exception,
     exception_message,
 )
+from ..backends.dtensor import holds_dtensors
 from ..backends.passes import (
     graph_code,
     graph_op_args,
@@ -64,13 +65,16 @@ from .restore import restore_state
 from .results import Capture, CaptureFailure
 from .worker import WorkerTimeout, run_in_worker
 
-__all__ = ["CaptureFailed", "Kin", "Source", "capture_variant", "recapture"]
+__all__ = ["CaptureFailed", "Kin", "Source", "Tick", "capture_variant", "recapture"]
 
 
 #: an artifact from elsewhere than a trace (the capture cache): given the
 #: isolated view of the traced member and the binding (``"flattened"``: the
 #: view sits under ``inner.``), ``(artifact, graph output spec, backend)``
 Source = Callable[[nn.Module, str], tuple[Any, "Spec | None", Backend]]
+
+#: ``(request, member name)``: a member's check of ``request`` starts (progress)
+Tick = Callable[[VariantRequest, str], None]
 
 #: called once the artifact is checked, while its isolated view is alive:
 #: ``(artifact, checker for another request of the same member identity,
@@ -88,10 +92,13 @@ class Kin:
     (``capture.reads``: they cannot have shaped the graph) and the graph
     passes its own check against every member that ran it, with each
     member's own weights and attributes; ``served`` then holds its
-    capture, by variant.  The others are left to a trace of their own."""
+    capture, by variant.  The others are left to a trace of their own;
+    ``refused`` names those whose check the graph did not pass (no other
+    graph of their kin is tried on them again)."""
 
     others: Sequence[tuple[VariantRequest, frozenset[tuple[str, str]]]]
     served: dict[int, Capture] = attrs.Factory(dict)
+    refused: set[int] = attrs.Factory(set)
 
 
 class CaptureFailed(Error):
@@ -131,10 +138,13 @@ class _Plan:
     dims: Mapping[int, tuple[int, ...]] = attrs.field(factory=dict)
     #: what the trace read of the view's attributes (``None``: not recorded)
     reads: Reads | None = None
+    #: told as each member's check of a request starts (progress)
+    tick: Tick | None = None
 
     @classmethod
     def make(cls, request: VariantRequest, options: CaptureOptions,
-             backend: Backend, dims: Mapping[int, tuple[int, ...]] | None = None) -> _Plan:
+             backend: Backend, dims: Mapping[int, tuple[int, ...]] | None = None,
+             *, embeds: bool = True) -> _Plan:
         snap = request.snapshot
         if options.replay == "off":
             inside = None
@@ -142,7 +152,7 @@ class _Plan:
             embedded: tuple[str, ...] = ()
             ambient = snap.names
         else:
-            embed = options.replay == "embedded" and backend.records_embedded
+            embed = options.replay == "embedded" and backend.records_embedded and embeds
             factory, around, embedded, ambient = snap.replay_parts(embedded=embed)
             inside = factory if embedded else None
         outputs_native = request.outputs is None or is_native(request.outputs)
@@ -158,7 +168,8 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                     baseline: tuple[ContextProbe[Any], ...] = (),
                     defer_collectives: bool = False, source: Source | None = None,
                     dims: Mapping[int, tuple[int, ...]] | None = None,
-                    after: After | None = None, kin: Kin | None = None) -> Capture:
+                    after: After | None = None, kin: Kin | None = None,
+                    tick: Tick | None = None) -> Capture:
     """See ``_capture_variant``; it runs from the state a fresh process has
     (inputs made under the caller's ``inference_mode`` would be inference
     tensors), whatever the caller of ``finalize()`` has active."""
@@ -170,7 +181,7 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     try:
         return _capture_variant(request, modules, options, baseline=baseline,
                                 defer_collectives=defer_collectives, source=source, dims=dims,
-                                after=after, kin=kin)
+                                after=after, kin=kin, tick=tick)
     finally:
         neutral.__exit__(None, None, None)
 
@@ -180,7 +191,8 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                      baseline: tuple[ContextProbe[Any], ...] = (),
                      defer_collectives: bool = False, source: Source | None = None,
                      dims: Mapping[int, tuple[int, ...]] | None = None,
-                     after: After | None = None, kin: Kin | None = None) -> Capture:
+                     after: After | None = None, kin: Kin | None = None,
+                     tick: Tick | None = None) -> Capture:
     """Capture ``request``; ``modules`` maps member names to the live modules
     (never changed: every trace and run uses an isolated view).
     ``source``: where the artifact comes from instead of a trace (the
@@ -192,7 +204,8 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     and the distributed finalize runs it on every rank together.
     ``dims``: leaf index -> dimensions to trace as dynamic sizes (a fold;
     the backend must fold).  ``kin``: other variants the graph may serve
-    (see ``Kin``; fills ``kin.served``)."""
+    (see ``Kin``; fills ``kin.served``).  ``tick``: told as each member's
+    check starts."""
     t0 = time.perf_counter()
     backend = options.backend
     fail = functools.partial(_failure, request, backend)
@@ -204,12 +217,18 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     if layouts:
         raise _with_context(fail("unsupported_layout", None), layouts)
     try:
-        plan = _Plan.make(request, options, backend, dims)
+        # torch.export of a tensor-parallel module under a context wrapper
+        # fails its own verifier ("dtensor_const_func_spec0 is missing val
+        # field"): its contexts are replayed around the trace instead
+        plan = _Plan.make(request, options, backend, dims,
+                          embeds=not holds_dtensors(module.parameters()))
     except Exception as exc:
         raise fail("replay_failed", exc) from None
     if kin is not None and kin.others and not dims and source is None \
             and _python_export(backend, first=True):
         plan = attrs.evolve(plan, reads=Reads())
+    if tick is not None:
+        plan = attrs.evolve(plan, tick=tick)
     served: list[tuple[VariantRequest, Fidelity, float]] = []
     with _view(module, request, fail) as view:
         artifact, graph_outputs, real = _artifact(request, plan, view, options, fail,
@@ -238,6 +257,28 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     if kin is not None:
         kin.served.update((o.variant, _served(capture, o, f, s)) for o, f, s in served)
     return capture
+
+
+class _Ticking(Mapping[str, nn.Module]):
+    """``modules`` as a checker reads them, telling ``tick`` each member it
+    looks up: a checker looks a member's module up as it starts that
+    member's check (a progress bar moves per member, not per variant)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], request: VariantRequest,
+                 tick: Tick) -> None:
+        self.modules, self.request, self.tick = modules, request, tick
+
+    def __getitem__(self, name: str) -> nn.Module:
+        module = self.modules[name]
+        with suppress(Exception):  # progress must not cost a check
+            self.tick(self.request, name)
+        return module
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.modules)
+
+    def __len__(self) -> int:
+        return len(self.modules)
 
 
 def _python_export(backend: Backend, *, first: bool) -> bool:
@@ -271,9 +312,12 @@ def _serve(kin: Kin, plan: _Plan, modules: Mapping[str, nn.Module], options: Cap
             fidelity = _checked(checker_for(other, graph_outputs), plan, modules, fail, None,
                                 None, lambda r: checker_for(r, None), runs="here")
         except CaptureFailed:
+            kin.refused.add(other.variant)
             continue
         if fidelity.ok:
             out.append((other, fidelity, time.perf_counter() - t0))
+        else:
+            kin.refused.add(other.variant)
     return out
 
 
@@ -325,7 +369,8 @@ def _checked(checker: Checker, plan: _Plan, modules: Mapping[str, nn.Module],
     ranks (``"ranks"``: a graph holding collectives at a level that
     executes) or ``"nowhere"`` (the same at a level that does not)."""
     try:
-        fidelity = checker.run(modules)
+        fidelity = checker.run(modules if plan.tick is None else
+                               _Ticking(modules, checker.request, plan.tick))
         unwatched = _unwatched(checker, plan, modules, runs)
     except Exception as exc:
         raise fail("verify_failed", exc) from None

@@ -21,7 +21,7 @@ from ..capture.fold import Trial, families, fold_family, folds
 from ..capture.merge import merge_identical
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
-from ..capture.variant import CaptureFailed, Kin, Source, capture_variant
+from ..capture.variant import CaptureFailed, Kin, Source, Tick, capture_variant
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
@@ -93,15 +93,17 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: Baseline, *, explain:
     mine = [(k, r) for k, r in zip(keys, requests) if plan.owner[k] == exchange.rank]
     modules = obs.member_modules()
     baseline = _baseline_probes()
-    todo = sum(1 for _, r in mine if (r.scope, r.variant) not in job.done)
-    results = _capture_mine(job, mine, plan, exchange, modules, baseline, net,
-                            Progress(len(everything), len(everything) - todo, progress))
+    todo = {(r.scope, r.variant) for _, r in mine} - job.done.keys()
+    bar = Progress(_steps(everything, options), {(r.scope, r.variant) for r in everything} - todo,
+                   progress)
+    results = _capture_mine(job, mine, plan, exchange, modules, baseline, net, bar)
     captures = [c for c in results if isinstance(c, Capture)]
     explained = None
     if explain and not job.interrupted:
         explained = tuple(explain_captures(captures, modules, options).captures)
     captures = list(merge_identical(captures))
     failures = [f for f in results if isinstance(f, CaptureFailure)]
+    bar.summary(len(captures), len(failures), time.perf_counter() - t0)
     local = _rank_results(job, everything, captures, failures, explained,
                           time.perf_counter() - t0)
     every = exchange.share(local, options)
@@ -114,6 +116,15 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: Baseline, *, explain:
     every = [attrs.evolve(r, errors=e) for r, e in zip(every, errors)]
     job.done.clear()  # the report holds them now
     return build_report(every, shared, options, order, exchange.info(plan, every))
+
+
+def _steps(requests: Sequence[VariantRequest], options: CaptureOptions
+           ) -> dict[tuple[str, int], int]:
+    """Each variant's share of the progress bar: its capture, and a check
+    per member that ran it (none at ``verify="off"``)."""
+    checks = options.verify != "off"
+    return {(r.scope, r.variant): 1 + checks * sum(m.completed for m in r.members)
+            for r in requests}
 
 
 def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan: Plan,
@@ -131,9 +142,14 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
     local = {(r.scope, r.variant): k for k, r in mine}
     groups = families(requests) if folds(job.options) else [[r] for r in requests]
     kin = _kin(job, requests)
+    refused: set[tuple[str, int]] = set()  # a graph of their kin did not pass their check
 
     def label(request: VariantRequest) -> str:
-        return f"{request.scope}#{plan.variant[keys[id(request)]]}"
+        key = keys.get(id(request))
+        return f"{request.scope}#{request.variant if key is None else plan.variant[key]}"
+
+    def tick(request: VariantRequest, member: str) -> None:
+        bar.checked((request.scope, request.variant), f"{label(request)} {member}")
 
     try:
         for group in groups:
@@ -141,15 +157,18 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
             for request in group:
                 where = (request.scope, request.variant)
                 if where not in job.done:
-                    others = _kin_of(job, request, kin.get(id(request), ()))
+                    others = _kin_of(job, request, kin.get(id(request), ()), refused)
                     job.done[where] = _one(job, request, modules, baseline, net,
-                                           distributed, cache, others)
-                    bar.step(label(request))
+                                           distributed, cache, others, tick)
+                    made = any(isinstance(r, Capture) for r in job.done[where])
+                    bar.finished(where, label(request), graph=made, served=False)
+                    refused.update((request.scope, v) for v in others.refused)
                     for other, _ in others.others:
                         served = others.served.get(other.variant)
                         if served is not None:  # checked against its members, no trace
                             job.done[(other.scope, other.variant)] = [served]
-                            bar.step(label(other))
+                            bar.finished((other.scope, other.variant), label(other),
+                                         graph=False, served=True)
                 out += [exchange.relabel(r, keys[id(request)], plan, _folded_keys(r, local))
                         for r in job.done[where]]
     finally:
@@ -190,13 +209,16 @@ def _kin(job: Finalizing, requests: Sequence[VariantRequest]
 
 
 def _kin_of(job: Finalizing, request: VariantRequest,
-            group: Sequence[tuple[VariantRequest, Any]]) -> Kin:
-    """The variants of ``request``'s kin not captured yet whose identity
-    differs from its own in plain attributes alone, with those attributes."""
+            group: Sequence[tuple[VariantRequest, Any]],
+            refused: set[tuple[str, int]]) -> Kin:
+    """The variants of ``request``'s kin not captured yet (nor ``refused``
+    by another graph of the kin) whose identity differs from its own in
+    plain attributes alone, with those attributes."""
     mine = next((i for r, i in group if r is request), None)
     others: list[tuple[VariantRequest, frozenset[tuple[str, str]]]] = []
     for r, identity in group:
-        if r is request or (r.scope, r.variant) in job.done or mine is None \
+        where = (r.scope, r.variant)
+        if r is request or where in job.done or where in refused or mine is None \
                 or identity is None:
             continue
         try:
@@ -210,12 +232,13 @@ def _kin_of(job: Finalizing, request: VariantRequest,
 
 def _one(job: Finalizing, request: VariantRequest, modules: dict[str, nn.Module],
          baseline: tuple[ContextProbe[Any], ...], net: Baseline, distributed: bool,
-         cache: CaptureCache | None, kin: Kin | None = None) -> list[Result]:
+         cache: CaptureCache | None, kin: Kin | None = None,
+         tick: Tick | None = None) -> list[Result]:
     if job.interrupted:  # nothing is held any more
         return [CaptureFailure(request.scope, request.variant, job.options.backend.name,
                                "interrupted", "-")]
     return capture_one(request, modules, job.options, baseline, net,
-                       distributed=distributed, cache=cache, kin=kin)
+                       distributed=distributed, cache=cache, kin=kin, tick=tick)
 
 
 def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Module],
@@ -253,22 +276,26 @@ def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Mo
         for v in c.folded:
             job.done[(c.scope, v)] = []
         for v in (c.variant, *c.folded):
-            bar.step(f"{c.scope}#{v}")
+            bar.finished((c.scope, v), f"{c.scope}#{v}", graph=v == c.variant,
+                         served=v != c.variant)
 
 
 def capture_one(request: VariantRequest, modules: dict[str, nn.Module],
                 options: CaptureOptions, baseline: tuple[ContextProbe[Any], ...],
                 net: Baseline, *, distributed: bool,
-                cache: CaptureCache | None = None, kin: Kin | None = None) -> list[Result]:
+                cache: CaptureCache | None = None, kin: Kin | None = None,
+                tick: Tick | None = None) -> list[Result]:
     """One variant's capture (through ``cache`` when given), or why it
     failed; and a ``state_leak`` failure when it left the ambient state
     changed (the safety net put it back).  ``kin``: variants its graph may
-    serve (``kin.served``; none where the run leaked state)."""
+    serve (``kin.served``; none where the run leaked state).  ``tick``: told
+    as each member's check starts (progress)."""
     failure: CaptureFailure | None = None
 
     def run(source: Source | None) -> Capture:
         return capture_variant(request, modules, options, baseline=baseline,
-                               defer_collectives=distributed, source=source, kin=kin)
+                               defer_collectives=distributed, source=source, kin=kin,
+                               tick=tick)
 
     try:
         result: Result = run(None) if cache is None else \

@@ -1,5 +1,7 @@
 """finalize(progress=...): a callback per variant, one logging line per
-variant off a terminal, a tqdm bar on one; quiet for a few variants."""
+variant off a terminal and a closing line, a tqdm bar on one; quiet for a
+few variants (tests/engine/test_engine_progress.py: a long finalize of a
+few variants is not)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,12 @@ def test_one_log_line_per_variant_off_a_terminal(caplog: pytest.LogCaptureFixtur
     with caplog.at_level(logging.INFO, logger="ctxreplay"):
         _session(4).finalize()
     lines = [r.getMessage() for r in caplog.records if r.name == "ctxreplay"]
-    assert lines == [f"finalize: captured {i}/4 (blocks.0#{i - 1})" for i in range(1, 5)]
+    made = ["1 graph"] + [f"{i} graphs" for i in range(2, 5)]
+    assert lines[:4] == [f"finalize: {i}/4 variants, {made[i - 1]} made (blocks.0#{i - 1})"
+                         for i in range(1, 5)]
+    assert lines[4].startswith("finalize: 4 variants -> 4 captures (4 graphs made, 0 served "
+                               "by another variant's graph, 0 failed) in ")
+    assert len(lines) == 5
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ctxreplay"):
         _session(3).finalize()  # a few variants: nothing to say
