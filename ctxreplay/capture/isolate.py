@@ -55,6 +55,7 @@ from ..errors import Error
 from ..specs.storage import inner_tensors, storage_ptr, storage_ptrs
 from .hookfree import gated_global_hooks, silence_view
 from .offload import weight_hooks
+from .pystate import reach
 
 __all__ = ["BookkeepingError", "HookedWeights", "NotIsolable", "forward_alone", "isolated",
            "isolating", "isolating_as", "isolation_depth", "rng_guard", "unwatch", "watch"]
@@ -127,12 +128,20 @@ def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
     live call ran in, whatever the model is in now).  Its parameters are
     the module's own tensors (a copy of every weight per check would cost
     what the weights weigh): a run on it puts back the ones it writes in
-    place (``rng_guard(weights=view)``)."""
+    place (``rng_guard(weights=view)``), and the Python state its forward
+    reaches outside the copy (``pystate.reach``) is put back on exit."""
+    # closure cells, the globals the forward names, the objects a
+    # replacement forward or a hook's closure holds: the copy does not own
+    # them, so the view's runs write the user's, and each slot goes back
+    kept = reach(module)
     view = _copy(module)  # raises NotIsolable: never run on the user's module
     _set_training(view, training)
     silence_view(view)  # no user hook runs in a capture or check (``hookfree``)
-    with _isolating(), gated_global_hooks(isolating):
-        yield view
+    try:
+        with _isolating(), gated_global_hooks(isolating):
+            yield view
+    finally:
+        kept.restore()
 
 
 def _set_training(module: nn.Module, training: Iterable[tuple[str, bool]]) -> None:
