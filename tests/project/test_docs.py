@@ -118,8 +118,8 @@ def test_fences_are_deliberate(page: Path) -> None:
             assert b.title, f'{where}: a display-only ```py block needs title="..."'
 
 
-#: pages whose examples assert what size folding gives
-FOLDING_PAGES = {"concepts.md"}
+#: pages whose examples assert, or show printed, what size folding gives
+FOLDING_PAGES = {"concepts.md", "cli.md"}
 
 
 # -- what the pages show the examples printing --------------------------------------
