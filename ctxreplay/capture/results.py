@@ -17,6 +17,7 @@ import attrs
 from ..artifacts import saving as _artifact
 from ..artifacts.saving import SavedArtifact
 from ..backends.base import BACKEND_REASONS
+from ..core.probe import CONTRACT_RULES
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.verify import Fidelity
 from ..specs.dims import Folding
@@ -371,6 +372,14 @@ class Problem:
                 "exact": self.exact, "rank": self.rank}
 
 
+def _broken_rules(p: Problem) -> str:
+    """The probe contract's rules that ``p``'s names show broken
+    (``observe:unhashable_state(list)``), in words."""
+    rules = [rule for code, rule in CONTRACT_RULES.items()
+             if any(f":{code}(" in name for name in p.names)]
+    return "".join(f"; a probe broke a rule: {rule}" for rule in rules)
+
+
 def _n(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
@@ -409,7 +418,7 @@ _PROBLEM_TEXT: dict[str, Any] = {
     "scope_limit": lambda p: f"{_n(p.variants, 'structure')} ({_names(p)}) past "
                              f"max_scopes={p.limit} were never observed",
     "observation_error": lambda p: f"{_n(p.calls, 'observation')} failed ({_names(p)}); "
-                                   "those calls are not covered",
+                                   "those calls are not covered" + _broken_rules(p),
     "not_observed": lambda p: (f"{_n(p.calls, 'call')} ran inside compiled region(s) "
                                f"({_names(p)})" if p.exact else
                                f"{_names(p)} ran inside a region compiled after capture_with "

@@ -14,7 +14,7 @@ from .._base.torchcaps import TENSOR_GUARDED_GETTERS as _TENSOR_GUARDED
 from .._base.torchcaps import GlobalStateGuard as _GlobalStateGuard
 from ..errors import Error
 from . import registry
-from .probe import ContextProbe, FrameworkStateError
+from .probe import ContextProbe, FrameworkStateError, ProbeContractError, unhashable
 from .snapshots import ContextSnapshot
 
 __all__ = ["Cache", "Observer", "ProbeObservationError", "checker", "snapshot"]
@@ -25,15 +25,21 @@ class ProbeObservationError(Error, RuntimeError):
     what it raised."""
 
     def __init__(self, probe: str, exc: BaseException) -> None:
-        super().__init__(f"probe {probe!r} could not observe the current state: "
-                         f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, ProbeContractError):  # it names the probe and the rule
+            super().__init__(str(exc))
+        else:
+            super().__init__(f"probe {probe!r} could not observe the current state: "
+                             f"{type(exc).__name__}: {exc}")
         self.probe = probe
         """The probe that raised."""
         self.exc_type = type(exc).__name__
         """The type name of what it raised (with the framework and its version for a
-        ``FrameworkStateError``: metadata, never a state's value)."""
+        ``FrameworkStateError``; for a broken contract, the rule's code and the state's
+        type, ``unhashable_state(list)``: metadata, never a state's value)."""
         if isinstance(exc, FrameworkStateError):
             self.exc_type += f" ({exc.framework} {exc.version})"
+        elif isinstance(exc, ProbeContractError):
+            self.exc_type = f"{exc.code}({exc.state_type})"
 
 
 _Checks = tuple[tuple[Any, Any], ...]
@@ -156,6 +162,12 @@ class Observer:
         if cache is not None and cache.snapshot.states == state_tuple:
             snap = cache.snapshot
         else:
+            # a new state becomes part of variant keys: one that cannot hash
+            # is its probe's error, named here rather than at the key lookup
+            for p, s in zip(self.probes, state_tuple):
+                broken = unhashable(p, s)
+                if broken is not None:
+                    raise ProbeObservationError(p.name, broken) from None
             snap = ContextSnapshot(self.names, state_tuple, self.probes)
         if guard is not None:
             pairs = list(zip(self.probes, state_tuple))

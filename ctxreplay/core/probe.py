@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -11,8 +13,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 from .._base.torchcaps import CAPS, dynamo_compiling
 from ..errors import Error
 
-__all__ = ["ContextProbe", "FrameworkStateError", "NotPortableError", "Part", "applying",
-           "composed", "restoring"]
+__all__ = ["CONTRACT_RULES", "ContextProbe", "FrameworkStateError", "NotPortableError", "Part",
+           "ProbeContractError", "applying", "composed", "restoring", "unhashable"]
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -20,6 +22,34 @@ T = TypeVar("T")
 
 class NotPortableError(Error, TypeError):
     """Raised by ``encode`` when a state holds live objects that JSON cannot carry."""
+
+
+#: each rule of the probe contract a ``ProbeContractError`` names, by code
+CONTRACT_RULES = {
+    "replay_not_a_context": "replay(state) must return a context manager (decorate a "
+                            "generator with @contextlib.contextmanager)",
+    "split_not_contexts": "split_replay(state) must return (inside, around), each a "
+                          "context manager or None",
+    "unhashable_state": "observe() must return a hashable state (attrs frozen classes or "
+                        "tuples)",
+}
+
+
+class ProbeContractError(Error, TypeError):
+    """A probe broke its contract: ``replay`` (or ``split_replay``) returned
+    no context manager, or ``observe`` an unhashable state.  The message
+    names the probe, the state and the rule; ``probe`` is the probe's name,
+    ``code`` the rule's (a key of ``CONTRACT_RULES``), ``state_type`` the
+    type name of the state concerned."""
+
+    def __init__(self, probe: str, code: str, state_type: str, detail: str) -> None:
+        super().__init__(f"probe {probe!r}: {detail}")
+        self.probe = probe
+        """The name of the probe that broke the contract."""
+        self.code = code
+        """The rule it broke (a key of ``CONTRACT_RULES``)."""
+        self.state_type = state_type
+        """The type name of the state concerned (metadata, never its value)."""
 
 
 class FrameworkStateError(Error, RuntimeError):
@@ -91,6 +121,19 @@ class ContextProbe(abc.ABC, Generic[S]):
     """Top-level modules that must already be in ``sys.modules`` for the probe to be active: a
     ``default`` probe joins the default set only then, judged each time the default set is
     resolved (``capture_with``, ``snapshot``), whatever the import order."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every caller of ``replay`` and ``split_replay`` enters what they
+        # return (a snapshot's ExitStack, the checks' neutral state, a loaded
+        # capture's guard): a probe's own definition of either is checked
+        # where it returns, so a broken one fails naming itself and the rule,
+        # not later as a bare ``with`` error (``'NoneType' object does not
+        # support the context manager protocol``).
+        super().__init_subclass__(**kwargs)
+        for name, check in (("replay", _checked_replay), ("split_replay", _checked_split)):
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "__ctxreplay_checked__", False):
+                setattr(cls, name, check(method))
 
     def inactive_reason(self) -> str | None:
         """Why the probe is not active now (``None``: it is).  Default: the
@@ -181,6 +224,80 @@ class ContextProbe(abc.ABC, Generic[S]):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def _short(probe: ContextProbe[Any], state: Any) -> str:
+    """``probe.describe(state)`` cut to one short line; never raises."""
+    try:
+        text = str(probe.describe(state))
+    except Exception:
+        text = f"<a {type(state).__name__}>"
+    text = "".join(c if c.isprintable() else " " for c in text)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_context(value: Any) -> bool:
+    # ``with`` looks both methods up on the type
+    return hasattr(type(value), "__enter__") and hasattr(type(value), "__exit__")
+
+
+def _returned(value: Any) -> str:
+    if value is None:
+        return "returned None"
+    if inspect.isgenerator(value):
+        return "returned a generator"
+    return f"returned a {type(value).__name__}"
+
+
+_CONTEXT_RULE = ("must return a context manager (decorate a generator with "
+                 "@contextlib.contextmanager)")
+
+
+def _checked_replay(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def replay(self: ContextProbe[Any], state: Any) -> Any:
+        cm = method(self, state)
+        if not dynamo_compiling() and not _is_context(cm):
+            if inspect.isgenerator(cm):
+                cm.close()  # never started: nothing to undo
+            raise ProbeContractError(self.name, "replay_not_a_context", type(state).__name__,
+                                     f"replay({_short(self, state)}) {_returned(cm)}; "
+                                     f"replay {_CONTEXT_RULE}")
+        return cm
+
+    replay.__ctxreplay_checked__ = True  # type: ignore[attr-defined]
+    return replay
+
+
+def _checked_split(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def split_replay(self: ContextProbe[Any], state: Any) -> Any:
+        parts = method(self, state)
+        if dynamo_compiling() or (isinstance(parts, tuple) and len(parts) == 2 and all(
+                p is None or _is_context(p) for p in parts)):
+            return parts
+        got = f"a {type(parts).__name__}" if not isinstance(parts, tuple) or len(parts) != 2 \
+            else ", ".join(_returned(p).replace("returned ", "") for p in parts)
+        raise ProbeContractError(self.name, "split_not_contexts", type(state).__name__,
+                                 f"split_replay({_short(self, state)}) returned ({got}); "
+                                 "split_replay must return (inside, around), each a "
+                                 "context manager or None")
+
+    split_replay.__ctxreplay_checked__ = True  # type: ignore[attr-defined]
+    return split_replay
+
+
+def unhashable(probe: ContextProbe[Any], state: Any) -> ProbeContractError | None:
+    """The error for an observed ``state`` that cannot be part of a variant
+    key (``None``: it hashes)."""
+    try:
+        hash(state)
+    except TypeError:
+        kind = type(state).__name__
+        return ProbeContractError(probe.name, "unhashable_state", kind,
+                                  f"observe() returned an unhashable state of type {kind}; "
+                                  "states must be hashable (attrs frozen classes or tuples)")
+    return None
 
 
 @contextmanager

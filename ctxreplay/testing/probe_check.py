@@ -24,7 +24,7 @@ from typing import Any, NoReturn, TypeVar
 
 from .._base.torchcaps import GlobalStateGuard
 from ..core import registry
-from ..core.probe import ContextProbe, NotPortableError
+from ..core.probe import ContextProbe, NotPortableError, ProbeContractError, unhashable
 from .leaks import GlobalState, global_state, leak_check, state_changes
 
 __all__ = ["GlobalState", "check_probe", "global_state", "leak_check", "state_changes"]
@@ -34,6 +34,11 @@ S = TypeVar("S")
 
 class _BodyError(Exception):
     """Raised inside a replay to check that the state is restored on error."""
+
+
+class _BrokenContract(AssertionError):
+    """A probe broke the contract (``replay`` returned no context manager):
+    what it changed before that is a consequence, not the diagnosis."""
 
 
 def _describe(probe: ContextProbe[Any], state: Any) -> str:
@@ -51,8 +56,9 @@ class _Checker:
         names = [n for n in registry.default_probes() if n != probe.name]
         self.oracle_probes: list[str | ContextProbe[Any]] = [*names, probe]
 
-    def fail(self, label: str, check: str, detail: str) -> NoReturn:
-        raise AssertionError(
+    def fail(self, label: str, check: str, detail: str, *,
+             kind: type[AssertionError] = AssertionError) -> NoReturn:
+        raise kind(
             f"check_probe: probe {self.probe.name!r}, {label}: {check} failed: {detail}"
         )
 
@@ -67,12 +73,21 @@ class _Checker:
 
     @contextmanager
     def no_leak(self, label: str, check: str) -> Iterator[None]:
-        with leak_check(f"check_probe: probe {self.probe.name!r}, {label}: {check}",
-                        probes=self.oracle_probes):
-            try:
-                yield
-            finally:
-                self.expect_outside(label, check)
+        broken: list[_BrokenContract] = []
+        try:
+            with leak_check(f"check_probe: probe {self.probe.name!r}, {label}: {check}",
+                            probes=self.oracle_probes):
+                try:
+                    yield
+                except _BrokenContract as exc:
+                    broken.append(exc)
+                    raise
+                finally:
+                    self.expect_outside(label, check)
+        except AssertionError:
+            if broken:  # the state it left behind follows from the broken rule
+                raise broken[0] from None
+            raise
 
     def watched(self, label: str, current: Any) -> tuple[tuple[Any, Any], ...]:
         """``watch(current)`` and ``watch_forward(current)``; every getter must
@@ -126,6 +141,9 @@ class _Checker:
     def replay(self, label: str, state: Any) -> AbstractContextManager[None]:
         try:
             return self.probe.replay(state)
+        except ProbeContractError as exc:  # it says which rule
+            self.fail(label, "replay() returns a context manager", str(exc),
+                      kind=_BrokenContract)
         except Exception as exc:
             self.fail(label, "replay()", f"raised {type(exc).__name__}: {exc}")
 
@@ -204,10 +222,9 @@ def check_probe(
 def _check_value(c: _Checker, label: str, state: Any) -> None:
     """The state is hashable, differs from what the probe observes outside
     any replay, and ``describe()`` names it with a string."""
-    try:
-        hash(state)
-    except TypeError as exc:
-        c.fail(label, "hashable", str(exc))
+    error = unhashable(c.probe, state)
+    if error is not None:
+        c.fail(label, "hashable", str(error))
     if state == c.outside:
         c.fail(label, "differs from the current state",
                "the state equals what the probe observes now, so replaying it "
@@ -233,6 +250,8 @@ def _check_split_replay(c: _Checker, label: str, state: Any) -> None:
     establishes the state and restores it."""
     try:
         inside, around = c.probe.split_replay(state)
+    except ProbeContractError as exc:  # it says which rule
+        c.fail(label, "split_replay() returns contexts", str(exc), kind=_BrokenContract)
     except Exception as exc:
         c.fail(label, "split_replay()", f"raised {type(exc).__name__}: {exc}")
     with c.no_leak(label, "split_replay"), ExitStack() as stack:
@@ -307,10 +326,9 @@ def _check_neutral_state(c: _Checker, neutral: Any) -> Any:
         c.fail(label, "neutral_state()", f"raised {type(exc).__name__}: {exc}")
     if declared is None:
         return None
-    try:
-        hash(declared)
-    except TypeError as exc:
-        c.fail(label, "hashable", str(exc))
+    error = unhashable(probe, declared)
+    if error is not None:
+        c.fail(label, "hashable", str(error).replace("observe()", "neutral_state()"))
     if neutral is not None and declared != neutral:
         c.fail(label, "neutral_state() is what a fresh state observes",
                f"neutral_state() is {_describe(probe, declared)} ({declared!r}), but a "
