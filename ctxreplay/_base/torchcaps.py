@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,8 @@ import torch
 
 __all__ = ["AUTOCAST_DEVICE_TYPES", "CAPS", "SDP_GETTERS", "TENSOR_GUARDED_GETTERS",
            "GlobalStateGuard", "TensorGuards",
-           "TorchCaps", "dynamo_compiling", "dynamo_exporting", "is_autocast_available",
+           "TorchCaps", "autocast_enter", "autocast_exit", "autocast_resolved",
+           "dynamo_compiling", "dynamo_exporting", "guards_fn_body", "is_autocast_available",
            "parse_version", "tensor_guard"]
 
 #: the device types whose autocast state ctxreplay may observe, where
@@ -185,6 +187,33 @@ class TorchCaps:
     #: runs the traced path silently.  From 2.9 (2.9.1 measured); detected by
     #: ``module()``'s signature.
     export_guards_sizes: bool
+    #: that guard submodule's ``forward`` is torch's generated guard function
+    #: (named ``_``, ``exec``'d by ``torch/export/_unlift.py``
+    #: ``_convert_guards_code_to_fn``) inside a Dynamo config patch
+    #: (``torch._dynamo.dont_skip_tracing``: a closure that enters the patch
+    #: and calls it), which :func:`guards_fn_body` finds in the closure's
+    #: cells.  The patch only matters to a Dynamo trace of the module; calling
+    #: the function itself checks the same guards without entering a context
+    #: manager per call.  From ``export_guards_sizes`` (seeing the closure
+    #: needs ``torch._dynamo``); measured on 2.13.  Where false, the guard runs
+    #: through ``forward`` (torch's own path).
+    export_guards_fn_in_closure: bool
+    #: ``ExportedProgram.module()``'s graph carries its in- and out-spec in
+    #: its code generator (``graph._codegen.pytree_info``, a
+    #: ``torch.fx.graph._PyTreeCodeGen``), which flattens the call's inputs
+    #: into the graph's placeholders and rebuilds its outputs -- and does
+    #: nothing else.  Detected by building such a code generator on a graph.
+    #: Where false, a program is not flattened into one function.
+    fx_pytree_codegen: bool
+
+    # -- ops -------------------------------------------------------------------
+    #: ``torch._ops.OpOverload.__call__`` only calls ``self._op`` (the op's C++
+    #: callable) with the same arguments and returns its result, so calling
+    #: ``_op`` directly is the same call less ~2 us of Python.  Detected from
+    #: the method's code object (it reads one name, ``_op``, and closes over
+    #: nothing) and one call of ``aten.neg``.  Where false, ops are called
+    #: through their ``OpOverload``.
+    op_overload_calls_op: bool
 
     # -- Dynamo (torch._dynamo.export, backend="dynamo") ----------------------
     #: Dynamo inlines a ``@contextlib.contextmanager`` generator entered with
@@ -245,6 +274,16 @@ class TorchCaps:
     # -- autocast ------------------------------------------------------------
     #: ``torch._C._is_any_autocast_enabled`` exists (the probe's fast path)
     is_any_autocast_enabled: bool
+    #: outside a trace, ``torch.autocast(...).__enter__`` / ``__exit__`` change
+    #: exactly what :func:`autocast_enter` / :func:`autocast_exit` change (the
+    #: device's enabled flag and dtype, the cache flag, the nesting count), and
+    #: a ``torch.autocast`` resolves its arguments into the attributes
+    #: :func:`autocast_resolved` reads (``device``, ``fast_dtype``,
+    #: ``_enabled``, ``_cache_enabled``).  Detected by entering and leaving
+    #: CPU autocast both ways (enabled bfloat16, disabled float16, cache off)
+    #: and comparing every flag after each step.  Where false, a captured
+    #: program's autocast regions run through torch's own ``wrap_with_autocast``.
+    autocast_inlinable: bool
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe: for reports, ``ctxreplay`` diagnostics and test output."""
@@ -451,6 +490,121 @@ def _returns_pair(name: str) -> bool:
         return False
 
 
+# -- torch internals a flattened program calls directly -----------------------------
+
+def autocast_resolved(*args: Any) -> tuple[str, torch.dtype, bool, bool]:
+    """``torch.autocast(*args)`` as its ``__enter__`` uses it: the device type,
+    the dtype, whether it is enabled (false also where torch disabled an
+    unsupported dtype, with a warning) and the cache flag."""
+    made: Any = torch.autocast(*args)
+    return (made.device, made.fast_dtype, made._enabled, made._cache_enabled)
+
+
+def autocast_enter(device: str, dtype: torch.dtype, enabled: bool,
+                   cache_enabled: bool) -> tuple[bool, bool, torch.dtype]:
+    """What ``torch.autocast.__enter__`` does outside a trace (where
+    ``CAPS.autocast_inlinable``); returns what it found, for :func:`autocast_exit`."""
+    found = (torch.is_autocast_cache_enabled(), torch.is_autocast_enabled(device),
+             torch.get_autocast_dtype(device))
+    torch.set_autocast_enabled(device, enabled)
+    torch.set_autocast_dtype(device, dtype)
+    torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(cache_enabled)
+    return found
+
+
+def autocast_exit(device: str, found: tuple[bool, bool, torch.dtype]) -> None:
+    """What ``torch.autocast.__exit__`` does outside a trace (where
+    ``CAPS.autocast_inlinable``), given what :func:`autocast_enter` found."""
+    if torch.autocast_decrement_nesting() == 0:
+        torch.clear_autocast_cache()
+    torch.set_autocast_enabled(device, found[1])
+    torch.set_autocast_dtype(device, found[2])
+    torch.set_autocast_cache_enabled(found[0])
+
+
+def _autocast_flags(device: str) -> tuple[Any, ...]:
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()  # back to where it was: nothing cleared
+    return (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),
+            torch.is_autocast_cache_enabled(), nesting)
+
+
+def _autocast_inlines(*args: Any) -> bool:
+    """Whether ``torch.autocast(*args)`` and the inlined pair leave the same
+    flags after entering and after leaving."""
+    device, dtype, enabled, cache = autocast_resolved(*args)
+    before = _autocast_flags(device)
+    with torch.autocast(*args):
+        by_torch = _autocast_flags(device)
+    after_torch = _autocast_flags(device)
+    found = autocast_enter(device, dtype, enabled, cache)
+    try:
+        inlined = _autocast_flags(device)
+    finally:
+        autocast_exit(device, found)
+    return by_torch == inlined and before == after_torch == _autocast_flags(device)
+
+
+def _autocast_inlinable() -> bool:
+    try:
+        return (_autocast_inlines("cpu", torch.bfloat16)
+                and _autocast_inlines("cpu", torch.float16, False)
+                and _autocast_inlines("cpu", torch.bfloat16, True, False))
+    except Exception:  # an autocast this torch builds otherwise: not proven
+        return False
+
+
+def guards_fn_body(forward: Any) -> Any:
+    """The generated guard function inside the ``forward`` of
+    ``ExportedProgram.module()``'s guard submodule (see
+    ``CAPS.export_guards_fn_in_closure``); ``None`` where this torch is not
+    known to build it so, or it is not found."""
+    return _find_guards_fn_body(forward) if CAPS.export_guards_fn_in_closure else None
+
+
+def _find_guards_fn_body(forward: Any) -> Any:
+    """``functools.wraps``' ``__wrapped__``, or the function named ``_`` a
+    closure of ``forward`` holds; ``None`` where neither is there."""
+    raw = getattr(forward, "__wrapped__", None)
+    if callable(raw):
+        return raw
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(held, types.FunctionType) and held.__code__.co_name == "_":
+            return held
+    return None
+
+
+def _fx_pytree_codegen() -> bool:
+    try:
+        from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+        from torch.utils import _pytree as pytree
+
+        spec = pytree.tree_structure(((0,), {}))
+        graph: Any = torch.fx.Graph()
+        graph._codegen = _PyTreeCodeGen(_PyTreeInfo(["x"], spec, spec))
+        info = graph._codegen.pytree_info
+        return info.in_spec is spec and info.out_spec is spec
+    except Exception:  # a torch.fx without them
+        return False
+
+
+def _op_overload_calls_op() -> bool:
+    try:
+        call = torch._ops.OpOverload.__call__
+        code = call.__code__
+        op: Any = torch.ops.aten.neg.default
+        x = torch.tensor([1.0, -2.0])
+        return (code.co_names == ("_op",) and not code.co_freevars
+                and torch.equal(op._op(x), op(x)))
+    except Exception:  # not a plain function, or no such attribute
+        return False
+
+
 def _detect() -> TorchCaps:
     v = parse_version(str(torch.__version__))
     guard_cls = _global_state_guard()
@@ -469,6 +623,9 @@ def _detect() -> TorchCaps:
         export_records_inner_autocast=records_inner,
         autocast_exit_swallows_errors=records_inner and v < (2, 9),
         export_guards_sizes=_module_takes("check_guards"),
+        export_guards_fn_in_closure=_module_takes("check_guards"),
+        fx_pytree_codegen=_fx_pytree_codegen(),
+        op_overload_calls_op=_op_overload_calls_op(),
         export_traces_growing_containers=v >= (2, 11),
         dynamo_traces_contextmanager=v >= (2, 7),
         dynamo_traces_instance_forward=v >= (2, 10),
@@ -483,6 +640,7 @@ def _detect() -> TorchCaps:
         sdp_default_priority=("flash", "mem_efficient", "math", "cudnn",
                               "math" if v < (2, 9) else "overrideable"),
         is_any_autocast_enabled=hasattr(torch._C, "_is_any_autocast_enabled"),
+        autocast_inlinable=_autocast_inlinable(),
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from .._base import codegen
 from .._base.torchcaps import TENSOR_GUARDED_GETTERS as _TENSOR_GUARDED
 from .._base.torchcaps import GlobalStateGuard as _GlobalStateGuard
 from ..errors import Error
@@ -59,7 +60,7 @@ def checker(checks: _Checks) -> Callable[[], bool]:
     ``==``), stopping at the first that does not.  A getter that raises
     propagates.
 
-    It is generated (``exec`` of a fixed template; the getters and values go
+    It is generated (``codegen.function`` of a fixed template; the getters and values go
     in its namespace, never in its source) because it runs on every observed
     call and must allocate nothing: ``list(map(call, getters)) == expected``
     makes two new containers per call, and the garbage collector's share of
@@ -72,8 +73,7 @@ def checker(checks: _Checks) -> Callable[[], bool]:
         namespace[f"g{i}"], namespace[f"e{i}"] = getter, expected
         terms.append(f"((v := g{i}()) is e{i} or v == e{i})")
     source = "def check():\n    return " + " and ".join(terms) + "\n"
-    exec(compile(source, "<ctxreplay state check>", "exec"), namespace)
-    check: Callable[[], bool] = namespace["check"]
+    check: Callable[[], bool] = codegen.function(source, "check", namespace, what="state check")
     return check
 
 

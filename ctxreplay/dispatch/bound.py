@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._base import codegen
 from .._base.torchcaps import TensorGuards
 from ..loading.weights import misfit, problems_error
 from .flat import Flat
@@ -113,8 +114,8 @@ def _reader(pairs: list[tuple[dict[str, Any], str]]) -> Callable[[], tuple[torch
         namespace[f"d{i}"], namespace[f"k{i}"] = d, key
         terms.append(f"d{i}[k{i}]")
     source = "def state():\n    return (" + "".join(t + ", " for t in terms) + ")\n"
-    exec(compile(source, "<ctxreplay member state>", "exec"), namespace)
-    reader: Callable[[], tuple[torch.Tensor, ...]] = namespace["state"]
+    reader: Callable[[], tuple[torch.Tensor, ...]] = codegen.function(
+        source, "state", namespace, what="member state")
     return reader
 
 

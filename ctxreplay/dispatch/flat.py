@@ -42,19 +42,38 @@ static KV cache) writes the member's own tensors, as the eager forward does.
 A graph holding anything this writer does not know (another code
 generator, a submodule call, inputs that are modules) is not flattened:
 ``flatten`` returns the reason, and dispatch runs ``program.module()``.
+
+Each torch internal this leans on is a field of ``CAPS``, checked against
+the installed torch (``_base/torchcaps.py``): an op is its ``_op``
+(``op_overload_calls_op``), a region's enter and exit are
+``autocast_enter`` / ``autocast_exit`` (``autocast_inlinable``), the guard
+runs without its config patch (``export_guards_fn_in_closure``), the
+module's graph carries its specs (``fx_pytree_codegen``).  Where one does
+not hold, ops are called through their overload and the guard through its
+``forward``; a program with an autocast region, or without the specs, is
+not flattened.  The function is compiled by ``_base/codegen.py``: a
+traceback through a dispatched call shows its lines.
 """
 
 from __future__ import annotations
 
 import keyword
 import math
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+
+from .._base import codegen
+from .._base.torchcaps import (
+    CAPS,
+    autocast_enter,
+    autocast_exit,
+    autocast_resolved,
+    guards_fn_body,
+)
 
 __all__ = ["Flat", "flatten"]
 
@@ -138,9 +157,11 @@ def flatten(program: Any, *, keep_guards: bool) -> Flat | str:
     if _holds_modules(program):
         return "a graph input is a module"
     gm: Any = program.module()  # (a GraphModule; typed nn.Module in torch 2.7's stubs)
-    info = getattr(gm.graph._codegen, "pytree_info", None)
+    info = getattr(gm.graph._codegen, "pytree_info", None) if CAPS.fx_pytree_codegen else None
     if info is None or info.in_spec is None or info.out_spec is None:
         return "the program's module has no pytree specs"
+    if (info.in_spec, info.out_spec) != (program.call_spec.in_spec, program.call_spec.out_spec):
+        return "the program's module has other pytree specs than the program"
     sig = program.graph_signature
     writer = _Writer(gm, keep_guards)
     try:
@@ -191,27 +212,6 @@ def _state_of(gm: fx.GraphModule, wanted: set[str]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _autocast_enter(device: str, dtype: torch.dtype, enabled: bool,
-                    cache_enabled: bool) -> tuple[bool, bool, torch.dtype]:
-    """What ``torch.autocast.__enter__`` does outside a trace; returns what it found."""
-    found = (torch.is_autocast_cache_enabled(), torch.is_autocast_enabled(device),
-             torch.get_autocast_dtype(device))
-    torch.set_autocast_enabled(device, enabled)
-    torch.set_autocast_dtype(device, dtype)
-    torch.autocast_increment_nesting()
-    torch.set_autocast_cache_enabled(cache_enabled)
-    return found
-
-
-def _autocast_exit(device: str, found: tuple[bool, bool, torch.dtype]) -> None:
-    """What ``torch.autocast.__exit__`` does outside a trace."""
-    if torch.autocast_decrement_nesting() == 0:
-        torch.clear_autocast_cache()
-    torch.set_autocast_enabled(device, found[1])
-    torch.set_autocast_dtype(device, found[2])
-    torch.set_autocast_cache_enabled(found[0])
-
-
 class _Writer:
     """Writes one graph (regions inlined) as the source of one function."""
 
@@ -219,9 +219,10 @@ class _Writer:
         self.gm, self.keep_guards = gm, keep_guards
         self.namespace: dict[str, Any] = {"_is_grad": torch.is_grad_enabled,
                                           "_set_grad": torch._C._set_grad_enabled,
-                                          "_ac_enter": _autocast_enter,
-                                          "_ac_exit": _autocast_exit}
+                                          "_ac_enter": autocast_enter,
+                                          "_ac_exit": autocast_exit}
         self.bound: dict[int, str] = {}  # id(object) -> its name in the namespace
+        self.consts: set[str] = set()  # those names: values never deleted
         #: (indent, text, the values it reads)
         self.lines: list[tuple[int, str, tuple[str, ...]]] = []
         self.count = 0
@@ -241,9 +242,7 @@ class _Writer:
         out = self.body(graph, env, 1, reads)
         self.lines.append((1, f"return {out}", tuple(reads)))
         source = f"def run({', '.join(params)}):\n" + self.render()
-        namespace = dict(self.namespace)
-        exec(compile(source, "<ctxreplay flat program>", "exec"), namespace)
-        fn: Callable[..., Any] = namespace["run"]
+        fn = codegen.function(source, "run", self.namespace, what="flat program")
         return fn, source
 
     def fresh(self, prefix: str = "v") -> str:
@@ -276,7 +275,8 @@ class _Writer:
             raise _Unsupported("the graph calls a submodule")
         if not self.keep_guards:
             return
-        forward = _raw_guard(self.gm.get_submodule("_guards_fn").forward)
+        forward = self.gm.get_submodule("_guards_fn").forward
+        forward = guards_fn_body(forward) or forward  # without the per-call config patch
         reads: list[str] = []
         args = self.expr(tuple(node.args), env, reads)
         self.lines.append((indent, f"{self.const(forward)}(*{args})", tuple(reads)))
@@ -288,8 +288,8 @@ class _Writer:
         if target is _GRAD or target is _AUTOCAST:
             env[node] = self.region(node, env, indent)
             return
-        if isinstance(target, torch._ops.OpOverload) and type(target).__call__ is _OP_CALL \
-                and callable(getattr(target, "_op", None)):
+        if CAPS.op_overload_calls_op and isinstance(target, torch._ops.OpOverload) \
+                and type(target).__call__ is _OP_CALL and callable(getattr(target, "_op", None)):
             fn = self.const(target._op)
         elif callable(target):
             fn = self.const(target)
@@ -353,9 +353,10 @@ class _Writer:
         """The arguments of ``_ac_enter``: the region's as ``torch.autocast`` resolves them."""
         if any(isinstance(a, fx.Node) for a in args):
             raise _Unsupported("an autocast region with traced arguments")
-        made = torch.autocast(*args)
-        resolved = (made.device, made.fast_dtype, made._enabled, made._cache_enabled)
-        return ", ".join(self.const(a) for a in resolved)
+        if not CAPS.autocast_inlinable:
+            raise _Unsupported("an autocast region, which this torch's autocast enters "
+                               "otherwise than ctxreplay's inlined copy")
+        return ", ".join(self.const(a) for a in autocast_resolved(*args))
 
     def expr(self, value: Any, env: dict[fx.Node, str], reads: list[str]) -> str:
         """``value`` (an argument of a node) as an expression; the values it reads
@@ -364,7 +365,7 @@ class _Writer:
             if value not in env:
                 raise _Unsupported(f"a value used before it is made ({value.name})")
             name = env[value]
-            if not name.startswith("c"):  # a constant of the namespace is never deleted
+            if name not in self.consts:  # a constant of the namespace is never deleted
                 reads.append(name)
             return name
         if isinstance(value, (list, tuple)):
@@ -388,6 +389,7 @@ class _Writer:
         if name is None:
             name = self.bound[id(value)] = f"c{len(self.bound)}"
             self.namespace[name] = value
+            self.consts.add(name)
         return name
 
     def render(self) -> str:
@@ -404,24 +406,6 @@ class _Writer:
             if dead and not text.startswith("return "):
                 out.append("    " * indent + "del " + ", ".join(dead))
         return "\n".join(out) + "\n"
-
-
-def _raw_guard(forward: Any) -> Any:
-    """The guard function under the Dynamo config patch torch wraps it in (a
-    context manager entered on every call, there only for a Dynamo trace of
-    the module): ``functools.wraps``' ``__wrapped__``, or the generated
-    function (named ``_``) the patch's closure calls; else ``forward`` itself."""
-    raw = getattr(forward, "__wrapped__", None)
-    if callable(raw):
-        return raw
-    for cell in getattr(forward, "__closure__", None) or ():
-        try:
-            held = cell.cell_contents
-        except ValueError:
-            continue
-        if isinstance(held, types.FunctionType) and held.__code__.co_name == "_":
-            return held
-    return forward
 
 
 def _attr(gm: nn.Module, target: str) -> Any:

@@ -323,9 +323,11 @@ def _rank_results(job: Finalizing, everything: Sequence[VariantRequest],
     obs = job.observation
     problems, notices = coverage(obs, everything, captures, job.options, whole=False)
     # what ``nothing_observed`` needs to know of each rank: any variant,
-    # observation error, call in a compiled region or structure past the limit
+    # observation error, call in a compiled region or under a torch.func
+    # transform, or structure past the limit
     seen = bool(everything) or any(p.reason in ("observation_error", "not_observed",
-                                                "scope_limit") for p in problems)
+                                                "transformed", "scope_limit")
+                                   for p in problems)
     return RankResults(
         captures=tuple(captures), failures=tuple(failures), problems=problems,
         notices=notices, errors=dict(obs.shared.errors), dropped=obs.dropped(),

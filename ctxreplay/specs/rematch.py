@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .._base import codegen
 from .._base.torchcaps import TensorGuards
 from .signature import PRIMITIVES, _functorch_wrapped, _parts
 
@@ -158,10 +159,8 @@ def rematcher(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Rematcher | None
     guarded = "".join(v + ", " for v in src.guarded)
     source = (f"def rematch(args, kwargs):\n{body}\n"
               f"    return {tensors} if G.check({guarded}) else None\n")
-    namespace = dict(src.namespace)
     try:
-        exec(compile(source, "<ctxreplay rematch>", "exec"), namespace)
+        fn: Rematcher = codegen.function(source, "rematch", src.namespace, what="rematch")
     except (SyntaxError, RecursionError):  # a call too deep for one function
         return None
-    fn: Rematcher = namespace["rematch"]
     return fn

@@ -603,3 +603,131 @@ def test_export_traces_growing_containers() -> None:
     else:
         traced = True
     assert traced == CAPS.export_traces_growing_containers
+
+
+def _guard_outcome(fn: Any, *args: Any) -> str:
+    try:
+        return repr(fn(*args))
+    except AssertionError as exc:
+        return f"AssertionError: {exc}"
+
+
+def test_export_guards_fn_in_closure() -> None:
+    """The function found inside the guard submodule's ``forward`` checks
+    what ``forward`` checks: it passes a size the trace holds and refuses
+    one its guards exclude, with the same message."""
+
+    class Special(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[1] == 7:
+                return x * 3
+            return x + 1
+
+    dims = ({1: torch.export.Dim.AUTO},)  # type: ignore[attr-defined]
+    ep = torch.export.export(Special(), (torch.rand(2, 5),), dynamic_shapes=dims, strict=False)
+    gm: Any = ep.module()
+    guards = getattr(gm, "_guards_fn", None)
+    found = False
+    if guards is not None:
+        body = _torchcaps._find_guards_fn_body(guards.forward)
+        cases = (torch.ones(2, 9), torch.ones(2, 7))
+        outcomes = [_guard_outcome(guards.forward, x) for x in cases]
+        assert outcomes[0] == "None" and outcomes[1].startswith("AssertionError: Guard failed")
+        found = body is not None and body is not guards.forward and \
+            [_guard_outcome(body, x) for x in cases] == outcomes
+    assert found == CAPS.export_guards_fn_in_closure
+    if guards is not None:  # what the flat program calls: the body only where it is known
+        assert (_torchcaps.guards_fn_body(guards.forward) is not None) == found
+
+
+class TakesPairs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor], *, scale: torch.Tensor
+                ) -> dict[str, torch.Tensor]:
+        return {"sum": self.lin(pair[0]) + pair[1] * scale, "diff": pair[0] - pair[1]}
+
+
+def test_fx_pytree_codegen() -> None:
+    """``module()``'s graph takes the in-spec's leaves as its placeholders
+    and returns the out-spec's leaves: its graph run on the flat leaves
+    (``enable_io_processing=False``) and rebuilt by the out-spec gives what
+    the module gives, and its code generator names those specs."""
+    from torch.utils import _pytree as pytree
+
+    args = ((torch.rand(2, 4), torch.rand(2, 4)),)
+    kwargs = {"scale": torch.rand(2, 4)}
+    ep = torch.export.export(TakesPairs(), args, kwargs, strict=False)
+    gm: Any = ep.module()
+    info = getattr(getattr(gm.graph, "_codegen", None), "pytree_info", None)
+    holds = info is not None and info.in_spec == ep.call_spec.in_spec \
+        and info.out_spec == ep.call_spec.out_spec
+    if holds:
+        leaves = pytree.tree_leaves((args, kwargs))
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        flat = torch.fx.Interpreter(gm).run(*leaves, enable_io_processing=False)
+        rebuilt = pytree.tree_unflatten(list(flat), info.out_spec)
+        want = gm(*args, **kwargs)
+        holds = len(placeholders) == len(leaves) and rebuilt.keys() == want.keys() and \
+            all(torch.equal(rebuilt[k], want[k]) for k in want)
+    assert holds == CAPS.fx_pytree_codegen
+
+
+def test_op_overload_calls_op() -> None:
+    """Calling an overload calls its ``_op`` once, with the same arguments,
+    and returns what ``_op`` returned (seen by a recording ``_op``)."""
+    op: Any = torch.ops.aten.sin.default
+    real = op._op
+    seen: list[tuple[Any, Any]] = []
+    marker = object()
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args, kwargs))
+        return marker
+
+    x = torch.rand(3)
+    op._op = recording
+    try:
+        got = op(x)
+    finally:
+        op._op = real
+    forwards = got is marker and len(seen) == 1 and seen[0][0] == (x,) and seen[0][1] == {}
+    assert forwards == CAPS.op_overload_calls_op
+    assert torch.equal(op(x), torch.sin(x))
+
+
+def _flags() -> tuple[Any, ...]:
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_cache_enabled(), nesting)
+
+
+def _what_runs() -> tuple[Any, ...]:
+    a = torch.rand(2, 2)
+    return (*_flags(), (a @ a).dtype)
+
+
+@pytest.mark.parametrize("outer", [None, torch.float16])
+@pytest.mark.parametrize("args", [("cpu", BF16), ("cpu", torch.float16, False),
+                                  ("cpu", BF16, True, False), ("cpu", BF16, False, False),
+                                  ("cpu",)])
+def test_autocast_inlinable(outer: torch.dtype | None, args: tuple[Any, ...]) -> None:
+    """Inside and after ``torch.autocast(*args)`` -- alone or nested in another
+    autocast -- the flags and what a matmul computes in are those of the
+    inlined pair."""
+    with contextlib.ExitStack() as stack:
+        if outer is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=outer))
+        with torch.autocast(*args):
+            by_torch = _what_runs()
+        after_torch = _what_runs()
+        found = _torchcaps.autocast_enter(*_torchcaps.autocast_resolved(*args))
+        try:
+            inlined = _what_runs()
+        finally:
+            _torchcaps.autocast_exit("cpu", found)
+        after_inlined = _what_runs()
+    assert (by_torch == inlined and after_torch == after_inlined) == CAPS.autocast_inlinable

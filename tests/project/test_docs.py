@@ -163,14 +163,40 @@ def shows(shown: str, printed: str) -> bool:
     return match(0, 0)
 
 
-def _outputs(blocks: list[Block]) -> dict[int, str]:
-    """Index of a python or console block -> the output the page shows for it."""
+def _outputs(blocks: list[Block], lines: list[str]) -> dict[int, str]:
+    """Index of a python or console block -> the output the page shows for it:
+    the text block right after it, or, after a console block, the Markdown
+    table in the prose before the next block (the rows of the table the
+    command prints)."""
     out = {}
     for i, b in enumerate(blocks[1:], 1):
         if b.language in ("text", "json") and b.title is None and \
                 blocks[i - 1].language in ("python", "console"):
             out[i - 1] = b.code
+    for i, b in enumerate(blocks):
+        if b.language == "console" and i not in out and \
+                b.code.strip().splitlines()[-1].startswith("$ ctxreplay "):
+            end = blocks[i + 1].line - 1 if i + 1 < len(blocks) else len(lines)
+            prose = lines[b.line + len(b.code.splitlines()) + 1:end]
+            # up to the next heading: a table further on is the page's own
+            heading = next((k for k, line in enumerate(prose) if line.startswith("#")),
+                           len(prose))
+            table = _table_shown(prose[:heading])
+            if table is not None:
+                out[i] = table
     return out
+
+
+def _table_shown(prose: list[str]) -> str | None:
+    """A Markdown table's header and rows as the printed table's lines, with
+    whatever the command prints around it left open (``...``)."""
+    rows = [line for line in prose if line.startswith("|")]
+    if not rows:
+        return None
+    cells = [[c.strip().strip("`") for c in row.strip().strip("|").split("|")]
+             for row in rows if not set(row) <= set("|-: ")]
+    return "\n".join(["...", " ".join(cells[0]), "---", *(" ".join(c) for c in cells[1:]),
+                      "..."])
 
 
 def _commands(block: Block, after: str | None) -> list[tuple[str, str | None]]:
@@ -230,7 +256,7 @@ def run_page(page: Path, cwd: Path, module: types.ModuleType) -> tuple[list[str]
     """Run a page's python and console blocks in order; ``(differences,
     skipped)`` between what it shows them printing and what they print."""
     blocks = blocks_of(page)
-    outputs = _outputs(blocks)
+    outputs = _outputs(blocks, page.read_text(encoding="utf-8").splitlines())
     differences: list[str] = []
     skipped: list[str] = []
     for i, b in enumerate(blocks):
@@ -324,14 +350,29 @@ $ ctxreplay --version
 ```text
 ctxreplay 0.0.1
 ```
+
+```console
+$ ctxreplay snapshot grad_mode autocast
+```
+
+Shown as a table:
+
+| probe | state |
+|---|---|
+| `autocast` | `cpu:bfloat16` |
+| `grad_mode` | `grad` |
 """, encoding="utf-8")
     module = types.ModuleType("ctxreplay_docs_fixture")
     differences, skipped = run_page(page, tmp_path, module)
     assert skipped == []
     # the drifted word is found; an address, a time, alignment, a version and
     # '...' are not drift
-    assert len(differences) == 1, differences
+    assert len(differences) == 2, differences
     assert "\n-trace_error <object object at 0x?> took <time>\n" in differences[0]
+    # a Markdown table shown for a command's output is its rows: autocast is off
+    assert "\n-autocast cpu:bfloat16\n" in differences[1]
+    assert shows(_table_shown(["| a | b |", "|---|---|", "| `x` | 1 |"]) or "",
+                 "head\na b\n---\nx 1\n")
     assert shows("ctxreplay 0.0.1\n", "ctxreplay 9.2.0rc1\n")
     assert not shows("a\n...\nc\n", "a\nb\n")
     assert shows("a\n...\nc\n", "a\nc\n") and shows("a\n...\nc\n", "a\nb\nb\nc\n")
