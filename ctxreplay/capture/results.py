@@ -44,6 +44,8 @@ PROBLEMS = {
     "scope_limit": "structures past max_scopes were never observed",
     "observation_error": "observing some calls failed, so they are not covered",
     "not_observed": "calls ran inside a compiled region, where blocks are not observed",
+    "transformed": "calls ran under a torch.func transform (vmap, grad), whose tensors "
+                   "observation cannot key or copy",
     "never_completed": "no call of a variant had returned by finalize(), so there is "
                        "nothing to capture",
     "observation_lost": "another tool set a block's forward anew while observed, so calls "
@@ -425,6 +427,10 @@ _PROBLEM_TEXT: dict[str, Any] = {
                                "(how often is not countable)")
                               + ": the blocks inside were not observed; pass the uncompiled "
                                 "module to capture_with and compile afterwards",
+    "transformed": lambda p: f"{_n(p.calls, 'call')} of {_names(p)} ran under a torch.func "
+                             "transform (vmap, grad, jvp), whose tensors observation cannot "
+                             "key or copy: not observed, not captured. Profile the "
+                             "untransformed forward (one sample of the batch) instead",
     "never_completed": lambda p: f"{p.scope}: no call of {_n(p.variants, 'variant')} "
                                  f"had returned by finalize() ({_n(p.calls, 'call')} still "
                                  "running, e.g. in another thread), so there is nothing "

@@ -48,7 +48,7 @@ from ..observation.watch import Watch as AttributeWatch
 from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.rematch import Rematcher, rematcher
-from ..specs.signature import NotRealError, call_key, call_spec
+from ..specs.signature import NotRealError, TransformedError, call_key, call_spec
 from .hooks import Blocking, HookWatch
 from .programs import REFUSED, UNFIT, Call, Compiler, Entry, Programs, Target, entry, sources
 
@@ -65,7 +65,8 @@ OBJECT_POLICIES = ("eager", "dispatch")
 MISS_REASONS = ("signature", "context", "training", "identity", "object_arguments",
                 "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
                 "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
-                "observe_error", "size_guard", "weights", "hooked_weights", "hooks")
+                "observe_error", "size_guard", "weights", "hooked_weights", "hooks",
+                "transformed")
 
 _is_tracing = torch._C._is_tracing
 _MEMO_LIMIT = 4096
@@ -87,7 +88,9 @@ class DispatchStats:
     those it had when it ran the variant;
     ``object_arguments``, ``environment``, ``fidelity``, ``unknown_probe``,
     ``live_state``, ``structure``, ``not_rebuildable``,
-    ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``:
+    ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``,
+    ``transformed`` (a call under a ``torch.func`` transform: its tensors are
+    functorch's wrappers, which no capture's signature takes):
     the matching capture cannot be used here -- ``unusable`` says which
     capture, and why; ``size_guard``: a folded capture's ranges take the
     call's sizes but its graph's own guard refused them, e.g. a size the
@@ -185,6 +188,8 @@ class _Slot(Wrapper):
                 target = near[2]
             else:
                 target = self._keyed(snaps, args, kwargs)
+        except TransformedError:  # a live call under vmap / grad: no graph takes it
+            target = "transformed"
         except NotRealError:  # a tracer's stand-ins: not a live call
             return self.orig(*args, **kwargs)
         except Exception:  # dispatch must never break the forward

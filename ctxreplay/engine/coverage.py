@@ -38,6 +38,10 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     if obs.dropped_scopes:
         problems.append(Problem("scope_limit", None, obs.dropped_structures, 0,
                                 tuple(obs.dropped_scopes), limit=options.max_scopes))
+    transformed = obs.transformed_calls()
+    if transformed:
+        problems.append(Problem("transformed", None, 0, sum(transformed.values()),
+                                tuple(transformed)))
     counted, exact, marked = obs.compiled_calls()
     compiled = sum(counted.values()) + len(marked)
     if counted:
@@ -61,7 +65,8 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
                                 (member.name or scope.name, change)))
     if not whole:
         pass
-    elif not requests and not errors and not compiled and not obs.dropped_scopes:
+    elif not requests and not errors and not compiled and not obs.dropped_scopes \
+            and not transformed:
         problems.append(Problem("nothing_observed"))
     elif requests and not captures:
         problems.append(Problem("no_captures", None, len(requests),

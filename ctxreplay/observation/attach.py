@@ -277,6 +277,11 @@ class Observation:
                 out.append((m.scope, m.name or m.scope.name, n))
         return out
 
+    def transformed_calls(self) -> dict[str, int]:
+        """Member -> live calls made under a ``torch.func`` transform, which
+        observation could not key (not observed)."""
+        return dict(self.shared.transformed)
+
     def compiled_calls(self) -> tuple[dict[str, int], bool, list[str]]:
         """Block calls inside each compiled entry point's runs (where Dynamo
         traced none of the observed blocks during the session, the entry

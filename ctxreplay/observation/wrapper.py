@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import types
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -43,7 +44,7 @@ from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
 from ..specs.dims import size_free_key
 from ..specs.frozen import freeze_constants
-from ..specs.signature import NotRealError, call_key, call_spec, spec_of
+from ..specs.signature import NotRealError, TransformedError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
 from .retained import Retention, Schedule
 from .targets import identity_of, state_of
@@ -57,6 +58,7 @@ _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tenso
 
 #: block calls Dynamo traced into compiled code (``_Tally.mark``), all sessions
 TRACED = [0]
+_MARKS = itertools.count()
 
 
 class _Tally:
@@ -83,8 +85,15 @@ class _Tally:
             TRACED[0] += 1
             return True
 
-        mark._dynamo_marked_constant = True  # type: ignore[attr-defined]
-        self.mark = mark
+        # Dynamo guards a function it reads by its code object alone
+        # (``CLOSURE_MATCH``): with one code for every member, code traced for
+        # one block (a ``torch.cond`` branch) would run for the next without
+        # a trace, unmarked.  A code object of its own per member makes that a
+        # recompile, and a mark.
+        unique = mark.__code__.replace(co_name=f"mark_{next(_MARKS)}")
+        self.mark = types.FunctionType(unique, mark.__globals__, unique.co_name, None,
+                                       mark.__closure__)
+        self.mark._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class _Python:
@@ -119,7 +128,7 @@ class _Shared:
     """What every member of one session shares."""
 
     __slots__ = ("active", "errors", "failing_probes", "fold", "lock", "max_variants",
-                 "observer", "profile", "retention")
+                 "observer", "profile", "retention", "transformed")
 
     def __init__(self, observer: Observer, *, max_variants: int, profile: bool,
                  retain_bytes: int | None, fold: bool = False, sample: bool = False) -> None:
@@ -133,6 +142,8 @@ class _Shared:
         self.retention = Retention(retain_bytes, self.lock, sample)
         self.errors: Counter[tuple[str, str]] = Counter()
         self.failing_probes: Counter[str] = Counter()
+        #: member -> live calls under a ``torch.func`` transform (not observed)
+        self.transformed: Counter[str] = Counter()
         self.active = 0  # calls of the root module in progress (approximate across threads)
 
     def error(self, where: str, exc: BaseException) -> None:
@@ -236,7 +247,11 @@ class _Member(Wrapper):
             if not shared.active and obs.forward_changed():
                 snap = obs.refresh()  # called outside the model: check those flags here
             mv, sampled = self._lookup(snap, args, kwargs)
-        except NotRealError:  # fx proxies, fake or functorch tensors: a tracer's call
+        except TransformedError:  # a live call under vmap / grad: it ran, unobserved
+            real = False
+            with self.shared.lock:
+                self.shared.transformed[self.name or self.scope.name] += 1
+        except NotRealError:  # fx proxies or fake tensors: a tracer's call
             real = False
         except Exception as exc:  # observation must never disturb the forward
             failed = exc

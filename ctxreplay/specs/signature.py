@@ -44,6 +44,7 @@ __all__ = [
     "SeqSpec",
     "Spec",
     "TensorSpec",
+    "TransformedError",
     "call_key",
     "call_spec",
     "call_tensors",
@@ -192,6 +193,13 @@ class NotRealError(Error):
     tensors), not values of a live forward: observation steps aside."""
 
 
+class TransformedError(NotRealError):
+    """A call's inputs are functorch's wrappers: a live call under a
+    ``torch.func`` transform (``vmap``, ``grad``, ``jvp``), which runs, but
+    whose tensors no key or copy can read (their values and batch sizes live
+    inside the transform): counted as not observed, never dispatched."""
+
+
 # -- the one walk over values ---------------------------------------------------
 
 # callables, classes, modules: the same only when they are the same object
@@ -224,7 +232,7 @@ def _check_real(t: Tensor) -> None:
     if type(t) is not Tensor and isinstance(t, _tracer_types()):
         raise NotRealError(type(t).__name__)
     if _functorch_wrapped is not None and _functorch_wrapped(t):
-        raise NotRealError("functorch wrapper")
+        raise TransformedError("functorch wrapper")
 
 
 def _plain_object(value: object) -> dict[str, Any] | None:
@@ -442,7 +450,7 @@ def _key(x: object) -> Any:
         if type(x) is not Tensor:
             _check_real(x)
         elif _functorch_wrapped is not None and _functorch_wrapped(x):
-            raise NotRealError("functorch wrapper")
+            raise TransformedError("functorch wrapper")
         if x.layout != torch.strided or x.is_nested:
             return TensorSpec.of(x)  # sparse or nested: the layout is part of the key
         return (x.dtype, x.shape, x.stride(), x.device, x.requires_grad)

@@ -677,3 +677,46 @@ def test_the_neutral_control_of_the_per_backend_precision_run(
     assert out["legacy_getter"] == "ok"
     _reproduced(out)
     assert out["live"] != fp32_runs["set"]["live"]
+
+
+# -- torch.func transforms -------------------------------------------------------------
+
+def _vmapped(model: nn.Module, xs: torch.Tensor) -> torch.Tensor:
+    params = dict(model.named_parameters())
+    return torch.func.vmap(lambda x: torch.func.functional_call(model, params, (x,)))(xs)
+
+
+def test_block_calls_under_vmap_are_counted_as_not_observed() -> None:
+    # before, observation stepped aside as for a tracer's call: the report
+    # said nothing_observed, with no word of the 2 block calls that ran
+    model = Net()
+    with ctxreplay.capture_with(model, targets="repeated") as s, torch.no_grad():
+        _vmapped(model, torch.rand(5, 2, 4))
+    report = finalize_checked(s)
+    assert not report.ok and report.captures == ()
+    p = _problem(report, "transformed")
+    assert (p.calls, p.names) == (2, ("blocks.0", "blocks.1"))
+    assert [q.reason for q in report.problems] == ["transformed"]
+
+
+def test_an_installed_model_under_vmap_counts_each_block_call_as_a_miss() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    with ctxreplay.capture_with(model, targets="repeated") as s, torch.no_grad():
+        model(torch.rand(2, 4))
+    report = finalize_checked(s)
+    assert report.ok
+    xs = torch.rand(5, 2, 4)
+    with torch.no_grad():
+        expected = _vmapped(model, xs)
+    handle = ctxreplay.install(model, report)
+    try:
+        with torch.no_grad():
+            got = _vmapped(model, xs)
+        stats = handle.stats()
+    finally:
+        handle.remove()
+    assert torch.equal(got, expected)
+    assert sum(stats.hits.values()) == 0
+    assert stats.misses == {"blocks.0": 1, "blocks.1": 1}
+    assert dict(stats.reasons) == {"transformed": 2}
