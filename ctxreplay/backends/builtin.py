@@ -11,6 +11,7 @@ import torch
 
 from .._base.torchcaps import CAPS
 from ..specs.signature import SeqSpec, Spec, flatten_spec, spec_of
+from . import dtensor
 from .base import Backend, BackendError, classify_exception, share_tensors_copy
 from .passes import lower_wrappers
 from .registry import register_backend
@@ -49,13 +50,17 @@ class ExportBackend(Backend):
 
     def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
-        ep = torch.export.export(module, args, kwargs or None, strict=self.strict)
+        with dtensor.traceable(module):  # a tensor-parallel module builds DTensors
+            ep = dtensor.desugared(torch.export.export(module, args, kwargs or None,
+                                                       strict=self.strict))
         return lower_wrappers(ep) if self.lower else ep
 
     def capture_dynamic(self, module: torch.nn.Module, args: tuple[Any, ...],
                         kwargs: dict[str, Any], dynamic_shapes: Any) -> Any:
-        ep = torch.export.export(module, args, kwargs or None, strict=self.strict,
-                                 dynamic_shapes=dynamic_shapes)
+        with dtensor.traceable(module):
+            ep = dtensor.desugared(torch.export.export(module, args, kwargs or None,
+                                                       strict=self.strict,
+                                                       dynamic_shapes=dynamic_shapes))
         return lower_wrappers(ep) if self.lower else ep
 
     def output_spec(self, artifact: Any, args: tuple[Any, ...],

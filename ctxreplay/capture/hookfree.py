@@ -36,8 +36,8 @@ from typing import Any
 import torch.nn.modules.module as _module
 from torch import nn
 
-__all__ = ["GLOBAL_TABLES", "OWN_TABLES", "gated_global_hooks", "inert", "recording",
-           "silence_view", "user_hooks"]
+__all__ = ["GLOBAL_TABLES", "OWN_TABLES", "computing", "gated_global_hooks", "inert",
+           "recording", "silence_view", "user_hooks"]
 
 #: a module's own hook tables, and the tables that only qualify their entries
 OWN_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -119,18 +119,44 @@ def user_hooks(member: nn.Module, *, with_inert: bool = False) -> list[str]:
         for table_name in OWN_TABLES:
             found += [f"{path}.{_KINDS[table_name]}[{_name(h)}]"
                       for h in getattr(m, table_name, {}).values()
-                      if with_inert or not inert(h)]
+                      if (with_inert or not inert(h)) and not computing(h)]
     return found
+
+
+#: modules whose hooks are part of what a forward computes, not the user's
+#: code: torch's tensor parallelism (``distribute_module``'s input and output
+#: functions make and unmake the DTensors its parallel styles compute with)
+#: and FSDP2 (a nested ``fully_shard`` gathers its parameters around its
+#: forward).  A view keeps them: without them a TP linear meets a plain
+#: input ("aten.addmm.default got mixed torch.Tensor and DTensor").
+_COMPUTING = ("torch.distributed.tensor.", "torch.distributed.fsdp.")
+
+
+def computing(hook: Any) -> bool:
+    """Whether ``hook`` is one of torch's own parallelism hooks (``_COMPUTING``)."""
+    fn = getattr(hook, "func", hook)  # a functools.partial
+    fn = getattr(fn, "__func__", fn)  # a bound method
+    module = getattr(fn, "__module__", None) or ""
+    return module.startswith(_COMPUTING)
 
 
 def silence_view(view: nn.Module) -> None:
     """Empty the hook tables of every module of ``view`` (a copy: the tables
-    are its own; emptied in place, as an empty table is what torch checks)."""
+    are its own; emptied in place, as an empty table is what torch checks),
+    but for torch's own parallelism hooks (``computing``)."""
     for m in view.modules():
-        for name in (*OWN_TABLES, *_MARKS):
+        dropped: set[Any] = set()
+        for name in OWN_TABLES:
             table = m.__dict__.get(name)
             if isinstance(table, dict) and table:
-                table.clear()
+                dropped.update(k for k, h in table.items() if not computing(h))
+                for key in dropped.intersection(table):
+                    del table[key]
+        for name in _MARKS:
+            table = m.__dict__.get(name)
+            if isinstance(table, dict) and table:
+                for key in dropped.intersection(table):
+                    del table[key]
 
 
 class _Gate:

@@ -169,6 +169,20 @@ class Capture:
     """Variants of the same member identity and context that differ from
     this one in sizes only, folded into this capture (verified by value at
     each of their sizes)."""
+    _shared: tuple[str, bytes] | None = attrs.field(default=None, repr=False, alias="shared")
+    # in a distributed report, on a rank that did not capture it: ``(format
+    # name, the program without its weights)`` as the capturing rank
+    # serialised it (``ArtifactFormat.program_bytes``), which ``install``
+    # rebuilds with the member's own weights; never in JSON
+
+    @property
+    def shared(self) -> tuple[str, bytes] | None:
+        """On a rank that did not capture it (``artifact`` is ``None``): its
+        program's graph without weights, as the capturing rank sent it --
+        what ``install`` rebuilds with each member's own weights; ``None``
+        where the program could not be sent (not a ``torch.export``
+        program) or this rank holds the artifact itself."""
+        return self._shared
 
     @property
     def artifact(self) -> Any:

@@ -27,6 +27,7 @@ from torch import nn
 from .._base import codegen
 from .._base.torchcaps import TensorGuards
 from ..loading.weights import misfit, problems_error
+from ..specs.storage import inner_tensor, unwrapped_name
 from .flat import Flat
 
 __all__ = ["Bound"]
@@ -48,7 +49,7 @@ class Bound:
 
     def __init__(self, names: tuple[str, ...], meta: tuple[_Meta, ...] | None,
                  module: nn.Module, prefix: str) -> None:
-        pairs: list[tuple[dict[str, Any], str]] = []
+        pairs: list[tuple[dict[str, Any], str, int | None]] = []
         problems: list[str] = []
         for i, name in enumerate(names):
             key = name[len(prefix):] if name.startswith(prefix) else name
@@ -56,7 +57,7 @@ class Bound:
             if where is None:
                 problems.append(f"{key}: missing")
                 continue
-            problem = None if meta is None else misfit(key, where[0][where[1]], *meta[i])
+            problem = None if meta is None else misfit(key, _read(where), *meta[i])
             if problem is not None:
                 problems.append(problem)
                 continue
@@ -92,27 +93,47 @@ class Bound:
         return True
 
 
-def _holder(module: nn.Module, key: str) -> tuple[dict[str, Any], str] | None:
+def _holder(module: nn.Module, key: str) -> tuple[dict[str, Any], str, int | None] | None:
+    """The dict holding the tensor ``key`` names and its key there; the third
+    item: for a program re-traced through a wrapper subclass (a DTensor
+    shard, a quantized weight: ``up.parametrizations.weight.original0``),
+    which of the wrapper's inner tensors it is, read at every call."""
     owner_name, _, leaf = key.rpartition(".")
     try:
         owner = module.get_submodule(owner_name) if owner_name else module
     except AttributeError:
-        return None
-    for d in (owner._parameters, owner._buffers):
+        owner = None
+    for d in () if owner is None else (owner._parameters, owner._buffers):
         if d.get(leaf) is not None:
-            return d, leaf
-    return None
+            return d, leaf, None
+    unwrapped = unwrapped_name(key)
+    if unwrapped is None:
+        return None
+    base = _holder(module, unwrapped[0])
+    if base is None or base[2] is not None:
+        return None
+    try:
+        inner_tensor(base[0][base[1]], unwrapped[1])
+    except IndexError:
+        return None
+    return base[0], base[1], unwrapped[1]
 
 
-def _reader(pairs: list[tuple[dict[str, Any], str]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+def _read(where: tuple[dict[str, Any], str, int | None]) -> torch.Tensor:
+    d, key, index = where
+    return d[key] if index is None else inner_tensor(d[key], index)
+
+
+def _reader(pairs: list[tuple[dict[str, Any], str, int | None]]
+            ) -> Callable[[], tuple[torch.Tensor, ...]]:
     """One generated function returning each ``d[key]`` in a tuple (the dicts
     and keys go in its namespace, never in its source): one call and one
     tuple per dispatched call."""
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"inner": inner_tensor}
     terms = []
-    for i, (d, key) in enumerate(pairs):
+    for i, (d, key, index) in enumerate(pairs):
         namespace[f"d{i}"], namespace[f"k{i}"] = d, key
-        terms.append(f"d{i}[k{i}]")
+        terms.append(f"d{i}[k{i}]" if index is None else f"inner(d{i}[k{i}], {index:d})")
     source = "def state():\n    return (" + "".join(t + ", " for t in terms) + ")\n"
     reader: Callable[[], tuple[torch.Tensor, ...]] = codegen.function(
         source, "state", namespace, what="member state")

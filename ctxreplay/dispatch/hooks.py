@@ -31,7 +31,7 @@ import torch.nn.modules.module as _module
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..capture.hookfree import GLOBAL_TABLES, OWN_TABLES, inert, recording
+from ..capture.hookfree import GLOBAL_TABLES, OWN_TABLES, computing, inert, recording
 
 __all__ = ["Blocking", "HookWatch", "blocking", "inner_hooks"]
 
@@ -71,9 +71,11 @@ def inner_hooks(member: nn.Module) -> tuple[_Hooks, list[tuple[dict[Any, Any], i
 
 def blocking(hooks: _Hooks) -> Blocking:
     """What ``inner_hooks(member)[0]`` asks of the member's calls."""
-    if not hooks:
+    # torch's own parallelism hooks (tensor parallel, FSDP) were traced into
+    # the graph (``hookfree.computing``): the graph does what they do
+    every = [h for _, _, held in hooks for h in held if not computing(h)]
+    if not every:
         return False
-    every = [h for _, _, held in hooks for h in held]
     if all(inert(h) for h in every):
         return recording(every)
     return True

@@ -66,7 +66,7 @@ MISS_REASONS = ("signature", "context", "training", "identity", "object_argument
                 "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
                 "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
                 "observe_error", "size_guard", "weights", "hooked_weights", "hooks",
-                "transformed")
+                "not_on_this_rank", "transformed")
 
 _is_tracing = torch._C._is_tracing
 _MEMO_LIMIT = 4096
@@ -90,7 +90,9 @@ class DispatchStats:
     ``live_state``, ``structure``, ``not_rebuildable``,
     ``backend_not_dispatchable``, ``compile_failed``, ``observe_error``,
     ``transformed`` (a call under a ``torch.func`` transform: its tensors are
-    functorch's wrappers, which no capture's signature takes):
+    functorch's wrappers, which no capture's signature takes),
+    ``not_on_this_rank`` (a distributed report's capture whose program
+    stayed on the rank that made it):
     the matching capture cannot be used here -- ``unusable`` says which
     capture, and why; ``size_guard``: a folded capture's ranges take the
     call's sizes but its graph's own guard refused them, e.g. a size the
@@ -477,7 +479,7 @@ def install(model: nn.Module,
     if object_args not in OBJECT_POLICIES:
         raise ValueError(f"object_args: {object_args!r} is not one of {list(OBJECT_POLICIES)}")
     ignore = tuple(ignore)
-    entries = [entry(s, ignore, object_args) for s in sources(source)]
+    entries = [entry(s, ignore, object_args, model) for s in sources(source)]
     modules = _members(model, entries)
     handle = InstallHandle(model, entries, compile)
     observers = _add_slots(handle, modules, entries)

@@ -22,6 +22,8 @@ import attrs
 import torch
 from torch import nn
 
+from ..artifacts.formats import get_format
+from ..artifacts.saving import collector_paused
 from ..capture.mutation import ARGUMENT_FIELD
 from ..capture.offload import Held, weight_hooks
 from ..capture.results import Capture
@@ -46,6 +48,7 @@ from ..specs.signature import (
     is_native,
 )
 from ..specs.specjson import call_to_json, holds_objects
+from ..specs.storage import member_tensors, unwrapped_name
 from .bound import Bound
 from .flat import Flat, flatten
 
@@ -131,9 +134,12 @@ def _has_objects(spec: Spec) -> bool:
 
 
 def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
-           object_args: str) -> Entry:
+          object_args: str, model: nn.Module | None = None) -> Entry:
+    """``source`` as dispatch uses it; ``model``: where a capture another
+    rank made is rebuilt with its members' weights (``shared``)."""
     needs: Needs
     document = None
+    elsewhere: str | None = None
     if isinstance(source, LoadedCapture):
         needs = source.needs
         program: Any = source.program
@@ -143,19 +149,60 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
         backend_ok = True
     else:
         needs = needs_of(source)
-        program = source.artifact
+        program, elsewhere = _program_here(source, model)
         signature, outputs = source.signature, source.outputs
         backend_ok = isinstance(program, torch.export.ExportedProgram)
     snap = needs.snapshot.without(*ignore)
     binding = source.binding
     flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
-    unusable = _unusable(needs, snap, signature, document, outputs, flatten_out, backend_ok,
-                         ignore, object_args)
+    unusable = elsewhere or _unusable(needs, snap, signature, document, outputs, flatten_out,
+                                      backend_ok, ignore, object_args)
     if _mutates_argument(source):  # whatever the policy
         unusable = "mutates_argument"
     return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
                   flatten_out, snap, unusable, dict(source.identities),
                   tuple(source.ignore_attributes), document=document, folding=source.folding)
+
+
+def _program_here(source: Capture, model: nn.Module | None) -> tuple[Any, str | None]:
+    """The capture's program in this process, and why there is none.
+
+    In a distributed report a capture's artifact stays with the rank that
+    made it; the others hold its graph without weights (``shared``) and
+    rebuild it here with the weights of the member it was traced on -- the
+    same module on every rank -- so that every rank dispatches every
+    capture.  ``not_rebuildable``: the graph came but cannot be rebuilt
+    here (the member lacks a tensor it names); ``not_on_this_rank``: an
+    exported program whose graph could not be sent."""
+    program = source.artifact
+    if program is not None or source.rank is None:
+        return program, None
+    shared = source.shared
+    if shared is None:
+        return None, None if source.backend in ("dynamo", "symbolic") else "not_on_this_rank"
+    try:
+        member = model.get_submodule(source.weights_from) if model is not None else None
+    except AttributeError:
+        member = None
+    if member is None:
+        return None, "not_rebuildable"
+    try:
+        fmt = get_format(shared[0])
+        with collector_paused():  # torch's deserialiser makes many small objects
+            return fmt.program_from_bytes(shared[1], _state(member, source.binding)), None
+    except Exception:
+        return None, "not_rebuildable"
+
+
+def _state(member: nn.Module, binding: str) -> dict[str, torch.Tensor]:
+    """The member's tensors by the names its program gives them; an inner
+    tensor of a wrapper parameter (a DTensor's local shard) as a parameter
+    over the same storage, which torch's program verifier requires."""
+    out = member_tensors(member, _prefix(binding))
+    for k, v in out.items():
+        if unwrapped_name(k) is not None and not isinstance(v, nn.Parameter):
+            out[k] = nn.Parameter(v, requires_grad=v.requires_grad)
+    return out
 
 
 def _mutates_argument(source: Capture | LoadedCapture) -> bool:

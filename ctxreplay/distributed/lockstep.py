@@ -26,6 +26,7 @@ from ..fidelity.levels import checked_by
 from ..fidelity.verify import Fidelity, Mismatch, compare_values, merge_mismatches, neutral_replay
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import tensor_values
+from ..specs.storage import member_tensors
 
 __all__ = ["run_collective_checks"]
 
@@ -86,14 +87,22 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
         gm = program.module()
         if name is not None:
             with isolated(modules[name]) as view:
-                state = {("inner." if c.binding == "flattened" else "") + k: v
-                         for k, v in view.state_dict(keep_vars=True).items()}
+                # this rank's own tensors, under the names the program gives
+                # them: a program re-traced through DTensor parameters takes
+                # each one's local shard (``member_tensors``)
+                state = member_tensors(view, "inner." if c.binding == "flattened" else "")
+                sig = program.graph_signature
+                missing = [k for k in (*sig.parameters, *sig.buffers) if k not in state]
                 gm.load_state_dict(state, strict=False, assign=True)
+                if missing:  # it would run with the capturing rank's tensors
+                    raise _Unbound(f"{name} has no tensor {missing[0]!r} the program takes")
                 runs.append(_call(gm, c, leaves, baseline, full=False))
                 runs.append(_eager(view, c, leaves, baseline, watch))
         else:  # the same collectives, in the same order, as the other ranks
             runs.append(_call(gm, c, leaves, baseline, full=False))
             runs.append(_call(gm, c, leaves, baseline, full=False))
+    except _Unbound as exc:
+        return [Mismatch("out", "execution", "member weights", f"not bound: {exc}", "execute")]
     except Exception as exc:
         return [Mismatch("out", "execution", "ran", type(exc).__name__, "execute")]
     if name is None:
@@ -101,6 +110,10 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
     return [*compare_values(runs[1], runs[0], "execute",
                             member=None if len(c.members) == 1 else name),
             *mutation_mismatches(watch.found)]
+
+
+class _Unbound(Exception):
+    """The program names a tensor this rank's member does not have."""
 
 
 def _call(gm: Callable[..., Any], c: Capture, leaves: tuple[torch.Tensor, ...],

@@ -14,11 +14,22 @@ module, never the tensor itself.
 
 from __future__ import annotations
 
+import re
+
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["inner_tensors", "is_wrapper", "same_data", "storage_ptr", "storage_ptrs"]
+__all__ = ["inner_tensor", "inner_tensors", "is_wrapper", "member_tensors", "same_data",
+           "storage_ptr", "storage_ptrs", "unwrapped_name"]
+
+#: how a re-traced program names the inner tensors of a wrapper-subclass
+#: parameter or buffer (torch's ``unwrap_tensor_subclass_parameters``
+#: parametrizes ``up.weight`` into ``up.parametrizations.weight.original0``,
+#: ``original1``, ... in ``__tensor_flatten__`` order, depth first)
+_UNWRAPPED = re.compile(r"^(?:(?P<owner>.*)\.)?parametrizations\.(?P<leaf>[^.]+)"
+                        r"\.original(?P<index>\d+)$")
 
 
 def is_wrapper(t: torch.Tensor) -> bool:
@@ -85,3 +96,37 @@ def same_data(x: torch.Tensor, y: torch.Tensor) -> bool:
     except Exception:  # a context whose parts do not compare
         return False
     return same_ctx and all(same_data(getattr(x, n), getattr(y, n)) for n in names_x)
+
+
+def unwrapped_name(name: str) -> tuple[str, int] | None:
+    """``("up.weight", 0)`` for ``"up.parametrizations.weight.original0"``:
+    the wrapper tensor a re-traced program's tensor of that name is the
+    ``index``-th inner tensor of; ``None`` for any other name."""
+    m = _UNWRAPPED.match(name)
+    if m is None:
+        return None
+    owner = m.group("owner")
+    return (f"{owner}.{m.group('leaf')}" if owner else m.group("leaf")), int(m.group("index"))
+
+
+def inner_tensor(t: torch.Tensor, index: int) -> torch.Tensor:
+    """The ``index``-th ordinary tensor holding wrapper ``t``'s data (``t``
+    itself for an ordinary tensor at 0); ``IndexError`` past the last."""
+    return inner_tensors(t)[index][1]
+
+
+def member_tensors(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers by qualified name (the same
+    tensors), under ``prefix``; for each that is a wrapper subclass (a
+    DTensor shard, a quantized weight), its inner tensors too, by the names
+    a re-traced program gives them (``unwrapped_name``)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in (*module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False)):
+        out[prefix + name] = t
+        if is_traceable_wrapper_subclass(t):
+            owner, _, leaf = name.rpartition(".")
+            base = f"{owner}.parametrizations.{leaf}" if owner else f"parametrizations.{leaf}"
+            for i, (_path, inner) in enumerate(inner_tensors(t)):
+                out[f"{prefix}{base}.original{i}"] = inner
+    return out

@@ -1,0 +1,256 @@
+"""Per-rank programs of tests/distributed/test_parallel.py (importable by spawned
+processes): models sharded, parallelised and sequence-parallel over 2 gloo
+ranks, each rank writing what it saw to ``<out>/<rank>.json``.
+
+The oracle is eager on the same rank: the model's own outputs for the same
+calls, before ``install`` and after ``remove``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from torch import nn
+
+import ctxreplay
+
+HERE = Path(__file__).resolve().parent
+DIM, HEADS = 16, 4
+
+
+def setup(rank: int, world: int, port: int) -> None:
+    sys.path.insert(0, str(HERE))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)  # the same weights on every rank
+
+
+def teardown() -> None:
+    """Every rank done before any leaves (rank 0 hosts the store)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@contextmanager
+def written(out: str, rank: int) -> Iterator[dict[str, Any]]:
+    """The dict a rank fills, written to ``<out>/<rank>.json`` -- with the
+    traceback, should the rank raise."""
+    result: dict[str, Any] = {}
+    try:
+        yield result
+    except Exception:
+        result["error"] = traceback.format_exc()
+        raise
+    finally:
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
+
+
+def summary(report: ctxreplay.CaptureReport) -> dict[str, Any]:
+    """What a test asserts of a report, metadata only."""
+    return {"ok": report.ok,
+            "captures": [{"scope": c.scope, "variant": c.variant, "rank": c.rank,
+                          "backend": c.backend, "ok": c.fidelity.ok,
+                          "checked": list(c.fidelity.checked), "collective": c.collective,
+                          "members": list(c.members),
+                          "mismatches": [repr(m) for m in c.fidelity.mismatches]}
+                         for c in report.captures],
+            "failures": [[f.scope, f.reason, f.exc_type, f.message] for f in report.failures],
+            "problems": [p.message for p in report.problems]}
+
+
+def stats(handle: Any) -> dict[str, Any]:
+    s = handle.stats()
+    return {"hits": sum(s.hits.values()), "misses": sum(s.misses.values()),
+            "reasons": dict(s.reasons), "unusable": dict(s.unusable)}
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Bit-identical, dtype included."""
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y)
+                                    for x, y in zip(a, b))
+
+
+# -- sequence parallel: DeepSpeed-Ulysses attention ---------------------------
+
+class UlyssesAttention(nn.Module):
+    """Each rank holds ``length / world`` tokens of every head; an
+    ``all_to_all_single`` gives it every token of ``HEADS / world`` heads
+    for attention, and a second one puts the tokens back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def _scatter_heads(self, t: torch.Tensor, world: int) -> torch.Tensor:
+        b, s, h, d = t.shape  # s local tokens, h heads -> world * s tokens, h / world heads
+        t = t.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+        t = fc.wait_tensor(fc.all_to_all_single(t, None, None, dist.group.WORLD))
+        return t.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d)
+
+    def _gather_heads(self, t: torch.Tensor, world: int) -> torch.Tensor:
+        b, n, hl, d = t.shape  # all tokens of hl heads -> n / world tokens, hl * world heads
+        t = t.reshape(b, world, n // world, hl, d).permute(1, 0, 2, 3, 4).contiguous()
+        t = fc.wait_tensor(fc.all_to_all_single(t, None, None, dist.group.WORLD))
+        return t.permute(1, 2, 0, 3, 4).reshape(b, n // world, hl * world * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size()
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, s, 3, HEADS, DIM // HEADS).unbind(2)
+        q, k, v = (self._scatter_heads(t, world).transpose(1, 2) for t in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(self._gather_heads(a.transpose(1, 2), world))
+
+
+class SPStack(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(UlyssesAttention() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _sp_calls(model: nn.Module, rank: int) -> list[torch.Tensor]:
+    """bf16 autocast, two sequence lengths; each rank its own tokens."""
+    g = torch.Generator().manual_seed(rank)
+    outs = []
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for local in (4, 6):
+            outs.append(model(torch.rand(2, local, DIM, generator=g)))
+    return outs
+
+
+def sequence_parallel(rank: int, world: int, port: int, out: str) -> None:
+    """Install from the merged in-process report, right after ``finalize()``."""
+    setup(rank, world, port)
+    with written(out, rank) as result:
+        model = SPStack().eval()
+        with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
+            eager = _sp_calls(model, rank)
+        report = session.finalize()
+        result["report"] = summary(report)
+        with ctxreplay.install(model, report) as handle:
+            installed = _sp_calls(model, rank)
+        result["install"] = stats(handle)
+        result["same"] = same(eager, installed)
+        result["eager_again"] = same(eager, _sp_calls(model, rank))
+    teardown()
+
+
+# -- spawning ------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(case: Callable[..., None], world: int, out: Path, *, start_method: str,
+              limit: float = 150.0) -> list[dict[str, Any]]:
+    """``case`` on ``world`` ranks; each rank's JSON, in rank order.  A rank
+    that does not finish within ``limit`` seconds is killed, and says so."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(case, args=(world, free_port(), str(out)), nprocs=world,
+                             join=False, start_method=start_method)
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            if ctx.join(timeout=1.0):
+                break
+        except Exception as exc:  # a rank raised: its JSON holds the traceback
+            docs = [Path(out, f"{r}.json") for r in range(world)]
+            raise AssertionError("\n".join(d.read_text()[-3000:] for d in docs if d.is_file())
+                                 or str(exc)) from None
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"{case.__name__} on {world} ranks did not finish "
+                                 f"in {limit:g} s")
+    return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+
+
+# -- tensor parallel: DTensor, parallelize_module ------------------------------
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class MLPStack(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def tp_model(world: int) -> MLPStack:
+    """Each block's ``up`` column-wise and ``down`` row-wise parallel: the
+    block's input and output are whole, an all_reduce inside ``down``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = MLPStack().eval()
+    for block in model.blocks:
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _tp_calls(model: nn.Module) -> list[torch.Tensor]:
+    """The same input on every rank (tensor parallelism replicates it)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.rand(2, 5, DIM, generator=g)
+    outs = []
+    with torch.no_grad():
+        outs.append(model(x))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outs.append(model(x))
+    return outs
+
+
+def tensor_parallel(rank: int, world: int, port: int, out: str) -> None:
+    setup(rank, world, port)
+    with written(out, rank) as result:
+        model = tp_model(world)
+        for verify in ("signature", "execute"):
+            with ctxreplay.capture_with(model, targets="repeated", verify=verify) as session:
+                eager = _tp_calls(model)
+            report = session.finalize()
+            result[verify] = summary(report)
+            with ctxreplay.install(model, report) as handle:
+                installed = _tp_calls(model)
+            result[verify]["install"] = stats(handle)
+            result[verify]["same"] = same(eager, installed)
+    teardown()
