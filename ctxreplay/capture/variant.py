@@ -168,7 +168,7 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                     defer_collectives: bool = False, source: Source | None = None,
                     dims: Mapping[int, tuple[int, ...]] | None = None,
                     after: After | None = None, kin: Kin | None = None,
-                    tick: Tick | None = None) -> Capture:
+                    tick: Tick | None = None, reads: Reads | None = None) -> Capture:
     """See ``_capture_variant``; it runs from the state a fresh process has
     (inputs made under the caller's ``inference_mode`` would be inference
     tensors), whatever the caller of ``finalize()`` has active."""
@@ -180,7 +180,7 @@ def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     try:
         return _capture_variant(request, modules, options, baseline=baseline,
                                 defer_collectives=defer_collectives, source=source, dims=dims,
-                                after=after, kin=kin, tick=tick)
+                                after=after, kin=kin, tick=tick, reads=reads)
     finally:
         neutral.__exit__(None, None, None)
 
@@ -191,7 +191,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                      defer_collectives: bool = False, source: Source | None = None,
                      dims: Mapping[int, tuple[int, ...]] | None = None,
                      after: After | None = None, kin: Kin | None = None,
-                     tick: Tick | None = None) -> Capture:
+                     tick: Tick | None = None, reads: Reads | None = None) -> Capture:
     """Capture ``request``; ``modules`` maps member names to the live modules
     (never changed: every trace and run uses an isolated view).
     ``source``: where the artifact comes from instead of a trace (the
@@ -204,7 +204,8 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
     ``dims``: leaf index -> dimensions to trace as dynamic sizes (a fold;
     the backend must fold).  ``kin``: other variants the graph may serve
     (see ``Kin``; fills ``kin.served``).  ``tick``: told as each member's
-    check starts."""
+    check starts.  ``reads``: where the trace notes the attributes it read
+    (one is made for ``kin``), for ``after`` to consult (a fold's kin)."""
     t0 = time.perf_counter()
     backend = options.backend
     fail = functools.partial(_failure, request, backend)
@@ -219,9 +220,10 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         plan = _Plan.make(request, options, backend, dims)
     except Exception as exc:
         raise fail("replay_failed", exc) from None
-    if kin is not None and kin.others and not dims and source is None \
-            and _python_export(backend, first=True):
-        plan = attrs.evolve(plan, reads=Reads())
+    if reads is None and kin is not None and kin.others and not dims:
+        reads = Reads()
+    if reads is not None and source is None and _python_export(backend, first=True):
+        plan = attrs.evolve(plan, reads=reads)
     if tick is not None:
         plan = attrs.evolve(plan, tick=tick)
     served: list[tuple[VariantRequest, Fidelity, float]] = []

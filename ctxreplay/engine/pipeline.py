@@ -20,6 +20,7 @@ from ..cache.use import CaptureCache
 from ..capture.fold import Trial, families, fold_family, folds
 from ..capture.merge import merge_identical
 from ..capture.options import CaptureOptions, VariantRequest
+from ..capture.reads import Reads
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
 from ..capture.variant import CaptureFailed, Kin, Source, Tick, capture_variant
 from ..core.observer import Observer
@@ -30,6 +31,7 @@ from ..observation.attach import Observation
 from ..observation.targets import changed_attributes
 from ..report.capture_report import CaptureReport
 from ..report.explain import explain_captures
+from ..specs.dims import size_free
 from .baseline import Baseline
 from .coverage import coverage
 from .progress import Progress
@@ -141,7 +143,12 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
     requests = [r for _, r in mine]
     local = {(r.scope, r.variant): k for k, r in mine}
     groups = families(requests) if folds(job.options) else [[r] for r in requests]
-    kin = _kin(job, requests)
+    identities = {id(r): job.observation.identity_value(r) for r in requests
+                  if r.identity_number >= 0}
+    kin = _kin(requests, identities, _same_call)
+    # the variants a fold may serve: other identities' variants of its family
+    # but for sizes (not through the cache, whose fold entries hold one family)
+    sizes = _kin(requests, identities, _same_family) if cache is None else {}
     refused: set[tuple[str, int]] = set()  # a graph of their kin did not pass their check
 
     def label(request: VariantRequest) -> str:
@@ -153,7 +160,8 @@ def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan:
 
     try:
         for group in groups:
-            _fold(job, group, modules, baseline, net, bar, cache, distributed)
+            _fold(job, group, modules, baseline, net, bar, cache, distributed,
+                  _FoldKin(sizes.get(id(group[0]), ()), identities))
             for request in group:
                 where = (request.scope, request.variant)
                 if where not in job.done:
@@ -184,25 +192,35 @@ def _folded_keys(result: Result, local: Mapping[tuple[str, int], str]) -> tuple[
     return tuple(local[(result.scope, v)] for v in result.folded)
 
 
-def _kin(job: Finalizing, requests: Sequence[VariantRequest]
+def _same_call(r: VariantRequest) -> Any:
+    return (r.scope, r.snapshot, r.training, r.inputs, r.outputs)
+
+
+def _same_family(r: VariantRequest) -> Any:
+    return (r.scope, r.snapshot, r.training, size_free(r.inputs), size_free(r.outputs))
+
+
+def _kin(requests: Sequence[VariantRequest], identities: Mapping[int, Any],
+         key: Callable[[VariantRequest], Any]
          ) -> dict[int, tuple[tuple[VariantRequest, Any], ...]]:
-    """For each request (by ``id``), the others whose members' identity
-    may differ from its members' in plain attributes alone -- of its scope,
-    context, training flags, input and output signature -- each with its
-    identity: a trace of one may serve them (``capture.variant.Kin``)."""
+    """For each request (by ``id``), the requests of its ``key`` -- of its
+    scope, context, training flags, and input and output signature
+    (``_same_call``) or the same but for sizes (``_same_family``) -- that
+    are of more than one identity, each with its identity: a trace of one
+    may serve the others (``capture.variant.Kin``)."""
     groups: dict[Any, list[tuple[VariantRequest, Any]]] = {}
     for r in requests:
-        if r.identity_number < 0:
+        if id(r) not in identities:
             continue
         try:
-            key = (r.scope, r.snapshot, r.training, r.inputs, r.outputs)
-            hash(key)
+            k = key(r)
+            hash(k)
         except Exception:  # a constant that cannot be hashed: on its own
             continue
-        groups.setdefault(key, []).append((r, job.observation.identity_value(r)))
+        groups.setdefault(k, []).append((r, identities[id(r)]))
     out: dict[int, tuple[tuple[VariantRequest, Any], ...]] = {}
     for group in groups.values():
-        if len(group) > 1:
+        if len({r.identity_number for r, _ in group}) > 1:
             for r, _ in group:
                 out[id(r)] = tuple(group)
     return out
@@ -241,23 +259,63 @@ def _one(job: Finalizing, request: VariantRequest, modules: dict[str, nn.Module]
                        distributed=distributed, cache=cache, kin=kin, tick=tick)
 
 
+@attrs.define(eq=False)
+class _FoldKin:
+    """The variants of other identities a fold of a family may serve (its
+    family but for the identity), and every request's identity.  Tried in
+    the fold only where its trace read none of the attributes they differ
+    in (``after``); the fold's own checks then run each at its sizes,
+    against each of its members with their own weights."""
+
+    others: Sequence[tuple[VariantRequest, Any]]
+    identities: Mapping[int, Any]
+
+    def after(self, trial: Trial, reads: Reads) -> Any:
+        """``trial`` run only on the variants the traced graph may serve."""
+        def run(artifact: Any, checker_for: Any, modules: Any) -> None:
+            example = trial.example
+            mine = self.identities.get(id(example), ())
+            keep = []
+            for r in trial.pending:
+                if r.identity_number == example.identity_number:
+                    keep.append(r)
+                    continue
+                try:
+                    changed = changed_attributes(mine, self.identities[id(r)])
+                except Exception:
+                    changed = None
+                if changed is not None and all(n != "forward" for _, n in changed) \
+                        and reads.untouched(changed):
+                    keep.append(r)
+            trial.pending = keep  # (a list of its own: the fold's stays whole)
+            trial(artifact, checker_for, modules)
+        return run
+
+
 def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Module],
           baseline: tuple[ContextProbe[Any], ...], net: Baseline, bar: Progress,
-          cache: CaptureCache | None, distributed: bool) -> None:
-    """Fold the variants of ``group`` (one family) not captured yet: each
-    folded capture is recorded under its example, the variants it stands
-    for as done with nothing of their own.  ``distributed``: a graph that
-    holds collectives is not run here (it would wait for the other ranks),
-    so it folds nothing."""
+          cache: CaptureCache | None, distributed: bool, kin: _FoldKin) -> None:
+    """Fold the variants of ``group`` (one family) not captured yet, and
+    those of ``kin`` its trace may serve: each folded capture is recorded
+    under its example, the variants it stands for as done with nothing of
+    their own.  ``distributed``: a graph that holds collectives is not run
+    here (it would wait for the other ranks), so it folds nothing."""
     todo = [r for r in group if (r.scope, r.variant) not in job.done]
     if len(todo) < 2 or job.interrupted:
         return
+    mine = {id(r) for r in group}
+    extra = [r for r, _ in kin.others
+             if id(r) not in mine and (r.scope, r.variant) not in job.done]
+    examples: list[VariantRequest] = []
 
     def trace(request: VariantRequest, dims: Any, after: Any, source: Any) -> Capture:
+        reads = Reads()
+        if extra and source is None:
+            after = kin.after(after, reads)
         try:
             return capture_variant(request, modules, job.options, baseline=baseline,
                                    dims=dims, after=after, source=source,
-                                   defer_collectives=distributed)
+                                   defer_collectives=distributed, reads=reads)
         finally:
             if net.restore():  # a fold that leaks state is not used
                 raise CaptureFailed(CaptureFailure(request.scope, request.variant,
@@ -265,12 +323,24 @@ def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Mo
                                                    "-"))
 
     def run(request: VariantRequest, dims: Any, trial: Trial) -> Capture:
+        examples.append(request)
         if cache is None:
             return trace(request, dims, trial, None)
         return cached_fold(cache, request, trial.pending, dims, trial, modules, job.options,
                            baseline, lambda source: trace(request, dims, trial, source))
 
-    made, _rest = fold_family(todo, job.options, run)
+    _folded_done(job, bar, fold_family(todo + extra, job.options, run)[0])
+    rest = [r for r in group if (r.scope, r.variant) not in job.done]
+    if extra and len(rest) >= 2 and not any(id(r) in mine for r in examples):
+        # the folds tried went to other identities' examples whose traces
+        # read what they differ in: this family's own fold is still due
+        extra = []
+        _folded_done(job, bar, fold_family(rest, job.options, run)[0])
+
+
+def _folded_done(job: Finalizing, bar: Progress, made: Sequence[Capture]) -> None:
+    """Each folded capture recorded under its example, the variants it
+    stands for as done with nothing of their own."""
     for c in made:
         job.done[(c.scope, c.variant)] = [c]
         for v in c.folded:

@@ -92,3 +92,13 @@ def test_an_export_records_and_leaves_the_classes_as_they_were() -> None:
     assert type(module) is Outer
     out: Any = ep.module()(torch.ones(2, 4))
     assert torch.allclose(out, module(torch.ones(2, 4)))
+
+
+def test_a_submodules_hook_that_reads_an_attribute_is_recorded() -> None:
+    """Hooks of submodules run inside the forward: what they read counts."""
+    module = Outer()
+    module.inner.proj.tag = 5  # type: ignore[assignment]
+    module.inner.proj.register_forward_hook(lambda m, args, out: out * m.tag)
+    reads = _run(module)
+    assert not reads.untouched({("inner.proj", "tag")})
+    assert reads.untouched({("inner", "unused")})

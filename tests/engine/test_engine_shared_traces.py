@@ -2,8 +2,9 @@
 plain attributes their forward never reads (a decoder layer's ``layer_idx``
 indexing a cache the call did not get) are served by one trace, each still
 checked with its own weights; an attribute the trace read -- in the
-forward, in a branch, in a submodule's hook, through ``vars()`` -- keeps a
-trace per member, and identical graphs are merged as before.
+forward, in a branch, in a submodule, through ``vars()`` -- keeps a trace
+per member, and identical graphs are merged as before.  Sizes that fold:
+one fold serves every layer the same way.
 
 Each test records what really ran (tests/helpers/trust_oracle.py) and
 replays every call through the capture that claims it, with that member's
@@ -69,17 +70,19 @@ class Inner(nn.Linear):
         super().__init__(DIM, DIM)
         self.idx = idx
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1 + self.idx)
 
-class Hooked(nn.Module):
-    """The attribute lives on a submodule and only its forward hook reads it."""
+
+class Nested(nn.Module):
+    """The attribute lives on a submodule, read by that submodule's forward."""
 
     def __init__(self, layer_idx: int) -> None:
         super().__init__()
-        self.inner = Inner(layer_idx)
-        self.inner.register_forward_hook(lambda m, args, out: out * (1 + m.idx))
+        self.sub = Inner(layer_idx)
 
     def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
-        return self.inner(x)
+        return self.sub(x)
 
 
 class Decoder(nn.Module):
@@ -118,15 +121,14 @@ def test_layers_differing_in_an_unread_index_cost_one_trace(verify: str) -> None
     assert unreproduced(report, calls) == []
 
 
-@pytest.mark.parametrize("kind", [Scaled, Branching, Introspecting, Hooked])
+@pytest.mark.parametrize("kind", [Scaled, Branching, Introspecting, Nested])
 def test_an_attribute_the_trace_read_keeps_a_trace_per_member(kind: type[nn.Module]) -> None:
     backend = CountingExport()
     report, calls = _live(kind, backend, verify="execute")
     assert len(backend.calls) == DEPTH
     # verify="execute": each member's graph run against the member itself
     assert report.ok and not report.failures
-    if kind is not Hooked:  # (the oracle does not rebind a hooked submodule's weights)
-        assert unreproduced(report, calls) == []
+    assert unreproduced(report, calls) == []
     members = sorted(c.members for c in report.captures)
     if kind is Branching:  # two graphs, each standing for its members
         assert members == [("layers.0", "layers.2", "layers.4"),
@@ -185,3 +187,44 @@ def test_dynamo_traces_each_member_and_is_not_disturbed() -> None:
     assert {c.backend for c in report.captures} == {"dynamo"}
     assert len(calls) == 3
     assert sum(len(c.members) for c in report.captures) == 3
+
+
+def _folded_live(kind: type[nn.Module], monkeypatch: pytest.MonkeyPatch
+                 ) -> tuple[ctxreplay.CaptureReport, list[Any], int]:
+    """Four layers, each called at three prompt lengths (sizes fold)."""
+    exports: list[int] = []
+    real = torch.export.export
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        exports.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    torch.manual_seed(0)
+    model = Decoder(kind, 4).eval()
+    with record(model, members_of(model, "layers")) as calls, \
+            ctxreplay.capture_with(model, targets="repeated", backend="export",
+                                   verify="execute") as session, torch.no_grad():
+        for t in (5, 7, 9):
+            model(torch.rand(2, t, DIM))
+    return session.finalize(), calls, len(exports)
+
+
+def test_one_fold_serves_every_layers_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    report, calls, exports = _folded_live(Layer, monkeypatch)
+    assert exports == 1  # a fold per layer before
+    assert report.ok and not report.failures
+    (c,) = report.captures
+    assert c.folding is not None and c.members == tuple(f"layers.{i}" for i in range(4))
+    assert c.calls == 12 and c.fidelity.members == 4
+    assert unreproduced(report, calls) == []
+
+
+def test_a_fold_that_read_the_index_serves_no_other_layer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    report, calls, exports = _folded_live(Scaled, monkeypatch)
+    assert exports == 4
+    assert report.ok and not report.failures
+    assert sorted(c.members for c in report.captures) == [(f"layers.{i}",) for i in range(4)]
+    assert all(c.folding is not None for c in report.captures)
+    assert unreproduced(report, calls) == []
