@@ -309,6 +309,24 @@ def test_examples_run_and_print_what_is_shown(page: Path, tmp_path: Path,
         pytest.skip(f"{page.name}: ran every block but {'; '.join(skipped)}")
 
 
+def _words(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").split())
+
+
+def test_the_readme_and_the_performance_page_are_written_for_users() -> None:
+    # a README is a newcomer's first page, not a test log; the performance page
+    # holds the targets and where the time goes, and history goes to the changelog
+    assert _words(ROOT / "README.md") <= 800
+    assert _words(DOCS / "performance.md") <= 2500
+    performance = (DOCS / "performance.md").read_text(encoding="utf-8")
+    assert not re.search(r"^#+\s*History", performance, flags=re.MULTILINE)
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", performance), "dated: the changelog's"
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    version = importlib.import_module("ctxreplay._base.version").__version__
+    assert "## [Unreleased]" in changelog and f"## [{version}] - " in changelog
+    assert (ROOT / "CONTRIBUTING.md").is_file()
+
+
 def test_the_readme_example_runs_and_prints_what_it_shows(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     readme = ROOT / "README.md"
