@@ -86,14 +86,14 @@ def recorded(view: nn.Module, reads: Reads) -> Iterator[None]:
             if not reads.armed or dynamo_compiling():
                 return orig(*args, **kwargs)
             reads.armed = False
-            swapped = _swap(view, reads)
+            swapped, whole = _swap(view, reads)
             try:
                 out = orig(*args, **kwargs)
             finally:
                 for m, cls, one_off in swapped:
                     if type(m) is one_off:
                         m.__class__ = cls
-            reads.complete = True
+            reads.complete = whole
             return out
         return recorded_forward
 
@@ -101,9 +101,11 @@ def recorded(view: nn.Module, reads: Reads) -> Iterator[None]:
         yield
 
 
-def _swap(view: nn.Module, reads: Reads) -> list[tuple[nn.Module, type, type]]:
+def _swap(view: nn.Module, reads: Reads) -> tuple[list[tuple[nn.Module, type, type]], bool]:
     """Every module of ``view`` made an instance of a one-off recording
-    subclass of its class: ``(module, class, one-off)`` to put back."""
+    subclass of its class: ``(module, class, one-off)`` to put back, and
+    whether every one could be (a class Python will not swap is left as it
+    is, and the run's reads are then not complete)."""
     paths: dict[int, list[str]] = {}
     modules: dict[int, nn.Module] = {}
     for path, m in view.named_modules(remove_duplicate=False):
@@ -112,13 +114,18 @@ def _swap(view: nn.Module, reads: Reads) -> list[tuple[nn.Module, type, type]]:
     reads.paths = {k: tuple(v) for k, v in paths.items()}
     classes: dict[type, type] = {}
     out = []
+    whole = True
     for m in modules.values():
         cls = type(m)
-        if cls not in classes:
-            classes[cls] = _recording(cls, reads)
-        m.__class__ = classes[cls]
+        try:
+            if cls not in classes:
+                classes[cls] = _recording(cls, reads)
+            m.__class__ = classes[cls]
+        except TypeError:  # a layout or metaclass that refuses a subclass
+            whole = False
+            continue
         out.append((m, cls, classes[cls]))
-    return out
+    return out, whole
 
 
 def _recording(cls: type, reads: Reads) -> type:

@@ -102,3 +102,23 @@ def test_a_submodules_hook_that_reads_an_attribute_is_recorded() -> None:
     reads = _run(module)
     assert not reads.untouched({("inner.proj", "tag")})
     assert reads.untouched({("inner", "unused")})
+
+
+def test_a_class_that_cannot_be_swapped_leaves_the_run_unrecorded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward still runs (a trace never fails for the recorder), and
+    nothing is served from it."""
+    import ctxreplay.capture.reads as reads_module
+
+    real = reads_module._recording
+
+    def refuse(cls: type, reads: Reads) -> type:
+        if cls is Inner:
+            raise TypeError("__class__ assignment: layout differs")
+        return real(cls, reads)
+
+    monkeypatch.setattr(reads_module, "_recording", refuse)
+    module = Outer()
+    reads = _run(module)
+    assert not reads.complete and not reads.untouched({("", "layer_idx")})
+    assert type(module) is Outer and type(module.inner) is Inner
