@@ -24,6 +24,7 @@ import fold_cases as fc
 import pytest
 import torch
 from capability import needs_size_guards
+from forward_count import forwards_run
 from torch import nn
 from trust_oracle import differs, false_oks, members_of, record, replay_failure, unreproduced
 
@@ -58,20 +59,19 @@ class _Count:
 
 @contextmanager
 def _counting(model: nn.Module) -> Iterator[_Count]:
-    """Block calls, and those whose own forward ran (its ``lin`` was called)."""
+    """Block calls (a block's own hook: it runs around a dispatched call too),
+    and those whose own forward ran (its ``lin`` was called; counted without
+    a hook on ``lin``, which would make install run the block eagerly)."""
     count = _Count()
 
     def block(*_: Any) -> None:
         count.blocks += 1
 
-    def lin(*_: Any) -> None:
-        count.eager += 1
-
-    handles = []
-    for b in model.blocks:  # type: ignore[union-attr]
-        handles += [b.register_forward_pre_hook(block), b.lin.register_forward_pre_hook(lin)]
+    handles = [b.register_forward_pre_hook(block) for b in model.blocks]  # type: ignore[union-attr]
     try:
-        yield count
+        with forwards_run(b.lin for b in model.blocks) as ran:  # type: ignore[union-attr]
+            yield count
+            count.eager = ran[0]
     finally:
         for h in handles:
             h.remove()
@@ -393,6 +393,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[2])
 import fold_cases as fc
+from forward_count import forwards_run
 import ctxreplay
 from ctxreplay.loading.guard import GuardError
 
@@ -403,13 +404,10 @@ for n in (4, 5, 6, 10, 11, 12, 3, 8, 13):
     (x,), _ = fc.sequence(n)
     with torch.no_grad():
         want = model(x)
-    eager = []
-    hooks = [b.lin.register_forward_pre_hook(lambda *_: eager.append(1)) for b in model.blocks]
-    with ctxreplay.install(model, src), torch.no_grad():
+    with forwards_run(b.lin for b in model.blocks) as ran, ctxreplay.install(model, src), \
+            torch.no_grad():
         got = model(x)
-    for h in hooks:
-        h.remove()
-    out["runs"][n] = [torch.equal(got, want), len(model.blocks) - len(eager)]
+    out["runs"][n] = [torch.equal(got, want), len(model.blocks) - ran[0]]
 small = next(c for c in src.captures if c.folding and c.folding.ranges[0].high < 8)
 block = model.get_submodule(small.weights_from)
 guarded = small.guarded(weights=block)

@@ -16,6 +16,7 @@ from typing import Any
 import fold_cases as fc
 import pytest
 import torch
+from forward_count import forwards_run
 from torch import nn
 
 import ctxreplay
@@ -43,18 +44,13 @@ def _session(model: nn.Module, **options: Any) -> ctxreplay.CaptureReport:
 def _installed(model: nn.Module, report: ctxreplay.CaptureReport, n: int) -> tuple[bool, int]:
     """``(installed output equals eager, block calls that ran eagerly)``."""
     (x,), _ = fc.sequence(n)
-    eager = [0]
     with torch.no_grad():
         want = model(x)
-    # a dispatched block runs its graph, never its own ``lin``
-    handles = [b.lin.register_forward_pre_hook(lambda *_: eager.__setitem__(0, eager[0] + 1))
-               for b in model.blocks]  # type: ignore[union-attr]
-    try:
-        with ctxreplay.install(model, report), torch.no_grad():
-            got = model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    # a dispatched block runs its graph, never its own ``lin`` (counted
+    # without a hook on it, which would make install run the block eagerly)
+    with forwards_run(b.lin for b in model.blocks) as eager, \
+            ctxreplay.install(model, report), torch.no_grad():  # type: ignore[union-attr]
+        got = model(x)
     return torch.equal(got, want), eager[0]
 
 
