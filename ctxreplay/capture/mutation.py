@@ -22,6 +22,7 @@ graph's to reproduce.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,9 +35,10 @@ from .._base.torchcaps import dynamo_compiling
 from ..fidelity.verify import Fidelity, Mismatch
 from ..specs.signature import PRIMITIVES
 from .isolate import forward_wrapped
+from .pystate import Reach, reach
 
-__all__ = ["ARGUMENT_FIELD", "Mutation", "Watch", "changes", "mutation_mismatches", "state_of",
-           "watched", "with_mutations"]
+__all__ = ["ARGUMENT_FIELD", "HELD_FIELD", "Mutation", "Watch", "changes", "mutation_mismatches",
+           "state_of", "watched", "with_mutations"]
 
 #: ``Mismatch.field`` (and ``level``) of a change to an argument object: a
 #: capture holding one is not ok, and ``install`` never dispatches it
@@ -48,6 +50,14 @@ ARGUMENT_FIELD = "argument"
 _MAX_NODES = 16384
 _MAX_DEPTH = 32
 _MAX_REPORTED = 4
+#: ``Mismatch.field`` of a write the traced forward made to Python state it
+#: keeps between calls (a memo, a closure's counter, a step cache's hook
+#: state): each call then depends on what earlier ones left there, which no
+#: graph reads, so the capture stands for none of them (not ok; ``install``
+#: never dispatches a capture that is not ok)
+HELD_FIELD = "held_state"
+#: the attribute steps of a ``pystate`` label (``Locked.log``, ``X.cache['k']``)
+_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)")
 #: ``Mismatch.captured`` of a change to an argument: the graph holds no op
 #: that makes it
 _NOT_IN_GRAPH = "no graph op"
@@ -71,6 +81,9 @@ class Mutation:
     change: str
     """What the forward did: ``assigned (new Tensor)``, ``appended (0 -> 1
     items)``, ``attribute set``."""
+    field: str = ARGUMENT_FIELD
+    """``ARGUMENT_FIELD``, or ``HELD_FIELD``: Python state the forward
+    reaches and keeps (a closure's counter, a step cache's hook state)."""
 
     def describe(self) -> str:
         """``DynamicCache.layers[0].keys: assigned (new Tensor)``."""
@@ -165,6 +178,9 @@ class Watch:
     """Collects the changes runs of a forward made to their arguments."""
 
     found: list[Mutation] = attrs.field(factory=list)
+    #: attribute names whose writes ``held`` leaves out (``ignore_attributes``:
+    #: the user says the forward's result does not depend on them, a log)
+    ignore: tuple[str, ...] = ()
     #: the runs it watched
     runs: int = 0
 
@@ -176,6 +192,17 @@ class Watch:
         self.note(before, args, kwargs)
         del held
         return out
+
+    def held(self, before: Reach) -> None:
+        """Note what the runs since ``before`` (a ``pystate.reach`` of the
+        module they ran) wrote in the Python state the forward keeps."""
+        for change in before.changes(_MAX_REPORTED + len(self.ignore)):
+            where, _, what = change.partition(": ")
+            if self.ignore and set(_ATTRIBUTE.findall(where)) & set(self.ignore):
+                continue
+            m = Mutation("forward", where, what, HELD_FIELD)
+            if m not in self.found:
+                self.found.append(m)
 
     def note(self, before: dict[Path, Token], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> None:
@@ -210,8 +237,10 @@ def watched(module: nn.Module, watch: Watch) -> Iterator[None]:
             return out
         return watched_forward
 
+    before = reach(module)
     with forward_wrapped(module, wrap):
         yield
+    watch.held(before)
 
 
 def with_mutations(fidelity: Fidelity, found: list[Mutation]) -> Fidelity:
@@ -229,5 +258,5 @@ def with_mutations(fidelity: Fidelity, found: list[Mutation]) -> Fidelity:
 def mutation_mismatches(found: list[Mutation]) -> tuple[Mismatch, ...]:
     """A mismatch per change found (the first few), field and level
     ``argument``: no graph op makes it."""
-    return tuple(Mismatch(m.path, ARGUMENT_FIELD, m.describe(), _NOT_IN_GRAPH, ARGUMENT_FIELD)
+    return tuple(Mismatch(m.path, m.field, m.describe(), _NOT_IN_GRAPH, ARGUMENT_FIELD)
                  for m in list(dict.fromkeys(found))[:_MAX_REPORTED])

@@ -159,7 +159,8 @@ class _Plan:
             else "flattened"
         faults: list[BaseException] = []
         return cls(None if inside is None else _guard_inside(inside, faults), around,
-                   embedded, ambient, binding, not outputs_native, faults, dims=dims or {})
+                   embedded, ambient, binding, not outputs_native, faults,
+                   watch=Watch(ignore=options.ignore_attributes), dims=dims or {})
 
 
 def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],

@@ -11,6 +11,7 @@ the same module called directly."""
 from __future__ import annotations
 
 import contextvars
+import queue
 import subprocess
 import sys
 import textwrap
@@ -30,9 +31,18 @@ from ctxreplay.capture.worker import run_in_worker
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("SCALE", default=1.0)
-#: what each traced call saw (a module-level list: the trace runs on an
-#: isolated copy of the model, which copies the model's own lists)
-TRACED: list[dict[str, Any]] = []
+#: what each traced call saw: a queue, which finalize leaves alone (it puts
+#: back the model's lists and the lists its forward reaches as globals, but
+#: follows no object of the standard library's types)
+TRACED: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+
+
+def _traced() -> list[dict[str, Any]]:
+    """What the traces recorded since the last call, in order."""
+    out = []
+    while not TRACED.empty():
+        out.append(TRACED.get())
+    return out
 
 
 class _Scaled(nn.Module):
@@ -44,14 +54,14 @@ class _Scaled(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, FakeTensor):
-            TRACED.append({"thread": threading.current_thread().name,
-                                "isolating": isolating(), "scale": SCALE.get(),
-                                "depth": len(traceback.extract_stack())})
+            TRACED.put({"thread": threading.current_thread().name,
+                        "isolating": isolating(), "scale": SCALE.get(),
+                        "depth": len(traceback.extract_stack())})
         return self.lin(x) * SCALE.get()
 
 
 def _finalize(model: _Scaled, x: torch.Tensor, **kw: Any) -> ctxreplay.CaptureReport:
-    TRACED.clear()
+    _traced()
     with ctxreplay.capture_with(model, backend="export", verify="execute", **kw) as s, \
             torch.no_grad():
         model(x)
@@ -73,7 +83,7 @@ def test_the_trace_sees_the_callers_contextvars_and_isolation() -> None:
     finally:
         SCALE.reset(token)
     (cap,) = report.captures
-    (trace,) = TRACED
+    (trace,) = _traced()
     assert trace["thread"] == "ctxreplay-capture"
     assert trace["scale"] == 3.0 and trace["isolating"]
     with torch.no_grad():
@@ -88,9 +98,9 @@ def test_the_trace_stack_is_shallow_whatever_the_callers_depth() -> None:
     model = _Scaled().eval()
     x = torch.rand(2, 4)
     shallow = _finalize(model, x)
-    depths = [t["depth"] for t in TRACED]
+    depths = [t["depth"] for t in _traced()]
     deep = _deep(60, lambda: _finalize(model, x))
-    depths += [t["depth"] for t in TRACED]
+    depths += [t["depth"] for t in _traced()]
     assert shallow.ok and deep.ok
     here = len(traceback.extract_stack())
     # the caller's frames (60 more in the second) are not on the traced stack

@@ -780,9 +780,15 @@ def test_empty_containers_a_module_holds_stay_empty_and_aliased(verify: str) -> 
         [failure] = report.failures
         assert not report.ok and failure.reason == "trace_error" and "arity" in failure.message
         return
-    assert report.ok, report.failures
-    # and the copy kept the alias: the artifact scales by 1, as the live call did
+    # the forward grows what it keeps, so a second call scales by 2: the
+    # program stands for no call but that first one, and says why
     (cap,) = report.captures
+    assert not report.ok and not cap.fidelity.ok
+    written = {m.live.partition(":")[0] for m in cap.fidelity.mismatches
+               if m.field == "held_state"}
+    assert written and written <= {"EmptyHolder.items", "EmptyHolder.alias", "EmptyHolder.table",
+                                   "EmptyHolder.ordered", "EmptyHolder.marks", "_Log.seen"}
+    # and the copy kept the alias: the artifact scales by 1, as the live call did
     with torch.no_grad():
         torch.testing.assert_close(cap.artifact.module()(x), model.lin(x))
     with ctxreplay.capture.isolate.isolated(model) as view:
@@ -877,3 +883,156 @@ def test_a_graph_that_leaves_out_a_parameter_update_is_not_ok() -> None:
         (m.path, m.live, m.captured) for m in c.fidelity.mismatches]
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+# -- Python state the forward reaches beyond its module's attributes ---------------
+
+class Memo:
+    """What a forward replacement keeps on a Python object of its own: the
+    last output, returned again on every second call (compute, reuse, ...)."""
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+        self.calls = 0
+
+
+def _memo_step(memo: Memo, orig: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    memo.calls += 1
+    if memo.last is not None and memo.calls % 2 == 0:
+        return memo.last
+    memo.last = orig(x)
+    return memo.last
+
+
+class _BoundMemo(Memo):
+    def __init__(self, orig: Callable[..., Any]) -> None:
+        super().__init__()
+        self.orig = orig
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _memo_step(self, self.orig, x)
+
+
+def _memoised(block: nn.Module, how: str) -> Memo:
+    """Replace ``block.forward`` by a memoising one, the memo held by a
+    closure, a ``functools.partial`` or a bound method's object."""
+    orig = block.forward
+    if how == "bound":
+        bound = _BoundMemo(orig)
+        block.forward = bound.forward  # type: ignore[method-assign]
+        return bound
+    memo = Memo()
+    if how == "closure":
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return _memo_step(memo, orig, x)
+        block.forward = forward  # type: ignore[method-assign]
+    else:
+        block.forward = functools.partial(_memo_step, memo, orig)  # type: ignore[method-assign]
+    return memo
+
+
+class _Blocks(nn.Module):
+    def __init__(self, make: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(make() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _six_calls(model: nn.Module, verify: str) -> ctxreplay.CaptureSession:
+    with ctxreplay.capture_with(model, targets="repeated", verify=verify) as session, \
+            torch.no_grad():
+        for i in range(6):
+            model(torch.rand(2, DIM, generator=torch.Generator().manual_seed(i)))
+    return session
+
+
+def _held_reasons(report: ctxreplay.CaptureReport) -> set[str]:
+    return {m.live for c in report.captures for m in c.fidelity.mismatches
+            if m.field == "held_state"}
+
+
+@pytest.mark.parametrize("verify", ["signature", "execute"])
+@pytest.mark.parametrize("how", ["closure", "partial", "bound"])
+def test_a_memo_a_forward_replacement_holds_is_left_as_found_and_named(
+        how: str, verify: str) -> None:
+    torch.manual_seed(0)
+    model = _Blocks(Block)
+    memos = [_memoised(b, how) for b in model.blocks]
+    session = _six_calls(model, verify)
+    before = [(m.last, m.calls) for m in memos]
+    report = session.finalize()
+    # the memo holds the live call's tensor and count, not a trace's
+    assert all(m.last is last and m.calls == calls for m, (last, calls) in zip(memos, before))
+    assert all(type(m.last) is torch.Tensor for m in memos)
+    with torch.no_grad():
+        assert type(model(torch.rand(2, DIM))) is torch.Tensor
+    # every second call reused the memo: no program stands for those, and
+    # the report names the state the forward keeps
+    assert not report.ok
+    name = type(memos[0]).__name__
+    assert {f"{name}.last: assigned (new Tensor)", f"{name}.calls: assigned (new int)"} \
+        <= _held_reasons(report)
+    assert not any(c.fidelity.ok for c in report.captures)
+
+
+def _counting_class() -> tuple[type[nn.Module], Callable[[], int]]:
+    """A block class whose forward advances a counter of its closure."""
+    count = 0
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(DIM, DIM)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            nonlocal count
+            count += 1
+            return self.lin(x) * count
+
+    return Counting, lambda: count
+
+
+CALLS = 0
+
+
+class GlobalCounting(nn.Module):
+    """Advances a module-level counter the output depends on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global CALLS
+        CALLS += 1
+        return self.lin(x) + CALLS
+
+
+@pytest.mark.parametrize("verify", ["signature", "execute"])
+def test_a_closure_counter_the_forward_advances_is_left_as_found_and_named(
+        verify: str) -> None:
+    counting, count = _counting_class()
+    model = _Blocks(counting)
+    session = _six_calls(model, verify)
+    assert count() == 12
+    report = session.finalize()
+    assert count() == 12
+    assert not report.ok
+    assert "_counting_class.<locals>.Counting.forward closure 'count': assigned (new int)" \
+        in _held_reasons(report)
+
+
+@pytest.mark.parametrize("verify", ["signature", "execute"])
+def test_a_global_counter_the_forward_advances_is_left_as_found_and_named(verify: str) -> None:
+    global CALLS
+    CALLS = 0
+    model = _Blocks(GlobalCounting)
+    session = _six_calls(model, verify)
+    report = session.finalize()
+    assert CALLS == 12
+    assert not report.ok
+    assert f"{__name__}.CALLS: assigned (new int)" in _held_reasons(report)
