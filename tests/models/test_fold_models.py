@@ -18,6 +18,7 @@ import pytest
 import real_models
 import torch
 from capability import needs_size_guards
+from forward_count import forwards_run
 from torch import nn
 from trust_oracle import false_oks, members_of, record, unreproduced
 
@@ -53,20 +54,18 @@ def _logits(model: nn.Module, length: int) -> torch.Tensor:
 def _dispatched(blocks: list[nn.Module], inner: Callable[[nn.Module], nn.Module]
                 ) -> Iterator[list[int]]:
     """``[block calls, block calls whose forward ran]``: a block's forward
-    calls ``inner(block)``, a dispatched call does not."""
+    calls ``inner(block)``, a dispatched call does not (counted without a
+    hook on it, which would make install run the block eagerly)."""
     count = [0, 0]
 
     def block(*_: Any) -> None:
         count[0] += 1
 
-    def ran(*_: Any) -> None:
-        count[1] += 1
-
-    handles = []
-    for b in blocks:
-        handles += [b.register_forward_pre_hook(block), inner(b).register_forward_pre_hook(ran)]
+    handles = [b.register_forward_pre_hook(block) for b in blocks]
     try:
-        yield count
+        with forwards_run(inner(b) for b in blocks) as ran:
+            yield count
+            count[1] = ran[0]
     finally:
         for h in handles:
             h.remove()
