@@ -179,8 +179,8 @@ class _Slot(Wrapper):
             else:
                 snaps = tuple(g[0]() for g in groups)
             last, near = self.last, self.near
-            hooked = self.hooked
-            if hooked is not False and (hooked is True or hooked()):
+            # (a truth test first: a member without inner hooks pays what it did)
+            if self.hooked and (self.hooked is True or self.hooked()):
                 target = "hooks"  # a hook inside it would not run: the graph skips it
             elif last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
                     and last[2].check(*args):
