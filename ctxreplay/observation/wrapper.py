@@ -190,10 +190,11 @@ class _Member(Wrapper):
         # The memo (``_memoize``) holds everything a repeat of the member's
         # last variant needs, in one tuple: a hit reads one attribute of
         # ``self`` and makes one C-level check of the state (the guard and the
-        # watched getters) and one of the inputs (``TensorGuards``); ``skip``
-        # runs out when a call is due to be sampled for the value check
-        # (``retained.Schedule``), which the slow path then copies.  Every
-        # operation here is paid on every observed call.
+        # watched getters) and one of the inputs (``TensorGuards``).  ``ticks``
+        # counts the hit on the variant's counter, and runs out when a call
+        # is due to be sampled for the value check (``retained.Schedule``),
+        # which the slow path then copies.  Every operation here is paid on
+        # every observed call.
         # (Dynamo folds ``_dynamo_compiling()`` first, so it guards on nothing here.)
         if not _dynamo_compiling():
             memo = self.memo
@@ -201,16 +202,16 @@ class _Member(Wrapper):
                 # (another argument count fails ``check``: TensorGuards raises, the
                 # Python key differs; under ``torch.jit.trace`` it fails as well,
                 # ``_memo_check``)
-                cache, state, check, counter, training, module, orig, obs, shared, skip = memo
+                cache, state, check, ticks, training, module, orig, obs, shared, counter = memo
                 if obs.cache is cache and module.training is training:
                     try:
                         hit = (state() and check(*args)
-                               and (shared.active or not obs.forward_changed())
-                               and next(skip, False))
+                               and (shared.active or not obs.forward_changed()))
                     except Exception:  # a getter or check that raises: the slow path decides
                         hit = False
-                    if hit:
-                        next(counter)
+                    # (``ticks`` counts the call on the variant's counter; run out,
+                    # a sample is due and the slow path takes the call uncounted)
+                    if hit and next(ticks, None) is not None:
                         try:  # (free in CPython >= 3.11 until something raises)
                             return orig(*args)
                         except BaseException:
@@ -309,8 +310,9 @@ class _Member(Wrapper):
                 or (retention.limit is not None and not retention.sample):
             return
         schedule = mv.schedule
-        skip = itertools.repeat(True) if schedule is None else \
-            itertools.repeat(True, schedule.hits(mv.calls + mv.raised + pending))
+        # (an ``islice`` of the counter takes nothing from it once run out)
+        ticks = mv.counter if schedule is None else \
+            itertools.islice(mv.counter, schedule.hits(mv.calls + mv.raised + pending))
         check = _memo_check(args, sig)
         # a TensorGuards check of at least one tensor sees the dispatch keys
         state = cache.beside_tensors if args and not isinstance(check, _Python) else cache.check
@@ -319,8 +321,8 @@ class _Member(Wrapper):
                 return
         except Exception:
             return
-        self.memo = (cache, state, check.check, mv.counter, self.training, self.module,
-                     self.orig, obs, shared, skip)
+        self.memo = (cache, state, check.check, ticks, self.training, self.module,
+                     self.orig, obs, shared, mv.counter)
 
     # -- the slow paths ---------------------------------------------------
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
