@@ -125,11 +125,11 @@ def user_hooks(member: nn.Module, *, with_inert: bool = False) -> list[str]:
 
 #: modules whose hooks are part of what a forward computes, not the user's
 #: code: torch's tensor parallelism (``distribute_module``'s input and output
-#: functions make and unmake the DTensors its parallel styles compute with)
-#: and FSDP2 (a nested ``fully_shard`` gathers its parameters around its
-#: forward).  A view keeps them: without them a TP linear meets a plain
-#: input ("aten.addmm.default got mixed torch.Tensor and DTensor").
-_COMPUTING = ("torch.distributed.tensor.", "torch.distributed.fsdp.")
+#: functions make and unmake the DTensors its parallel styles compute with).
+#: A view keeps them: without them a TP linear meets a plain input
+#: ("aten.addmm.default got mixed torch.Tensor and DTensor").  FSDP's are
+#: not here: a graph traced through them would skip their gathering
+_COMPUTING = ("torch.distributed.tensor.",)
 
 
 def computing(hook: Any) -> bool:

@@ -71,8 +71,8 @@ def inner_hooks(member: nn.Module) -> tuple[_Hooks, list[tuple[dict[Any, Any], i
 
 def blocking(hooks: _Hooks) -> Blocking:
     """What ``inner_hooks(member)[0]`` asks of the member's calls."""
-    # torch's own parallelism hooks (tensor parallel, FSDP) were traced into
-    # the graph (``hookfree.computing``): the graph does what they do
+    # torch's tensor-parallel hooks were traced into the graph
+    # (``hookfree.computing``): the graph does what they do
     every = [h for _, _, held in hooks for h in held if not computing(h)]
     if not every:
         return False
