@@ -35,7 +35,7 @@ from .._base.torchcaps import dynamo_compiling
 from ..fidelity.verify import Fidelity, Mismatch
 from ..specs.signature import PRIMITIVES
 from .isolate import forward_wrapped
-from .pystate import Reach, reach
+from .pystate import Reach, held_constants, reach
 
 __all__ = ["ARGUMENT_FIELD", "HELD_FIELD", "Mutation", "Watch", "changes", "mutation_mismatches",
            "state_of", "watched", "with_mutations"]
@@ -181,6 +181,8 @@ class Watch:
     #: attribute names whose writes ``held`` leaves out (``ignore_attributes``:
     #: the user says the forward's result does not depend on them, a log)
     ignore: tuple[str, ...] = ()
+    #: the walk of the traced module's kept state before the trace
+    before: Reach | None = None
     #: the runs it watched
     runs: int = 0
 
@@ -201,6 +203,17 @@ class Watch:
             if self.ignore and set(_ATTRIBUTE.findall(where)) & set(self.ignore):
                 continue
             m = Mutation("forward", where, what, HELD_FIELD)
+            if m not in self.found:
+                self.found.append(m)
+
+    def constants(self, artifact: Any, gm: Any) -> None:
+        """Note each tensor constant of the traced artifact that the
+        forward read from the Python state it keeps (a step cache's stored
+        output): the program returns that tensor whatever the call."""
+        if self.before is None:
+            return
+        for where in held_constants(artifact, gm, self.before)[:_MAX_REPORTED]:
+            m = Mutation("forward", where, "a graph constant", HELD_FIELD)
             if m not in self.found:
                 self.found.append(m)
 
@@ -237,7 +250,7 @@ def watched(module: nn.Module, watch: Watch) -> Iterator[None]:
             return out
         return watched_forward
 
-    before = reach(module)
+    before = watch.before = reach(module)
     with forward_wrapped(module, wrap):
         yield
     watch.held(before)

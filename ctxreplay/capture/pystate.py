@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Reach", "reach"]
+__all__ = ["Reach", "held_constants", "reach"]
 
 #: objects recorded at most: a real video-DiT block reaches a few hundred
 _MAX_OBJECTS = 8192
@@ -58,9 +58,12 @@ class Reach:
     """The recorded slots of one walk; ``changes`` and ``restore`` compare
     them with what they hold now."""
 
-    __slots__ = ("complete", "slots")
+    __slots__ = ("complete", "slots", "tensors")
 
     def __init__(self) -> None:
+        #: ``id`` -> where, of each tensor the kept state holds (alive: the
+        #: records hold them)
+        self.tensors: dict[int, str] = {}
         #: ``(kind, holder, key, saved, label)`` per recorded slot
         self.slots: list[tuple[str, Any, Any, Any, str]] = []
         #: whether the walk saw everything reachable (within its bounds)
@@ -75,8 +78,8 @@ class Reach:
                 # ``_is_torch_compile``), and what a forward assigns there
                 # changes the member's identity, which observation keys on
                 continue
-            if kind == "dict":
-                out += _dict_changes(holder, saved, label)
+            if kind in ("dict", "mapping"):
+                out += _dict_changes(holder, saved, label, items=kind == "mapping")
             else:
                 what = _differs(kind, holder, key, saved)
                 if what is not None:
@@ -97,6 +100,24 @@ class Reach:
             except Exception:  # a slot that refuses (read-only): the rest still go back
                 continue
         return n
+
+
+def held_constants(artifact: Any, gm: Any, before: Reach) -> list[str]:
+    """Where each tensor constant of a traced artifact sits in the Python
+    state the forward keeps (``before``, the walk of the traced module): a
+    step cache's stored output, a memo.  ``torch.export`` lifts such a
+    tensor into ``ExportedProgram.constants`` as the very object (measured,
+    torch 2.13), a GraphModule holds it as an attribute; the program then
+    returns what the cache held when finalize ran, whatever the call."""
+    if not before.tensors:
+        return []
+    found: list[Any] = list(getattr(artifact, "constants", {}).values()) \
+        if isinstance(getattr(artifact, "constants", None), dict) else []
+    if isinstance(gm, nn.Module):
+        found += [t for t in vars(gm).values() if isinstance(t, torch.Tensor)]
+        found += [t for _, t in gm.named_buffers()]
+    return list(dict.fromkeys(before.tensors[id(t)] for t in found
+                              if id(t) in before.tensors))
 
 
 def reach(module: nn.Module) -> Reach:
@@ -122,7 +143,12 @@ class _Walk:
         self.seen: set[int] = set()
         self.stack: list[tuple[Any, str, int]] = []
 
-    def push(self, obj: Any, label: str, depth: int) -> None:
+    def push(self, obj: Any, label: str, depth: int, held: bool = False) -> None:
+        """Walk ``obj`` next; ``held``: it sits in the Python state the
+        forward keeps (a closure cell, a plain object, a container), not in a
+        module's attributes or a global binding."""
+        if held and isinstance(obj, torch.Tensor):
+            self.out.tensors.setdefault(id(obj), label)
         if not isinstance(obj, _LEAVES) and id(obj) not in self.seen:
             self.stack.append((obj, label, depth))
 
@@ -174,7 +200,7 @@ class _Walk:
             where = f"{fn.__qualname__} closure {name!r}"
             self.record("cell", cell, None, held, where)
             if held is not _ABSENT:
-                self.push(held, where, depth)
+                self.push(held, where, depth, held=True)
         self.push(fn.__defaults__, label, depth)
         self.push(fn.__kwdefaults__, label, depth)
         if depth >= _GLOBAL_DEPTH:
@@ -190,16 +216,17 @@ class _Walk:
 
     def container(self, obj: Any, label: str, depth: int) -> None:
         if isinstance(obj, dict):
-            self.record("dict", obj, None, dict(dict.items(obj)), label)
+            self.record("mapping", obj, None, dict(dict.items(obj)), label)
             for k, v in list(dict.items(obj)):
-                self.push(v, f"{label}[{k!r}]" if isinstance(k, (str, int)) else label, depth)
+                self.push(v, f"{label}[{k!r}]" if isinstance(k, (str, int)) else label, depth,
+                          held=True)
             return
         if isinstance(obj, (list, deque)):
             self.record("list", obj, None, _elements(obj), label)
         elif isinstance(obj, set):
             self.record("set", obj, None, set(_elements(obj)), label)
         for i, v in enumerate(_elements(obj)):
-            self.push(v, f"{label}[{i}]", depth)
+            self.push(v, f"{label}[{i}]", depth, held=True)
 
     def plain(self, obj: Any, label: str, depth: int) -> None:
         d = getattr(obj, "__dict__", None)
@@ -209,7 +236,7 @@ class _Walk:
                         name)
             for k, v in list(d.items()):
                 if k != "_parameters":  # tensors only: the weights are guarded apart
-                    self.push(v, f"{name}.{k}", depth)
+                    self.push(v, f"{name}.{k}", depth, held=not isinstance(obj, nn.Module))
         for slot in _slots(type(obj)):
             value = getattr(obj, slot, _ABSENT)
             self.record("attr", obj, slot, value, f"{name}.{slot}")
@@ -293,7 +320,7 @@ def _differs(kind: str, holder: Any, key: Any, saved: Any) -> str | None:
     if kind == "global" or kind == "attr":
         now = holder.get(key, _ABSENT) if kind == "global" else getattr(holder, key, _ABSENT)
         return None if _same(now, saved) else _assigned(now)
-    if kind in ("dict", "module"):
+    if kind in ("dict", "mapping", "module"):
         return _dict_change(holder, saved)
     if kind == "set":
         now = _elements(holder)
@@ -312,15 +339,17 @@ def _dict_change(d: dict[Any, Any], saved: dict[Any, Any]) -> str | None:
     return "changed"
 
 
-def _dict_changes(d: dict[Any, Any], saved: dict[Any, Any], label: str) -> list[str]:
-    """Each key of ``d`` that differs from its record, in words."""
+def _dict_changes(d: dict[Any, Any], saved: dict[Any, Any], label: str, items: bool
+                  ) -> list[str]:
+    """Each key of ``d`` (an object's attributes, or ``items``) that differs
+    from its record, in words."""
     if _dict_change(d, saved) is None:
         return []
     out = []
     for k in [*saved, *(k for k in dict.keys(d) if k not in saved)]:
         now = dict.get(d, k, _ABSENT)
         if not _same(now, saved.get(k, _ABSENT)):
-            step = f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]"
+            step = f".{k}" if not items and isinstance(k, str) else f"[{k!r}]"
             out.append(f"{label}{step}: {_assigned(now)}")
     return out
 
@@ -347,7 +376,7 @@ def _put_back(kind: str, holder: Any, key: Any, saved: Any) -> None:
             delattr(holder, key)
         else:
             setattr(holder, key, saved)
-    elif kind in ("dict", "module"):
+    elif kind in ("dict", "mapping", "module"):
         # the base class's own methods: a subclass may override them
         # (transformers' ACT2FN instantiates the class an item names)
         base: Any = OrderedDict if isinstance(holder, OrderedDict) else dict

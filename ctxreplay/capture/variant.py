@@ -233,6 +233,7 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
                                                   baseline, source)
         embedded, carried, ambient_only = _context_split(request, plan, options, real)
         gm = real.graph_module(artifact)
+        plan.watch.constants(artifact, gm)  # a cache's tensor baked in: not ok
         collective = gm is not None and has_collectives(gm)
         alone = not (collective and defer_collectives)  # it may run on this rank alone
         check_options = options

@@ -784,7 +784,7 @@ def test_empty_containers_a_module_holds_stay_empty_and_aliased(verify: str) -> 
     # program stands for no call but that first one, and says why
     (cap,) = report.captures
     assert not report.ok and not cap.fidelity.ok
-    written = {m.live.partition(":")[0] for m in cap.fidelity.mismatches
+    written = {m.live.partition(":")[0].partition("[")[0] for m in cap.fidelity.mismatches
                if m.field == "held_state"}
     assert written and written <= {"EmptyHolder.items", "EmptyHolder.alias", "EmptyHolder.table",
                                    "EmptyHolder.ordered", "EmptyHolder.marks", "_Log.seen"}
@@ -1036,3 +1036,42 @@ def test_a_global_counter_the_forward_advances_is_left_as_found_and_named(verify
     assert CALLS == 12
     assert not report.ok
     assert f"{__name__}.CALLS: assigned (new int)" in _held_reasons(report)
+
+
+class Broadcast:
+    """A cache the denoising loop fills and switches, outside the block: the
+    block reads its stored output on reuse steps and writes nothing."""
+
+    def __init__(self) -> None:
+        self.cached: torch.Tensor | None = None
+        self.reuse = False
+
+
+class ReadsCache(nn.Module):
+    def __init__(self, cache: Broadcast) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.cache = cache
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache.reuse and self.cache.cached is not None:
+            return self.cache.cached * 1.0
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("verify", ["signature", "execute"])
+def test_a_program_holding_a_caches_tensor_as_a_constant_is_not_ok(verify: str) -> None:
+    cache = Broadcast()
+    model = ReadsCache(cache)
+    with ctxreplay.capture_with(model, verify=verify) as session, torch.no_grad():
+        for step in range(4):
+            cache.reuse = step % 2 == 1  # finalize finds it on: the trace reuses
+            out = model(torch.rand(2, DIM, generator=torch.Generator().manual_seed(step)))
+            if not cache.reuse:
+                cache.cached = out
+    held = cache.cached
+    report = session.finalize()
+    assert cache.cached is held and cache.reuse
+    (c,) = report.captures
+    assert not report.ok and not c.fidelity.ok
+    assert "Broadcast.cached: a graph constant" in _held_reasons(report)
