@@ -26,7 +26,7 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.register_buffer("shift", torch.ones(8), persistent=False)
+        self.register_buffer("shift", torch.ones(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.lin(x)) + self.shift
