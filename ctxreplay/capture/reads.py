@@ -14,12 +14,15 @@ module's ``__dict__`` from outside ``nn.Module``'s own code (``vars(self)``,
 a copy) counts as a read of every attribute of that module.  A run under
 Dynamo (which interprets the bytecode rather than running it, and fails on
 a Python ``__getattribute__``) is not recorded, and nothing it made is
-served to other members.
+served to other members; nor is a run on a view whose modules hold weak
+references (a child's ``weakref`` to its parent): ``deepcopy`` keeps them
+pointing at the live modules, whose reads are nobody's to note.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -86,6 +89,7 @@ def recorded(view: nn.Module, reads: Reads) -> Iterator[None]:
             if not reads.armed or dynamo_compiling():
                 return orig(*args, **kwargs)
             reads.armed = False
+            weak = _weak_references(view)  # (before the swap: it reads __dict__)
             swapped, whole = _swap(view, reads)
             try:
                 out = orig(*args, **kwargs)
@@ -93,7 +97,7 @@ def recorded(view: nn.Module, reads: Reads) -> Iterator[None]:
                 for m, cls, one_off in swapped:
                     if type(m) is one_off:
                         m.__class__ = cls
-            reads.complete = whole
+            reads.complete = whole and not weak
             return out
         return recorded_forward
 
@@ -126,6 +130,23 @@ def _swap(view: nn.Module, reads: Reads) -> tuple[list[tuple[nn.Module, type, ty
             continue
         out.append((m, cls, classes[cls]))
     return out, whole
+
+
+_WEAK = (weakref.ReferenceType, weakref.ProxyType, weakref.CallableProxyType)
+
+
+def _weak_references(view: nn.Module) -> bool:
+    """Whether a module of ``view`` holds a weak reference as an attribute
+    or in a list, tuple or dict it holds (one level down)."""
+    for m in view.modules():
+        for k, v in m.__dict__.items():
+            if k in ("_parameters", "_buffers", "_modules"):
+                continue
+            items = v.values() if isinstance(v, dict) else \
+                v if isinstance(v, (list, tuple)) else (v,)
+            if any(isinstance(i, _WEAK) for i in items):
+                return True
+    return False
 
 
 def _recording(cls: type, reads: Reads) -> type:

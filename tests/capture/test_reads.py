@@ -122,3 +122,14 @@ def test_a_class_that_cannot_be_swapped_leaves_the_run_unrecorded(
     reads = _run(module)
     assert not reads.complete and not reads.untouched({("", "layer_idx")})
     assert type(module) is Outer and type(module.inner) is Inner
+
+
+def test_a_view_holding_a_weak_reference_is_not_recorded() -> None:
+    """A weak reference survives ``deepcopy`` pointing at the live module:
+    reads through it are not the view's, so the run counts as incomplete."""
+    import weakref
+
+    module = Outer()
+    module.inner.owner = weakref.ref(module)  # type: ignore[assignment]
+    reads = _run(module)
+    assert not reads.complete and not reads.untouched({("", "layer_idx")})
