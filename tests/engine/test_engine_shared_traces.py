@@ -228,3 +228,22 @@ def test_a_fold_that_read_the_index_serves_no_other_layer(
     assert sorted(c.members for c in report.captures) == [(f"layers.{i}",) for i in range(4)]
     assert all(c.folding is not None for c in report.captures)
     assert unreproduced(report, calls) == []
+
+
+def test_a_strict_export_records_nothing_and_traces_each_member(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strict export runs the forward under Dynamo, which interprets the
+    bytecode: no read is seen, so no graph is served to another member."""
+    from ctxreplay.backends import ExportBackend
+
+    exports: list[int] = []
+    real = torch.export.export
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        exports.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    report, _ = _live(Layer, ExportBackend(strict=True), depth=3, verify="execute")
+    assert report.ok and not report.failures
+    assert len(exports) == 3
