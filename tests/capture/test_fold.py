@@ -366,7 +366,9 @@ def test_values_verification_checks_every_call_of_a_fold_by_value() -> None:
 
 def test_the_dynamo_backend_captures_each_size_on_its_own() -> None:
     model = fc.stack(fc.Branch)
-    report, _ = _live(model, fc.sequence, BRANCH, backend="dynamo")
+    # (at signature: a Dynamo graph holds its weights, so no check that runs
+    # it can take the second member's -- see the next test)
+    report, _ = _live(model, fc.sequence, BRANCH, backend="dynamo", verify="signature")
     assert report.ok, report.problems
     assert len(report.captures) == 4
     assert all(c.folding is None and c.folded == () for c in report.captures)
@@ -376,6 +378,18 @@ def test_the_dynamo_backend_captures_each_size_on_its_own() -> None:
     # dispatch this backend's graphs: the truth here is eager
     for n in (*BRANCH, 5, 11):
         assert _installed(model, report, fc.sequence, n) == (True, 0), n
+
+
+def test_the_default_verify_says_a_dynamo_graph_cannot_run_another_members_weights() -> None:
+    # the default compares values: a member whose weights the graph cannot
+    # take is not proven, and the report says so instead of ok
+    model = fc.stack(fc.Branch)
+    report, _ = _live(model, fc.sequence, BRANCH, backend="dynamo")
+    assert not report.ok
+    for c in report.captures:
+        (m,) = c.fidelity.mismatches
+        assert (m.live, m.captured, m.members) == (
+            "member weights", "not possible: backend 'dynamo'", ("blocks.1",))
 
 
 def test_fold_false_captures_each_size_on_its_own() -> None:
