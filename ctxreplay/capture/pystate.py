@@ -48,6 +48,11 @@ _MAX_OBJECTS = 8192
 #: object it fills, not the whole module graph behind it
 _GLOBAL_DEPTH = 2
 _ABSENT = object()
+#: what every ``nn.Module`` holds for torch itself (its parameter, buffer and
+#: submodule tables, a dozen hook tables, mostly empty): the weights are
+#: guarded apart, submodules are walked as roots, and a forward keeps no
+#: state of its own there; walking them was most of a block's walk
+_MODULE_TABLES = frozenset(k for k in nn.Module().__dict__ if k != "training")
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) - {"builtins", "functools"}
 _LEAVES = (torch.Tensor, type, types.ModuleType, str, bytes, int, float, bool, complex,
            type(None), torch.dtype, torch.device, range, types.BuiltinFunctionType,
@@ -234,9 +239,10 @@ class _Walk:
         if type(d) is dict:
             self.record("module" if isinstance(obj, nn.Module) else "dict", d, None, dict(d),
                         name)
+            module = isinstance(obj, nn.Module)
             for k, v in list(d.items()):
-                if k != "_parameters":  # tensors only: the weights are guarded apart
-                    self.push(v, f"{name}.{k}", depth, held=not isinstance(obj, nn.Module))
+                if not (module and k in _MODULE_TABLES):
+                    self.push(v, f"{name}.{k}", depth, held=not module)
         for slot in _slots(type(obj)):
             value = getattr(obj, slot, _ABSENT)
             self.record("attr", obj, slot, value, f"{name}.{slot}")
