@@ -260,7 +260,9 @@ def test_a_probe_whose_clear_and_describe_raise() -> None:
 
 def _good_doc() -> dict[str, Any]:
     model = MatmulBlock()
-    with ctxreplay.capture_with(model, backend="export", replay="off") as s, bf16():
+    # (signature: one mismatch, the hint's; the levels above add their own)
+    with ctxreplay.capture_with(model, backend="export", replay="off",
+                                verify="signature") as s, bf16():
         model(torch.rand(4, 16))
     return finalize_checked(s).to_json()
 

@@ -27,11 +27,18 @@ class Block(nn.Module):
 
 
 def test_the_levels_are_ordered_and_each_checks_what_the_one_below_does() -> None:
-    assert levels.level_names() == ("off", "signature", "execute", "values")
-    assert levels.checked_by("values") == ("signature", "execute", "values")
+    assert levels.level_names() == ("off", "signature", "execute", "sampled", "values")
+    assert levels.checked_by("values") == ("signature", "execute", "sampled", "values")
     assert levels.checked_by("signature") == ("signature",)
     assert levels.at_least("values", "execute") and not levels.at_least("signature", "execute")
-    assert [levels.level(n).executes for n in levels.level_names()] == [False, False, True, True]
+    assert [levels.level(n).executes for n in levels.level_names()] == [
+        False, False, True, True, True]
+    # the default compares values, on a sample chosen before each call runs
+    assert levels.DEFAULT == "sampled" and levels.level("sampled").samples
+    assert not levels.level("values").samples and levels.level("values").retains
+    with ctxreplay.capture_with(Block()) as s:
+        pass
+    assert s.options.verify == "sampled"
     with pytest.raises(ctxreplay.Error, match=r"unknown verification level 'exact'.*'values'"):
         levels.level("exact")
     with pytest.raises(ValueError, match="unknown verification level"):
@@ -69,7 +76,7 @@ def _finalize(model: nn.Module, verify: str) -> ctxreplay.CaptureReport:
 def test_a_new_level_is_one_level_and_one_step(toy_level: list[str]) -> None:
     report = _finalize(Block(), "toy")
     (c,) = report.captures
-    assert c.fidelity.checked == ("signature", "execute", "values", "toy")
+    assert c.fidelity.checked == ("signature", "execute", "sampled", "values", "toy")
     assert report.ok and toy_level == [""]  # the root module is the one member
     assert report.retained is not None  # the toy level retains, as values does
     refusing = Block()
