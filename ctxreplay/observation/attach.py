@@ -342,6 +342,7 @@ class Observation:
         let_go(self._wrappers(), self.left)
         let_go(self.replaced, self.replaced)  # they may still be in another tool's chain
         self.left, self.replaced = [], []
+        self.shared.retention.kepts.clear()  # the copies go with their variants
         for m in self.members:
             m.memo = None
             for table in m.tables.values():

@@ -176,7 +176,10 @@ def _in_thread(fn: Callable[[], Any]) -> Any:
 
 def test_session_created_in_one_thread_used_and_finalized_in_others() -> None:
     model = Net()
-    session = _in_thread(lambda: ctxreplay.capture_with(model, backend="symbolic"))
+    # (signature: a symbolic graph holds no autocast, so the levels that run it
+    # find the bf16 variant needs autocast around it; threads are the point here)
+    session = _in_thread(lambda: ctxreplay.capture_with(model, backend="symbolic",
+                                                        verify="signature"))
 
     def use() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):

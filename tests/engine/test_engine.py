@@ -55,9 +55,11 @@ def test_bf16_matmul_is_captured_in_bf16_after_autocast_exits() -> None:
     assert out_dtypes(c.graph_outputs) == [BF16]
     assert c.fidelity.ok and report.ok
     assert not b.fidelity.ok
-    (m,) = b.fidelity.mismatches
+    (m,) = [m for m in b.fidelity.mismatches if m.level == "signature"]
     assert (m.field, m.live, m.captured) == ("dtype", "bfloat16", "float32")
     assert "autocast" in (m.hint or "")
+    # and the default's value check of the live call finds it too
+    assert any(m.level == "sampled" for m in b.fidelity.mismatches)
 
 
 # -- 2. same shapes, different context: two variants ---------------------------
@@ -312,11 +314,18 @@ def test_kwargs_and_nested_outputs(backend: str) -> None:
     assert c.backend == backend
     assert out_dtypes(c.outputs) == live_dtypes
     assert out_dtypes(c.graph_outputs) == live_dtypes
-    assert c.fidelity.ok
+    if backend == "symbolic":
+        # its graph holds no autocast: the artifact alone does not reproduce
+        # the call (the runs that check it say so), with autocast around it does
+        assert not c.fidelity.ok and c.fidelity.ok_with_needs
+        assert c.ambient_only == ("autocast",)
+    else:
+        assert c.fidelity.ok
     # the baseline: mismatches, located by path in the nested output
     (b,) = finalize_checked(off).captures
     assert out_dtypes(b.graph_outputs) == [F32] * 4
-    assert sorted(m.path for m in b.fidelity.mismatches) == ["out[0]", "out[1]"]
+    assert sorted(m.path for m in b.fidelity.mismatches if m.level == "signature") == [
+        "out[0]", "out[1]"]
 
 
 def test_a_different_kwarg_value_is_a_different_variant() -> None:
