@@ -238,8 +238,8 @@ def test_autocast_carried_only_ambiently_is_reported_and_refused(setup: Setup,
     # artifacts then need autocast re-established wherever they run (they are
     # verified by signature: from a neutral state they could not reproduce)
     autocast, inference = _live()
-    with ctxreplay.capture_with(setup.model, targets="repeated", replay="ambient") as s, \
-            autocast, inference:
+    with ctxreplay.capture_with(setup.model, targets="repeated", replay="ambient",
+                                verify="signature") as s, autocast, inference:
         setup.model(**setup.inputs[0])
     report = s.finalize()
     assert report.ok and all("autocast" in c.ambient_only for c in report.captures)
