@@ -241,6 +241,10 @@ class _Walk:
                         name)
             module = isinstance(obj, nn.Module)
             for k, v in list(d.items()):
+                if module and k == "forward":
+                    # another tool's wrapper set above ctxreplay's runs
+                    # outside the observed forward: from ctxreplay's down
+                    v = _ours_in(v, 4) or v
                 if not (module and k in _MODULE_TABLES):
                     self.push(v, f"{name}.{k}", depth, held=not module)
         for slot in _slots(type(obj)):
@@ -248,6 +252,39 @@ class _Walk:
             self.record("attr", obj, slot, value, f"{name}.{slot}")
             if value is not _ABSENT:
                 self.push(value, f"{name}.{slot}", depth)
+
+
+def _ours_in(value: Any, depth: int) -> Any:
+    """The ctxreplay wrapper in a chain of forwards (bound methods, partials,
+    callable objects, closures) ``depth`` steps deep at most, or ``None``."""
+    if depth <= 0 or value is None:
+        return None
+    if getattr(type(value), "ctxreplay_holder", False):
+        return value
+    if isinstance(value, types.MethodType):
+        inner: list[Any] = [value.__self__]
+    elif isinstance(value, functools.partial):
+        inner = [value.func, *value.args]
+    elif isinstance(value, types.FunctionType):
+        inner = [c.cell_contents for c in value.__closure__ or ()
+                 if not _empty_cell(c)]
+    elif callable(value) and type(getattr(value, "__dict__", None)) is dict:
+        inner = [v for v in vars(value).values() if callable(v)]
+    else:
+        return None
+    for v in inner:
+        found = _ours_in(v, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _empty_cell(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:
+        return True
+    return False
 
 
 def _elements(obj: Any) -> list[Any]:
