@@ -523,7 +523,7 @@ def test_values_catches_a_capture_that_execute_misses_and_reports_its_bytes() ->
     assert not c.fidelity.ok and not reports["values"].ok
     assert [(m.level, m.field) for m in c.fidelity.mismatches] == [("values", "values")]
     # both calls (the first and the last): input (2, 32) and output (2, 32), float32
-    assert reports["values"].retained == {"retain_bytes": 256 << 20,
+    assert reports["values"].retained == {"retain_bytes": 1 << 30,
                                           "retained_bytes": 2 * 2 * (2 * DIM * 4),
                                           "peak_bytes": 2 * 2 * (2 * DIM * 4),
                                           "retained_calls": 2, "not_retained": 0}
@@ -572,7 +572,7 @@ def test_values_catches_a_swapped_member_that_signature_misses(verify: str) -> N
         values = [m for m in c.fidelity.mismatches if m.level == "values"]
         assert values and all(m.members == ("blocks.1",) for m in values)
     # per variant and member, its one call's input and output: (2 + 3) rows
-    assert report.retained == {"retain_bytes": 256 << 20,
+    assert report.retained == {"retain_bytes": 1 << 30,
                                "retained_bytes": 2 * 2 * (2 + 3) * DIM * 4,
                                "peak_bytes": 2 * 2 * (2 + 3) * DIM * 4,
                                "retained_calls": 4, "not_retained": 0}
