@@ -538,7 +538,6 @@ class _RunWatch(TorchFunctionMode):
             raise BookkeepingError.of("reading the weights' storage", exc) from None
         self.kept: dict[tuple[str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
 
-
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -566,7 +565,6 @@ class _RunWatch(TorchFunctionMode):
                 for name, p in self.watched.get(ptr, ()):
                     if (name, ptr) not in self.kept:
                         self.kept[name, ptr] = (name, p, p.detach().clone())
-
 
 
 def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
