@@ -19,6 +19,7 @@ A path is the ``mutation.state_of`` one: the argument (``args[0]``,
 from __future__ import annotations
 
 import ast
+import functools
 from typing import Any
 
 import attrs
@@ -105,24 +106,38 @@ def collect(assigned: Assigned, args: tuple[Any, ...],
     return tuple(read(args, kwargs, p) for p in assigned.tensors)
 
 
-def _step(holder: Any, step: str) -> Any:
-    if step.startswith("."):
-        return getattr(holder, step[1:])
-    return holder[ast.literal_eval(step[1:-1])]
+#: a parsed step: ``(True, attribute name)`` or ``(False, item key)``
+_Step = tuple[bool, Any]
 
 
-def _root(args: tuple[Any, ...], kwargs: dict[str, Any], step: str) -> Any:
-    if step.startswith("args["):
-        return args[int(step[5:-1])]
-    return kwargs[ast.literal_eval(step[7:-1])]
+@functools.lru_cache(maxsize=4096)
+def _parsed(path: Path) -> tuple[bool, Any, tuple[_Step, ...]]:
+    """``(positional, root index or keyword, steps)``: parsed once per path
+    (an installed call writes the same paths on every call)."""
+    root = path[0]
+    steps = tuple((True, s[1:]) if s.startswith(".") else (False, ast.literal_eval(s[1:-1]))
+                  for s in path[1:])
+    if root.startswith("args["):
+        return True, int(root[5:-1]), steps
+    return False, ast.literal_eval(root[7:-1]), steps
+
+
+def _walk(args: tuple[Any, ...], kwargs: dict[str, Any], path: Path) -> tuple[Any, _Step]:
+    """The object holding the last step of ``path``, and that step."""
+    positional, root, steps = _parsed(path)
+    value = args[root] if positional else kwargs[root]
+    for attr, key in steps[:-1]:
+        value = getattr(value, key) if attr else value[key]
+    return value, steps[-1]
 
 
 def read(args: tuple[Any, ...], kwargs: dict[str, Any], path: Path) -> Any:
     """The value at ``path`` of a call's arguments."""
-    value = _root(args, kwargs, path[0])
-    for step in path[1:]:
-        value = _step(value, step)
-    return value
+    if len(path) == 1:
+        positional, root, _ = _parsed(path)
+        return args[root] if positional else kwargs[root]
+    holder, (attr, key) = _walk(args, kwargs, path)
+    return getattr(holder, key) if attr else holder[key]
 
 
 def write(args: tuple[Any, ...], kwargs: dict[str, Any], assigned: Assigned,
@@ -136,12 +151,11 @@ def write(args: tuple[Any, ...], kwargs: dict[str, Any], assigned: Assigned,
 
 
 def _assign(args: tuple[Any, ...], kwargs: dict[str, Any], path: Path, value: Any) -> None:
-    holder = read(args, kwargs, path[:-1])
-    last = path[-1]
-    if last.startswith("."):
-        setattr(holder, last[1:], value)
+    holder, (attr, key) = _walk(args, kwargs, path)
+    if attr:
+        setattr(holder, key, value)
     else:
-        holder[ast.literal_eval(last[1:-1])] = value
+        holder[key] = value
 
 
 def split(raw: Any, assigned: Assigned | None, flatten_out: bool) -> tuple[Any, tuple[Any, ...]]:
