@@ -26,7 +26,7 @@ from ..fidelity.compare import SpecMismatch, compare_specs
 from ..fidelity.levels import at_least, level_names
 from ..fidelity.verify import Fidelity, Mismatch, flat_tensor_spec, neutral_replay
 from ..specs.materialize import inputs_for
-from ..specs.signature import CallSpec, Spec, spec_of
+from ..specs.signature import CallSpec, SeqSpec, Spec, spec_of
 from ..specs.specjson import (
     call_to_json,
     spec_to_json,
@@ -249,7 +249,12 @@ def _run_saved(capture: SavableCapture, module: Any, needs: tuple[str, ...], *,
     except Exception as exc:
         return [SpecMismatch("out", "execution", "ran", type(exc).__name__)]
     assert capture.outputs is not None
-    return list(compare_specs(flat_tensor_spec(capture.outputs), flat_tensor_spec(produced)))
+    flat = flat_tensor_spec(produced)
+    assigned = getattr(capture, "assigned", None)
+    n = 0 if assigned is None else len(assigned.tensors)
+    if n and isinstance(flat, SeqSpec):  # what the forward assigns, returned last
+        flat = SeqSpec(flat.kind, flat.items[:-n])
+    return list(compare_specs(flat_tensor_spec(capture.outputs), flat))
 
 
 def _folding_json(capture: SavableCapture) -> Any:
@@ -264,7 +269,7 @@ def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
     ``environment`` are written where the capture has them."""
     leaves = [[p, spec_to_json(s)] for p, s in capture.signature.leaves()]
     members = getattr(capture, "members", ())
-    return {
+    doc = {
         "schema": SIDECAR_SCHEMA,
         "artifact": artifact.name,
         "format": artifact_format,
@@ -295,3 +300,8 @@ def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
         "fidelity": capture.fidelity.to_json(),
         "saved_fidelity": fidelity.to_json(),
     }
+    assigned = getattr(capture, "assigned", None)
+    if assigned is not None:  # what the program returns after its outputs (written when
+        # present only: a reader that predates it refuses the key, and so the file)
+        doc["assigned"] = assigned.to_json()
+    return doc

@@ -158,11 +158,19 @@ class ArtifactSidecar:
 
     def check(self, outputs: Any) -> tuple[Mismatch, ...]:
         """Differences between ``outputs`` (of the loaded program) and the live
-        call's outputs, leaf by leaf; empty when they agree."""
+        call's outputs, leaf by leaf; empty when they agree.  A program that
+        returns what its forward assigns to argument objects (``assigned``
+        in the document) returns those tensors last: they are left out."""
         if self.outputs is None:
             return ()
         live = SeqSpec(list, tuple(self.outputs))
-        found = compare_specs(live, flat_tensor_spec(spec_of(outputs)))
+        produced = flat_tensor_spec(spec_of(outputs))
+        assigned = self.document.get("assigned")
+        paths = assigned.get("tensors") if isinstance(assigned, Mapping) else None
+        n = len(paths) if isinstance(paths, list) else 0
+        if n and isinstance(produced, SeqSpec):
+            produced = SeqSpec(produced.kind, produced.items[:-n])
+        found = compare_specs(live, produced)
         return tuple(Mismatch.of(m, "saved", None) for m in found)
 
 
@@ -179,10 +187,11 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "
                  "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
                  "environment", "members", "weights_from", "identities", "ignore_attributes",
-                 "format", "calls", "checked", "dynamic"}
+                 "format", "calls", "checked", "dynamic", "assigned"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
                              "environment", "members", "weights_from", "identities",
-                             "ignore_attributes", "format", "calls", "checked", "dynamic"}
+                             "ignore_attributes", "format", "calls", "checked", "dynamic",
+                             "assigned"}
 
 
 def load_sidecar(path: str | os.PathLike[str],

@@ -220,6 +220,11 @@ def fill_record(cache: CaptureCache, key: str, capture: Capture, request: Varian
         return "collective", "its graph holds collectives, checked with the other ranks"
     if capture.artifact is None:
         return "no_artifact", "it holds no artifact"
+    if capture.assigned is not None:
+        # the record keeps no assignment paths: loaded back, the program's
+        # extra outputs would read as outputs of the call
+        return "not_serialisable", ("its program returns what its forward assigns to "
+                                    "argument objects, which the cache's record does not keep")
     fmt, _ = format_for(capture.artifact)
     if fmt is None:
         return "no_format", f"no artifact format keeps a {type(capture.artifact).__name__}"

@@ -38,6 +38,7 @@ from ..fidelity.verify import (
 )
 from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
+from .assigned import Assigned, read, split
 from .hookfree import user_hooks
 from .isolate import BookkeepingError, isolated, rng_guard
 from .mutation import ARGUMENT_FIELD, Watch
@@ -68,7 +69,8 @@ class Checker:
                  artifact: Any, traced: nn.Module, graph_outputs: Spec | None, *,
                  binding: str, flatten_out: bool, carried: tuple[str, ...],
                  baseline: tuple[ContextProbe[Any], ...],
-                 ambient_only: tuple[str, ...] = ()) -> None:
+                 ambient_only: tuple[str, ...] = (),
+                 assigned: Assigned | None = None) -> None:
         self.request, self.options = request, options
         self.backend, self.artifact, self.traced = backend, artifact, traced
         self.graph_outputs, self.carried, self.baseline = graph_outputs, carried, baseline
@@ -76,6 +78,11 @@ class Checker:
         self.applied = () if options.replay == "off" else request.snapshot.names
         self.hint = hint_for(request.snapshot, carried)
         self.ambient_only = ambient_only
+        #: what the forward assigns to its argument objects: the program
+        #: returns the tensors after its outputs
+        self.assigned = assigned
+        #: the values the member's last reference run left at those paths
+        self._left: list[Any] = []
         self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
         self.by_value = 0  # live calls run and compared by value in this pass
         #: what the reference runs changed in their arguments
@@ -215,7 +222,8 @@ class Checker:
                                   None, name)]
             ran = _clone(leaves)  # the inputs the artifact updates in place, if it does
             try:
-                produced = self._call(program, ran)
+                produced, made = split(self._call(program, ran), self.assigned,
+                                       self.flatten_out)
                 by_program = self.wrote
             except AssertionError as exc:
                 if not str(exc).startswith("Guard failed"):
@@ -252,7 +260,33 @@ class Checker:
             return [_mismatch("execution", "reference run",
                               "FakeTensor left by trace", "execute", None, name)]
         return compare_values(reference, produced, "execute", hint=self.hint, member=name) + \
-            self._updates(updated, ran, name) + _weight_writes(self.wrote, by_program, name)
+            self._updates(updated, ran, name) + self._assignments(made, name) + \
+            _weight_writes(self.wrote, by_program, name)
+
+    def _assignments(self, made: tuple[Any, ...], name: str | None) -> list[Mismatch]:
+        """The tensors the program returns for the forward's assignments
+        against those the member's reference run assigned (and the
+        constants it set), path by path."""
+        if self.assigned is None:
+            return []
+        found: list[Mismatch] = []
+        left = iter(self._left)
+        for path, value in self.assigned.constants:
+            got = next(left, None)
+            if got != value:
+                found.append(_mismatch(ARGUMENT_FIELD, f"{''.join(path)} = {got!r}",
+                                       f"{value!r}", "execute", None, name))
+        for path, tensor in zip(self.assigned.tensors, made):
+            live = next(left, None)
+            if not isinstance(live, torch.Tensor):
+                found.append(_mismatch(ARGUMENT_FIELD, f"{''.join(path)}: "
+                                       f"{type(live).__name__}", "Tensor", "execute", None,
+                                       name))
+                continue
+            found += [attrs.evolve(m, path="".join(path))
+                      for m in compare_values((live,), (tensor,), "execute", hint=self.hint,
+                                              member=name)]
+        return found
 
     def watch_arguments(self, modules: Mapping[str, nn.Module]) -> list[Mismatch]:
         """One run of the traced member's forward on fresh inputs, its
@@ -311,7 +345,8 @@ class Checker:
                 if program is None:
                     return []  # reported by the execute check
                 try:
-                    produced = self._call(program, _clone(leaves))
+                    produced, _ = split(self._call(program, _clone(leaves)), self.assigned,
+                                        self.flatten_out)
                 except BookkeepingError:
                     raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
                 except AssertionError as exc:
@@ -351,13 +386,26 @@ class Checker:
             args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=_clone(leaves))
             with rng_guard(weights=program), \
                     neutral_replay(self.request.snapshot, self.baseline, full=True):
-                again = program(*args, **kwargs)
+                again, _ = split(program(*args, **kwargs), self.assigned, self.flatten_out)
             replayed_differs = bool(compare_values(live, again, "values"))
         except Exception:  # cannot run that way: say what is known
             replayed_differs = True
         if replayed_differs or self.hint is None:
             return UNOBSERVED_HINT
         return self.hint
+
+    def _left_at(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The constants, then the tensors, a run left at the assigned paths."""
+        if self.assigned is None:
+            return []
+        paths = [p for p, _ in self.assigned.constants] + list(self.assigned.tensors)
+        out: list[Any] = []
+        for path in paths:
+            try:
+                out.append(read(args, kwargs, path))
+            except Exception:  # the run left no such path: compared as missing
+                out.append(None)
+        return out
 
     @contextmanager
     def _isolated(self, module: nn.Module) -> Iterator[nn.Module]:
@@ -391,6 +439,7 @@ class Checker:
             # around it (``isolate.forward_alone``), those of its
             # submodules inside it
             out = self.watch.call(view.forward, args, kwargs)
+        self._left = self._left_at(args, kwargs)
         return tuple(tensor_values(out)) if self.flatten_out else out
 
 

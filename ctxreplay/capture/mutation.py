@@ -154,9 +154,11 @@ def _words(before: Token | None, after: Token | None, step: str) -> str:
     return f"assigned (new {after[1]})"
 
 
-def changes(before: dict[Path, Token], after: dict[Path, Token]) -> list[Mutation]:
+def changes(before: dict[Path, Token], after: dict[Path, Token],
+            limit: int | None = _MAX_REPORTED) -> list[Mutation]:
     """What differs between two walks of the same arguments, shallowest
-    first: a change below a changed path is part of that change."""
+    first (the first ``limit``; ``None``: all): a change below a changed
+    path is part of that change."""
     found: list[Mutation] = []
     changed: set[Path] = set()
     order = list(before) + [p for p in after if p not in before]
@@ -168,7 +170,7 @@ def changes(before: dict[Path, Token], after: dict[Path, Token]) -> list[Mutatio
         root = before.get(path[:1]) or after.get(path[:1])
         where = (root[1] if root else path[0]) + "".join(path[1:])
         found.append(Mutation("".join(path), where, _words(b, a, path[-1])))
-        if len(found) >= _MAX_REPORTED:
+        if limit is not None and len(found) >= limit:
             break
     return found
 
@@ -223,7 +225,9 @@ class Watch:
         ``state_of`` walk, whose objects the caller kept alive)."""
         self.runs += 1
         after, _ = state_of(args, kwargs)
-        for m in changes(before, after):
+        # all of them: a program may make some (``assigned``), and a change
+        # past the first few must still be seen
+        for m in changes(before, after, limit=None):
             if m not in self.found:
                 self.found.append(m)
 

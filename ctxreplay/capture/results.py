@@ -24,6 +24,7 @@ from ..specs.dims import Folding
 from ..specs.materialize import BINDINGS
 from ..specs.signature import CallSpec, Spec
 from ..specs.specjson import call_to_json, spec_to_json
+from .assigned import Assigned
 
 __all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure", "Deferred",
            "Notice", "Problem"]
@@ -157,6 +158,10 @@ class Capture:
     from_cache: bool = False
     """It came from the capture cache (``capture_with(..., cache=...)``):
     loaded instead of traced, and checked at the session's verify level."""
+    assigned: Assigned | None = None
+    """What its forward assigns to its argument objects (a ``DynamicCache``
+    layer's new ``keys``), which the program returns after its outputs and
+    ``install`` writes to the live call's objects; ``None``: nothing."""
     not_cached: str = ""
     """Why the capture cache could not keep it, a code of
     ``cache.use.NOT_STORED_REASONS`` (its program could not be serialised:
@@ -281,6 +286,7 @@ class Capture:
             "fingerprint": self.fingerprint,
             "seconds": round(self.seconds, 6),
             "from_cache": self.from_cache,
+            "assigned": None if self.assigned is None else self.assigned.to_json(),
             "inputs": call_to_json(self.signature),
             "outputs": None if self.outputs is None else spec_to_json(self.outputs),
             "graph_outputs": None if self.graph_outputs is None

@@ -22,6 +22,7 @@ import attrs
 import torch
 from torch import nn
 
+from .._base.torchcaps import dynamo_compiling
 from ..backends import (
     AutoBackend,
     Backend,
@@ -48,6 +49,7 @@ from ..specs.materialize import inputs_for, materialize_leaves
 from ..specs.signature import (
     CallSpec,
     ConstSpec,
+    SeqSpec,
     Spec,
     TensorSpec,
     call_tensors,
@@ -56,9 +58,10 @@ from ..specs.signature import (
     tensor_values,
 )
 from ..specs.specjson import call_to_json
+from .assigned import Assigned, assigned_by, collect, joined_result
 from .checker import Checker
 from .isolate import HookedWeights, forward_alone, forward_wrapped, isolated, rng_guard
-from .mutation import ARGUMENT_FIELD, Watch, watched, with_mutations
+from .mutation import ARGUMENT_FIELD, Mutation, Watch, state_of, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .reads import Reads, recorded
 from .restore import restore_state
@@ -140,6 +143,12 @@ class _Plan:
     reads: Reads | None = None
     #: told as each member's check of a request starts (progress)
     tick: Tick | None = None
+    #: what the traced forward assigned to its argument objects, returned
+    #: beside its outputs (set by the last trace of a flattened call)
+    assigned: list[Assigned] = attrs.field(factory=list)
+
+    def covered(self) -> Assigned | None:
+        return self.assigned[-1] if self.assigned else None
 
     @classmethod
     def make(cls, request: VariantRequest, options: CaptureOptions,
@@ -248,7 +257,8 @@ def _capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],
         def checker_for(other: VariantRequest, outputs: Spec | None = None) -> Checker:
             return Checker(other, check_options, real, artifact, view, outputs,
                            binding=plan.binding, flatten_out=plan.flatten_out,
-                           carried=carried, baseline=baseline, ambient_only=ambient_only)
+                           carried=carried, baseline=baseline, ambient_only=ambient_only,
+                           assigned=plan.covered())
 
         together = not alone and level(options.verify).executes
         fidelity = _checked(checker_for(request, graph_outputs), plan, modules, fail,
@@ -360,6 +370,7 @@ def _record(request: VariantRequest, options: CaptureOptions, plan: _Plan, real:
         op_args=op_args, identities=tuple((m.name, request.identity) for m in request.members
                                           if request.identity),
         ignore_attributes=options.ignore_attributes, from_cache=from_cache,
+        assigned=plan.covered(),
     )
 
 
@@ -381,7 +392,8 @@ def _checked(checker: Checker, plan: _Plan, modules: Mapping[str, nn.Module],
     if unwatched:
         fidelity = attrs.evolve(fidelity, ok=False, ok_with_needs=None,
                                 mismatches=(*fidelity.mismatches, *unwatched))
-    fidelity = with_mutations(fidelity, [*plan.watch.found, *checker.watch.found])
+    fidelity = with_mutations(fidelity, _uncovered([*plan.watch.found, *checker.watch.found],
+                                                   plan.covered()))
     if after is not None:
         try:
             after(artifact, checker_for, modules)
@@ -565,7 +577,7 @@ def _bind(request: VariantRequest, plan: _Plan, view: nn.Module
     if plan.binding == "native":
         args, kwargs = inputs_for(request.inputs, "native")
         return view, args, kwargs
-    target = _Flattened(view, request.inputs, plan.inside, plan.flatten_out)
+    target = _Flattened(view, request.inputs, plan.inside, plan.flatten_out, plan.assigned)
     return target, materialize_leaves(request.inputs), {}
 
 
@@ -641,6 +653,7 @@ def _resolve(raw: Any, plan: _Plan, options: CaptureOptions, args: tuple[Any, ..
             spec = real.output_spec(artifact, args, kwargs)
         if plan.dims and spec is not None:  # at the sizes it was traced at
             spec = concrete(spec)
+        spec = _without_assigned(spec, plan.covered())
     except _ArtifactFault:
         raise
     except Exception as exc:
@@ -753,23 +766,42 @@ class _Flattened(nn.Module):
 
     def __init__(self, inner: nn.Module, inputs: CallSpec,
                  inside: Callable[[], AbstractContextManager[Any]] | None,
-                 flatten_out: bool) -> None:
+                 flatten_out: bool, assigned: list[Assigned] | None = None) -> None:
         super().__init__()
         self.inner = inner
         self._inputs = inputs
         self._inside = inside
         self._flatten_out = flatten_out
+        self._assigned = assigned
 
     def forward(self, *leaves: torch.Tensor) -> Any:
         args, kwargs = inputs_for(self._inputs, "native", leaves=leaves)
+        # a non-strict trace runs this Python: the walk sees what the
+        # forward assigns to the rebuilt argument objects (Dynamo would
+        # graph-break on it, and then the watch reports the changes)
+        walk = self._assigned is not None and not dynamo_compiling()
+        before, held = state_of(args, kwargs) if walk else ({}, [])
         if self._inside is None:  # no context object at all: any Dynamo traces this
             out = self.inner(*args, **kwargs)
         else:
             with self._inside():
                 out = self.inner(*args, **kwargs)
         if self._flatten_out:
-            return tuple(tensor_values(out))
-        return out
+            out = tuple(tensor_values(out))
+        if not walk or self._assigned is None:
+            return out
+        found = assigned_by(args, kwargs, before)
+        del held
+        tensors = () if found is None else collect(found, args, kwargs)
+        # a tensor assigned that is also an output or an input (``state.last
+        # = y; return y``) is one object eagerly, two once the program returns
+        # it twice: left to the watch, which reports it
+        shared = {id(t) for t in (*leaves, *tensor_values(out))}
+        if found is None or any(id(t) in shared for t in tensors):
+            self._assigned[:] = []
+            return out
+        self._assigned[:] = [found]
+        return joined_result(out, tensors, self._flatten_out)
 
 
 def _const_paths(inputs: CallSpec) -> Iterator[tuple[str, Spec]]:
@@ -792,3 +824,21 @@ def _fingerprint(ops: tuple[tuple[str, str | None], ...], inputs: CallSpec,
     doc = {"ops": [list(o) for o in ops], "inputs": call_to_json(inputs),
            "snapshot": snapshot_json, "backend": backend, "graph": graph}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _without_assigned(spec: Spec | None, assigned: Assigned | None) -> Spec | None:
+    """The graph's output spec less the assigned tensors it returns last."""
+    n = 0 if assigned is None else len(assigned.tensors)
+    if not n or not isinstance(spec, SeqSpec):
+        return spec
+    return SeqSpec(spec.kind, spec.items[:-n])
+
+
+def _uncovered(found: list[Mutation], assigned: Assigned | None) -> list[Mutation]:
+    """The argument changes the program does not make: those at the paths
+    it assigns are its outputs (the checks compared their values with the
+    member's own assignments)."""
+    if assigned is None:
+        return found
+    paths = assigned.paths()
+    return [m for m in found if m.field != ARGUMENT_FIELD or m.path not in paths]

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..artifacts.formats import get_format
 from ..artifacts.saving import collector_paused
+from ..capture.assigned import Assigned, split, write
 from ..capture.mutation import ARGUMENT_FIELD
 from ..capture.offload import Held, weight_hooks
 from ..capture.results import Capture
@@ -88,6 +89,9 @@ class Entry:
     #: document does not rebuild it (an object argument, a string constant)
     #: but keys every part of it (``LoadedCapture.call_document``)
     document: Any = None
+    #: what the forward assigns to its argument objects: the program
+    #: returns the tensors after its outputs, and a call writes them back
+    assigned: Assigned | None = None
 
     @property
     def comparable(self) -> bool:
@@ -161,7 +165,8 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
         unusable = "mutates_argument"
     return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
                   flatten_out, snap, unusable, dict(source.identities),
-                  tuple(source.ignore_attributes), document=document, folding=source.folding)
+                  tuple(source.ignore_attributes), document=document, folding=source.folding,
+                  assigned=None if isinstance(source, LoadedCapture) else source.assigned)
 
 
 def _program_here(source: Capture, model: nn.Module | None) -> tuple[Any, str | None]:
@@ -443,6 +448,7 @@ class Target:
                 return UNFIT
             return self._run_module(args, kwargs)
         e = self.entry
+        call = args
         if kwargs or len(args) != self.direct:
             if e.binding != "flattened":
                 args = tuple(flat.leaves(args, kwargs))
@@ -454,6 +460,10 @@ class Target:
             if e.folding is not None and str(exc).startswith("Guard failed"):
                 return REFUSED
             raise
+        if e.assigned is not None:
+            out = _written(e, flat.rebuild(out) if not e.flatten_out else out, call, kwargs)
+            if not e.flatten_out:
+                return out
         if e.flatten_out:
             it = iter(out)
             assert e.outputs is not None
@@ -490,8 +500,20 @@ class Target:
             self.programs.compile_failed(e, self.name)
             self.failed = True
             return None
+        if e.assigned is not None:
+            out = _written(e, out, args, kwargs)
         if e.flatten_out:
             it = iter(out)
             assert e.outputs is not None
             return build(e.outputs, lambda _s: next(it))
         return out
+
+
+def _written(e: Entry, raw: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The program's outputs, the tensors it returns after them assigned
+    (with the constants) to the live call's argument objects, as the eager
+    forward assigns them."""
+    assert e.assigned is not None
+    out, tensors = split(raw, e.assigned, e.flatten_out)
+    write(args, kwargs, e.assigned, tensors)
+    return out

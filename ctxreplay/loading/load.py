@@ -248,8 +248,14 @@ class LoadedCapture:
         attribute names: ``DynamicCache.layers[0].keys: assigned (new Tensor)``)."""
         fid = self.sidecar.document.get("fidelity")
         found = fid.get("mismatches") if isinstance(fid, Mapping) else None
-        return [str(m.get("live")) for m in (found if isinstance(found, list) else ())
-                if isinstance(m, Mapping) and m.get("field") == ARGUMENT_FIELD]
+        out = [str(m.get("live")) for m in (found if isinstance(found, list) else ())
+               if isinstance(m, Mapping) and m.get("field") == ARGUMENT_FIELD]
+        # a program that returns the forward's assignments to argument
+        # objects after its outputs: a loaded capture does not write them back
+        assigned = self.sidecar.document.get("assigned")
+        paths = assigned.get("named") if isinstance(assigned, Mapping) else None
+        return out + [f"{p}: assigned (new Tensor), a program output a loaded capture does "
+                      "not write back" for p in (paths if isinstance(paths, list) else ())]
 
     def _outputs_unbuilt(self) -> str | None:
         """Why the outputs a flattened program returns cannot be put back

@@ -71,6 +71,29 @@ class CaptureReport:
             all(c.fidelity.ok for c in self.captures)
 
     @property
+    def summary(self) -> str:
+        """One line: ``ok``, or why not -- the captures that do not reproduce
+        their calls (the first mismatch named), the failures and the
+        problems, counted."""
+        if self.ok:
+            return f"ok: {len(self.captures)} captures"
+        parts = []
+        bad = [c for c in self.captures if not c.fidelity.ok]
+        if bad:
+            first = next((f"{c.scope}#{c.variant}: {m.path} {m.field}: {m.live}"
+                          for c in bad for m in c.fidelity.mismatches),
+                         f"{bad[0].scope}#{bad[0].variant}")
+            parts.append(f"{len(bad)} of {len(self.captures)} captures do not reproduce "
+                         f"their calls (first: {first})")
+        if self.failures:
+            f = self.failures[0]
+            parts.append(f"{len(self.failures)} variants not captured (first: "
+                         f"{f.scope}#{f.variant}: {f.reason})")
+        if self.problems:
+            parts.append(f"{len(self.problems)} problems (first: {self.problems[0].reason})")
+        return "not ok: " + "; ".join(parts)
+
+    @property
     def explanations(self) -> dict[tuple[str, int], CaptureExplanation]:
         """``(scope, variant)`` -> probe effects, once computed."""
         return dict(self._explanations)

@@ -37,6 +37,16 @@ def llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def mistral() -> nn.Module:
+    transformers = _transformers()
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=None)
+    return transformers.MistralForCausalLM(config).eval()
+
+
 def gpt2() -> nn.Module:
     transformers = _transformers()
     torch.manual_seed(0)

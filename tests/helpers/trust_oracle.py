@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import ctxreplay
+from ctxreplay.capture.assigned import write
 from ctxreplay.core.registry import resolve_probes
 from ctxreplay.specs.signature import tensor_values
 
@@ -252,7 +253,15 @@ def _run(capture: ctxreplay.Capture, call: Call, *, check_shapes: bool, ambient:
             if check_shapes:
                 assert takes(capture, leaves)
             out = gm(*leaves)
-    return tuple(tensor_values(out)), (args, kwargs)
+    values = tuple(tensor_values(out))
+    # a program returns what its forward assigns to argument objects last;
+    # assigned to the inputs' objects, as an installed call does
+    n = 0 if capture.assigned is None else len(capture.assigned.tensors)
+    if n:
+        assert capture.assigned is not None
+        write(args, kwargs, capture.assigned, values[-n:])
+        values = values[:-n]
+    return values, (args, kwargs)
 
 
 def differs(live: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> str | None:
