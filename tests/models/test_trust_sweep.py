@@ -422,10 +422,21 @@ def test_the_sweep_catches_a_report_ok_over_calls_no_capture_claims() -> None:
 
 
 def test_the_sweep_catches_a_graph_that_does_not_update_a_cache_it_was_given() -> None:
-    # a dynamic cache grows by Python list appends no graph op reproduces:
-    # whatever the engine says about these captures, the state the live calls
-    # left in their cache is not what a run of the artifact leaves
+    # a dynamic cache grows by assigning each layer new key and value tensors,
+    # which a capture now returns as extra outputs (``Capture.assigned``) and
+    # the oracle writes back as install does.  Without that write-back -- the
+    # captures forged to carry no assignments, and ok -- the state the live
+    # calls left in their cache is not what a run of the artifact leaves
     report, calls = run_case(Case(real_models.qwen2, lm_decode("fp32_no_grad", "dynamic"),
                                   verify="signature"))
-    found = false_oks(_forged_ok(report), calls)
-    assert any("its arguments after the call" in f for f in found), found
+    assert all(c.assigned is not None for c in report.captures)
+    assert not false_oks(report, calls)  # with the write-back: no false OK
+    forged = _forged_ok(report)
+    forged = attrs.evolve(forged, captures=tuple(attrs.evolve(c, assigned=None)
+                                                 for c in forged.captures))
+    found = false_oks(forged, calls)
+    # every forged capture is caught: its program's outputs hold the new
+    # cache tensors, which nothing writes back into the live call's cache
+    caught = {f.split(" ")[0] for f in found if "reproduces 0 of" in f}
+    assert caught == {f"{c.scope}#{c.variant}" for c in report.captures}, found
+    assert sum(f.startswith("report ok but call") for f in found) == len(calls), found
