@@ -117,17 +117,20 @@ def _qwen2(layers: int) -> nn.Module:
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning",
-                            "ignore::DeprecationWarning")
-@pytest.mark.parametrize("layers", [2, 8])
-def test_static_cache_generate_beside_eager(benchmark: Any, threads: None, layers: int,
-                                            request: pytest.FixtureRequest) -> None:
+def _generate_beside_eager(benchmark: Any, request: pytest.FixtureRequest, layers: int,
+                           cache: str | None, max_variants: Callable[[int], int]
+                           ) -> tuple[ctxreplay.CaptureReport, dict[str, float], int]:
+    """A tiny Qwen2's greedy ``generate()``, captured and installed
+    (``object_args="dispatch"``) beside an eager copy: tokens identical and
+    every layer call of the prefill and each decode step dispatched; the
+    report, the interleaved medians and the new tokens' count."""
     eager = _qwen2(layers)
     installed = copy.deepcopy(eager)
     new = 8 if fast(request.config) else 32
     prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
-    options = {"max_new_tokens": new, "do_sample": False, "pad_token_id": 0,
-               "cache_implementation": "static"}
+    options: dict[str, Any] = {"max_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+    if cache is not None:
+        options["cache_implementation"] = cache
 
     def generate(model: nn.Module) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
@@ -136,18 +139,14 @@ def test_static_cache_generate_beside_eager(benchmark: Any, threads: None, layer
             return out
         return run
 
-    # a decoder layer's identity holds its index: each layer is its own
-    # variant, for the prefill and for the decode steps
     with ctxreplay.capture_with(installed, targets="repeated",
-                                max_variants=4 * layers) as session:
+                                max_variants=max_variants(new)) as session:
         generate(installed)()
     captured = session.finalize()
     with ctxreplay.install(installed, captured, object_args="dispatch") as handle:
         want, got = generate(eager)(), generate(installed)()
         assert torch.equal(got, want)
         stats = handle.stats()
-        # the decode steps update the cache in place; the prefill's program
-        # returns the tensors the cache's lazy set-up assigns: all dispatched
         assert stats.total_hits == layers * new, stats
         assert stats.reasons == {}, stats.reasons
         assert stats.unflattened == {}, stats.unflattened
@@ -156,56 +155,45 @@ def test_static_cache_generate_beside_eager(benchmark: Any, threads: None, layer
             interleaved_medians,
             args=({"eager": generate(eager), "installed": generate(installed)},),
             kwargs={"number": 1, "rounds": rounds}, rounds=1, iterations=1)
+    return captured, med, new
+
+
+def _report_tokens(benchmark: Any, what: str, target: str, med: dict[str, float],
+                   new: int) -> None:
     ratio = med["eager"] / med["installed"]  # tokens per second, installed over eager
     benchmark.extra_info["tokens_per_second_ratio"] = ratio
-    report(f"static-cache generate(), {layers} layers, tokens/s installed / eager", ratio,
-           ">= 0.95x" if layers == 2 else "reported",
+    report(f"{what}, tokens/s installed / eager", ratio, target,
            f"{new} new tokens: eager {new / med['eager']:.0f} tok/s, installed "
            f"{new / med['installed']:.0f} tok/s")
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning",
                             "ignore::DeprecationWarning")
+@pytest.mark.parametrize("layers", [2, 8])
+def test_static_cache_generate_beside_eager(benchmark: Any, threads: None, layers: int,
+                                            request: pytest.FixtureRequest) -> None:
+    # a decoder layer's identity holds its index: each layer is its own
+    # variant, for the prefill and for the decode steps.  The decode steps
+    # update the cache in place; the prefill's program returns the tensors
+    # the cache's lazy set-up assigns: all dispatched
+    _, med, new = _generate_beside_eager(benchmark, request, layers, "static",
+                                         lambda _new: 4 * layers)
+    _report_tokens(benchmark, f"static-cache generate(), {layers} layers",
+                   ">= 0.95x" if layers == 2 else "reported", med, new)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning",
+                            "ignore::DeprecationWarning")
 def test_dynamic_cache_generate_beside_eager(benchmark: Any, threads: None,
                                              request: pytest.FixtureRequest) -> None:
+    # the default DynamicCache: each layer, each cache length its own variant;
+    # prefill and every decode step have the program's assignments written back
     layers = 2
-    eager = _qwen2(layers)
-    installed = copy.deepcopy(eager)
-    new = 8 if fast(request.config) else 32
-    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
-    options = {"max_new_tokens": new, "do_sample": False, "pad_token_id": 0}
-
-    def generate(model: nn.Module) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            with torch.inference_mode():
-                out: torch.Tensor = model.generate(prompt, **options)
-            return out
-        return run
-
-    # the default DynamicCache: each layer, each cache length its own variant
-    with ctxreplay.capture_with(installed, targets="repeated",
-                                max_variants=2 * new * layers) as session:
-        generate(installed)()
-    captured = session.finalize()
+    captured, med, new = _generate_beside_eager(benchmark, request, layers, None,
+                                                lambda n: 2 * n * layers)
     assert captured.ok, captured.problems
-    with ctxreplay.install(installed, captured, object_args="dispatch") as handle:
-        want, got = generate(eager)(), generate(installed)()
-        assert torch.equal(got, want)
-        stats = handle.stats()
-        # prefill and every decode step: the program's assignments written back
-        assert stats.total_hits == layers * new, stats
-        assert stats.reasons == {}, stats.reasons
-        assert stats.unflattened == {}, stats.unflattened
-        rounds = 3 if fast(request.config) else 31
-        med = benchmark.pedantic(
-            interleaved_medians,
-            args=({"eager": generate(eager), "installed": generate(installed)},),
-            kwargs={"number": 1, "rounds": rounds}, rounds=1, iterations=1)
-    ratio = med["eager"] / med["installed"]  # tokens per second, installed over eager
-    benchmark.extra_info["tokens_per_second_ratio"] = ratio
-    report(f"DynamicCache generate(), {layers} layers, tokens/s installed / eager", ratio,
-           ">= 0.95x", f"{new} new tokens: eager {new / med['eager']:.0f} tok/s, installed "
-           f"{new / med['installed']:.0f} tok/s")
+    _report_tokens(benchmark, f"DynamicCache generate(), {layers} layers", ">= 0.95x",
+                   med, new)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
