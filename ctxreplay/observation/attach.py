@@ -345,10 +345,12 @@ class Observation:
         self.shared.retention.kepts.clear()  # the copies go with their variants
         for m in self.members:
             m.memo = None
+            m.scope.pools.clear()  # (a pool holds its members, and their modules)
             for table in m.tables.values():
                 for mv in table.values():
                     mv.retained = None
                     mv.retained_inputs = None
+                    mv.pool = None
 
 
 def _successor(old: _Member) -> _Member:

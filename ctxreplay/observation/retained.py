@@ -6,12 +6,17 @@ returns), within one byte budget for the session.
 Two policies:
 
 * ``verify="sampled"`` (the default) decides *before* a call runs whether it
-  is sampled (``Schedule``: reservoir sampling with skips, Li's "Algorithm
-  L"): the first ``SAMPLED`` later calls, then ever rarer ones, each
-  replacing a random slot, so the slots stay a uniform sample of the calls
-  after the first.  The others stay on the observation's fast path: a
-  session of n calls per member copies about ``SAMPLED * (1 + ln(n /
-  SAMPLED))`` of them.
+  is sampled, so the others stay on the observation's fast path.  Each
+  member's first ``SAMPLED`` calls after its first are sampled (a forward
+  that alternates computing and reusing shows there), and then a reservoir
+  of ``SAMPLED`` calls *per variant*, shared by the members of the variant
+  (``Pool``): reservoir sampling with skips (``Schedule``, Li's "Algorithm
+  L") over rounds of the variant's calls, each sample taken from a member
+  picked at random and replacing a random slot, so the slots stay a uniform
+  sample of the later calls of every member.  A session of n calls per
+  member copies about ``SAMPLED * (1 + ln(n / SAMPLED))`` of them per
+  variant, however many members share it (a stack of identical blocks is
+  one variant: per member, the copies would grow with the stack).
 * ``verify="values"`` copies every call once (it is the newest "last" until
   the next call) and keeps the first, the last and up to ``BETWEEN`` sampled
   uniformly from those in between.
@@ -37,12 +42,13 @@ import torch
 from ..capture.options import RetainedCall
 from ..specs.signature import call_tensors, tensor_values
 
-__all__ = ["BETWEEN", "SAMPLED", "Kept", "Retention", "Schedule"]
+__all__ = ["BETWEEN", "SAMPLED", "Kept", "Pool", "Retention", "Schedule"]
 
 #: calls sampled between a variant's first and last call, per member
 #: (``verify="values"``)
 BETWEEN = 6
-#: calls after the first sampled per member and variant (``verify="sampled"``)
+#: calls after the first sampled per member and variant, and the slots of
+#: each variant's reservoir (``verify="sampled"``)
 SAMPLED = 4
 
 
@@ -100,6 +106,54 @@ class Schedule:
         return max(0, self.due - n)
 
 
+class Pool:
+    """The reservoir of one variant's later calls under ``verify="sampled"``,
+    shared by its members (under the session lock).  ``schedule`` counts in
+    rounds of the variant (a member's own call index: the members of a stack
+    are called in turn); ``owner`` is the member whose call is due next, so
+    only its memo stops for it (the others' run on); ``slots`` are the
+    sampled calls kept, each in its member's ``Kept``."""
+
+    __slots__ = ("members", "owner", "schedule", "slots")
+
+    def __init__(self, rng: random.Random) -> None:
+        self.schedule = Schedule()
+        # rounds up to SAMPLED are every member's early samples
+        self.schedule.advance(SAMPLED, rng)
+        self.members: list[Any] = []
+        self.owner: Any = None
+        self.slots: list[tuple[Kept, RetainedCall]] = []
+
+    def join(self, member: Any) -> None:
+        """``member`` completed a call of the variant: a candidate owner."""
+        self.members.append(member)
+        if self.owner is None:
+            self.owner = member
+
+    def hits(self, member: Any, n: int) -> int | None:
+        """Calls of ``member`` from its index ``n`` on that are not due
+        (``None``: none is)."""
+        if n <= SAMPLED:
+            return 0
+        return self.schedule.hits(n) if member is self.owner else None
+
+    def due(self, member: Any, n: int) -> bool:
+        """Whether call ``n`` of ``member`` is to be sampled."""
+        return n <= SAMPLED or (member is self.owner and n >= self.schedule.due)
+
+    def evict(self, rng: random.Random) -> int:
+        """Make room for a sample in a full reservoir: a random slot given
+        up; its bytes (0 where it was already given up for the budget)."""
+        if len(self.slots) < SAMPLED:
+            return 0
+        kept, call = self.slots.pop(rng.randrange(len(self.slots)))
+        for i, c in enumerate(kept.between):
+            if c is call:
+                del kept.between[i]
+                return call.nbytes
+        return 0
+
+
 class Retention:
     """The session's byte budget for retained copies (``limit`` ``None``:
     values are not retained); ``held`` bytes are held now, ``peak`` at
@@ -136,25 +190,31 @@ class Retention:
         self.kepts.append(kept)
         return kept
 
-    def advance(self, schedule: Schedule, n: int) -> None:
-        """Call ``n`` of ``schedule``'s member variant is sampled: its next due."""
+    def advance(self, pool: Pool, member: Any, n: int) -> bool:
+        """Whether call ``n`` of ``member`` is to be sampled into ``pool`` (an
+        early call is, and does not move the schedule); a pooled sample
+        moves the schedule on and picks the member that takes the next."""
         with self.lock:
-            schedule.advance(n, self.rng)
+            if n <= SAMPLED:
+                return True
+            if member is not pool.owner or n < pool.schedule.due:
+                return False
+            pool.schedule.advance(n, self.rng)
+            pool.owner = self.rng.choice(pool.members)
+            return True
 
-    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], kept: Kept | None = None
-               ) -> tuple[torch.Tensor, ...] | None:
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], kept: Kept | None = None,
+               pool: Pool | None = None) -> tuple[torch.Tensor, ...] | None:
         """CPU copies of a call's input tensors, or ``None`` past the budget
         (other sampled calls given up first to make room, ``_reserve``).
-        ``kept``: where the call is to be retained (``None``: a first call)."""
+        ``kept``: where the call is to be retained (``None``: a first call);
+        ``pool``: the variant reservoir it is sampled into, a random slot
+        of which it replaces when full (each slot stays a uniform pick)."""
         tensors = call_tensors(args, kwargs)
         need = _nbytes(tensors)
         with self.lock:
-            if self.sample and kept is not None and kept.first is not None \
-                    and len(kept.between) >= SAMPLED:
-                # the sample replaces a random slot (each slot stays a
-                # uniform pick of the calls after the first)
-                gone = kept.between.pop(self.rng.randrange(len(kept.between)))
-                self.held -= gone.nbytes
+            if pool is not None:
+                self.held -= pool.evict(self.rng)
             if not self._reserve(need, kept):
                 self.skipped += 1
                 return None
@@ -165,9 +225,11 @@ class Retention:
         with self.lock:
             self.held -= _nbytes(inputs)
 
-    def keep(self, kept: Kept, inputs: tuple[torch.Tensor, ...], out: Any) -> None:
+    def keep(self, kept: Kept, inputs: tuple[torch.Tensor, ...], out: Any,
+             pool: Pool | None = None) -> None:
         """Retain the call that took ``inputs`` and returned ``out`` in
-        ``kept`` (the inputs' budget given back when its outputs do not fit)."""
+        ``kept`` (and its slot in ``pool``; the inputs' budget given back
+        when its outputs do not fit)."""
         outs = tuple(tensor_values(out))
         need = _nbytes(outs)
         with self.lock:
@@ -179,7 +241,7 @@ class Retention:
         call = RetainedCall(inputs, _copies(outs), need + _nbytes(inputs))
         with self.lock:
             self.kept += 1
-            self._place(kept, call)
+            self._place(kept, call, pool)
 
     def _reserve(self, need: int, kept: Kept | None) -> bool:
         """Reserve ``need`` bytes (under the lock).  What is given up to make
@@ -205,13 +267,15 @@ class Retention:
         self.peak = max(self.peak, self.held)
         return True
 
-    def _place(self, kept: Kept, call: RetainedCall) -> None:
+    def _place(self, kept: Kept, call: RetainedCall, pool: Pool | None) -> None:
         if kept.first is None:
             kept.first = call
             return
-        if self.sample:  # (``inputs`` made room in the slots)
+        if self.sample:  # (``inputs`` made room in the pool)
             kept.seen += 1
             kept.between.append(call)
+            if pool is not None:
+                pool.slots.append((kept, call))
             return
         old, kept.last = kept.last, call
         if old is None:

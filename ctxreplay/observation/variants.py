@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core.snapshots import ContextSnapshot
 from ..specs.signature import CallSpec, Spec
-from .retained import Kept, Schedule
+from .retained import Kept, Pool
 
 
 class _MemberLike(Protocol):
@@ -48,8 +48,9 @@ class MemberVariant:
     counter: Any = attrs.field(factory=itertools.count)
     #: the calls retained for a value check (the first and a sample of the others)
     retained: Kept | None = None
-    #: ``verify="sampled"``: when its next call is due to be sampled
-    schedule: Schedule | None = None
+    #: ``verify="sampled"``: the variant's reservoir, shared with the members
+    #: of the variant, which says when a call is due to be sampled
+    pool: Pool | None = None
     #: copies of the inputs of the call in progress that is to be retained
     retained_inputs: tuple[torch.Tensor, ...] | None = None
     #: calls counted that raised in the user's forward (the caller handled
@@ -112,6 +113,8 @@ class Scope:
     #: calls dropped, by why: ``"graphs"`` (a family past max_variants) or
     #: ``"sizes"`` (a variant past ``MAX_SIZES`` in its family)
     dropped_why: dict[str, int] = attrs.field(factory=dict)
+    #: variant -> its reservoir of sampled calls (``verify="sampled"``)
+    pools: dict[int, Pool] = attrs.field(factory=dict, repr=False)
 
     def room(self, family: Any, max_variants: int) -> str | None:
         """Why a new variant of ``family`` cannot be recorded, or ``None``."""

@@ -46,7 +46,7 @@ from ..specs.dims import size_free_key
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, TransformedError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
-from .retained import Retention, Schedule
+from .retained import SAMPLED, Pool, Retention
 from .targets import identity_of, state_of
 from .variants import MemberVariant, Scope
 from .wrapping import Wrapper
@@ -55,6 +55,10 @@ __all__ = ["ABSENT"]
 
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
+
+#: ``_lookup``: a call retained for the value check, and one sampled into its
+#: variant's reservoir
+_RETAINED, _POOLED = 1, 2
 
 #: block calls Dynamo traced into compiled code (``_Tally.mark``), all sessions
 TRACED = [0]
@@ -192,7 +196,7 @@ class _Member(Wrapper):
         # ``self`` and makes one C-level check of the state (the guard and the
         # watched getters) and one of the inputs (``TensorGuards``).  ``ticks``
         # counts the hit on the variant's counter, and runs out when a call
-        # is due to be sampled for the value check (``retained.Schedule``),
+        # is due to be sampled for the value check (``retained.Pool``),
         # which the slow path then copies.  Every operation here is paid on
         # every observed call.
         # (Dynamo folds ``_dynamo_compiling()`` first, so it guards on nothing here.)
@@ -235,7 +239,7 @@ class _Member(Wrapper):
             return self.orig(*args, **kwargs)
         failed: BaseException | None = None
         real = True
-        mv, sampled = None, False
+        mv, sampled = None, 0
         try:
             shared = self.shared
             obs = shared.observer
@@ -268,7 +272,7 @@ class _Member(Wrapper):
             next(mv.counter)
             try:
                 if sampled:
-                    return self._retaining(mv, args, kwargs)
+                    return self._retaining(mv, args, kwargs, sampled == _POOLED)
                 if shared.profile:
                     with torch.profiler.record_function(
                             f"ctxreplay:{self.scope.name}#{mv.index}"):
@@ -309,10 +313,10 @@ class _Member(Wrapper):
         if cache is None or cache.snapshot is not snap or shared.profile or self.off \
                 or (retention.limit is not None and not retention.sample):
             return
-        schedule = mv.schedule
+        pool = mv.pool
         # (an ``islice`` of the counter takes nothing from it once run out)
-        ticks = mv.counter if schedule is None else \
-            itertools.islice(mv.counter, schedule.hits(mv.calls + mv.raised + pending))
+        hits = None if pool is None else pool.hits(self, mv.calls + mv.raised + pending)
+        ticks = mv.counter if hits is None else itertools.islice(mv.counter, hits)
         check = _memo_check(args, sig)
         # a TensorGuards check of at least one tensor sees the dispatch keys
         state = cache.beside_tensors if args and not isinstance(check, _Python) else cache.check
@@ -326,9 +330,10 @@ class _Member(Wrapper):
 
     # -- the slow paths ---------------------------------------------------
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> tuple[MemberVariant | None, bool]:
+                kwargs: dict[str, Any]) -> tuple[MemberVariant | None, int]:
         """The completed variant this call belongs to (``None``: the call is
-        a first one), and whether it is due to be sampled."""
+        a first one), and whether it is to be retained (``_RETAINED``, or
+        ``_POOLED`` sampled into the variant's reservoir)."""
         sig = call_key(args, kwargs)
         if self.dirty or self.lazy or self.module.training is not self.training:
             self._recheck()
@@ -336,13 +341,15 @@ class _Member(Wrapper):
         if mv is None or not mv.completed:
             return None, False
         retention = self.shared.retention
-        sampled = retention.limit is not None and not retention.sample
-        schedule = mv.schedule
-        if schedule is not None:
+        sampled = _RETAINED if retention.limit is not None and not retention.sample else 0
+        pool = mv.pool
+        if pool is not None:
             n = mv.calls + mv.raised  # this call's index: it is counted next
-            if n >= schedule.due:
-                sampled = True
-                retention.advance(schedule, n)
+            if pool.due(self, n) and retention.advance(pool, self, n):
+                sampled = _POOLED if n > SAMPLED else _RETAINED
+                owner = pool.owner
+                if owner is not self:  # its memo counts on past its due: stop it
+                    owner.memo = None
         if not kwargs:
             self._memoize(snap, args, sig, mv, 1)
         return mv, sampled
@@ -424,7 +431,9 @@ class _Member(Wrapper):
                         index = scope.add(full, family)
                     mv = MemberVariant(index, self.identity, snap, inputs)
                     if shared.retention.sample:
-                        mv.schedule = Schedule()
+                        mv.pool = scope.pools.get(index)
+                        if mv.pool is None:
+                            mv.pool = scope.pools[index] = Pool(shared.retention.rng)
                     self.table[key] = mv
         retention = shared.retention
         if retention.limit is not None:
@@ -437,6 +446,9 @@ class _Member(Wrapper):
                   kwargs: dict[str, Any], out: Any) -> None:
         mv.outputs = spec_of(out)
         self._keep(mv, out)
+        if mv.pool is not None:
+            with self.shared.lock:
+                mv.pool.join(self)
         mv.completed = True
         if not kwargs:
             sig = call_key(args, kwargs)
@@ -444,14 +456,16 @@ class _Member(Wrapper):
                 self._memoize(snap, args, sig, mv, 0)
 
     def _retaining(self, mv: MemberVariant, args: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> Any:
+                   kwargs: dict[str, Any], pooled: bool) -> Any:
         """A call of a completed variant that is retained for the value check
         (every call under ``verify="values"``, a sampled one under
-        ``"sampled"``): copied before and after the forward (``retained.Kept``)."""
+        ``"sampled"``; ``pooled``: into the variant's reservoir): copied
+        before and after the forward (``retained.Kept``)."""
         failed: BaseException | None = None
         inputs = None  # local: other threads may be in a call of ``mv`` too
+        pool = mv.pool if pooled else None
         try:
-            inputs = self.shared.retention.inputs(args, kwargs, mv.retained)
+            inputs = self.shared.retention.inputs(args, kwargs, mv.retained, pool)
         except Exception as exc:
             failed = exc
         if failed is not None:
@@ -470,7 +484,7 @@ class _Member(Wrapper):
             raise
         try:
             if inputs is not None:
-                self._keep(mv, out, inputs)
+                self._keep(mv, out, inputs, pool)
         except Exception as exc:
             failed = exc
         if failed is not None:
@@ -478,9 +492,10 @@ class _Member(Wrapper):
         return out
 
     def _keep(self, mv: MemberVariant, out: Any,
-              inputs: tuple[torch.Tensor, ...] | None = None) -> None:
+              inputs: tuple[torch.Tensor, ...] | None = None, pool: Pool | None = None) -> None:
         """Retain the call that took ``inputs`` (default: the first call's,
-        ``mv.retained_inputs``) and returned ``out``."""
+        ``mv.retained_inputs``) and returned ``out`` (into ``pool``'s slots
+        as well, for a pooled sample)."""
         if inputs is None:
             inputs, mv.retained_inputs = mv.retained_inputs, None
         if inputs is None:
@@ -488,7 +503,7 @@ class _Member(Wrapper):
         with self.shared.lock:
             if mv.retained is None:
                 mv.retained = self.shared.retention.new()
-        self.shared.retention.keep(mv.retained, inputs, out)
+        self.shared.retention.keep(mv.retained, inputs, out, pool)
 
     def changed(self) -> None:
         """An attribute of the member or a submodule was assigned

@@ -168,32 +168,64 @@ class Counting(nn.Module):
         return self.lin(x)
 
 
-def test_unsampled_calls_stay_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = []
-    original = _Member._call
+def _counted_session(monkeypatch: pytest.MonkeyPatch, members: int, n: int
+                     ) -> tuple[ctxreplay.CaptureReport, list[str], list[str]]:
+    """``n`` calls of a stack of ``members`` identical blocks (one variant):
+    the report, the members of the calls that took the slow path, and of
+    those sampled into the variant's reservoir."""
+    slow: list[str] = []
+    pooled: list[str] = []
+    call, retaining = _Member._call, _Member._retaining
 
     def counting(self: _Member, args: Any, kwargs: Any) -> Any:
         slow.append(self.name)
-        return original(self, args, kwargs)
+        return call(self, args, kwargs)
+
+    def pooling(self: _Member, mv: Any, args: Any, kwargs: Any, pool: bool) -> Any:
+        if pool:
+            pooled.append(self.name)
+        return retaining(self, mv, args, kwargs, pool)
 
     monkeypatch.setattr(_Member, "_call", counting)
-    model = Stack(Counting, n=2).eval()
-    n = 400
+    monkeypatch.setattr(_Member, "_retaining", pooling)
+    model = Stack(Counting, n=members).eval()
     x = torch.randn(2, DIM)
     with ctxreplay.capture_with(model, targets="repeated", backend="export") as session, \
             torch.no_grad():
         for _ in range(n):
             model(x)
-    report = session.finalize()
+    return session.finalize(), slow, pooled
+
+
+def test_unsampled_calls_stay_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    members, n = 2, 400
+    report, slow, _ = _counted_session(monkeypatch, members, n)
     assert report.ok
-    # blocks.0 sees x every call, blocks.1 another tensor: one variant each
     per_member = {name: slow.count(name) for name in ("blocks.0", "blocks.1")}
-    # the first call, the SAMPLED after it, then ever rarer samples: about
-    # SAMPLED * ln(n / SAMPLED) more (a generous bound; before, every call
-    # took the slow path at a value-checking level)
-    bound = 1 + SAMPLED + 4 * SAMPLED * math.log(n / SAMPLED)
-    assert all(1 + SAMPLED < v < bound for v in per_member.values()), per_member
-    assert sum(c.checked for c in report.captures) == 2 * (1 + SAMPLED)
+    # each member's first call and the SAMPLED after it, then ever rarer
+    # samples of the variant: about SAMPLED * ln(n / SAMPLED) in all, each
+    # with one more slow call of the member that takes the next (a generous
+    # bound; before, every call took the slow path at a value-checking level)
+    bound = members * (2 + SAMPLED) + 2 * 3 * SAMPLED * (1 + math.log(n / SAMPLED))
+    assert all(v > SAMPLED for v in per_member.values()), per_member
+    assert sum(per_member.values()) < bound, per_member
+    # the members' early calls and the variant's full reservoir
+    assert sum(c.checked for c in report.captures) == members * (1 + SAMPLED) + SAMPLED
+
+
+def test_the_reservoir_is_per_variant_not_per_member(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a stack of identical blocks is one variant: its later calls share one
+    # reservoir, so the copies do not grow with the stack's depth (with a
+    # reservoir per member, 8 members copy about 8 * SAMPLED * ln(n / SAMPLED)
+    # calls), and the samples come from members picked at random
+    members, n = 8, 1000
+    report, _, pooled = _counted_session(monkeypatch, members, n)
+    assert report.ok and report.retained is not None
+    pooled_bound = 3 * SAMPLED * (1 + math.log(n / SAMPLED))
+    early = members * (1 + SAMPLED)
+    assert early < report.retained["retained_calls"] < early + pooled_bound, report.retained
+    assert len(set(pooled)) >= members // 2, pooled
+    assert sum(c.checked for c in report.captures) == early + SAMPLED
 
 
 def test_the_schedule_samples_late_calls_too() -> None:
