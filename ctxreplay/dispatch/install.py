@@ -149,10 +149,13 @@ class _Slot(Wrapper):
         self.memo: dict[Any, Any] = {}
         #: the last call of positional tensors: (snapshot, count, check, target or reason)
         self.last: tuple[Any, int, Any, Target] | None = None
-        #: the last call of any other kind: (snapshot, rematch, target or reason)
-        self.near: tuple[Any, Rematcher, Any] | None = None
-        #: call key -> the rematch made for it (``None``: it cannot have one)
-        self.rematch: dict[Any, Rematcher | None] = {}
+        #: the last call of any other kind: (snapshot, rematch, target or
+        #: reason, and by its tensors' sizes and strides those of the calls
+        #: the rematch finds equal but for them)
+        self.near: tuple[Any, Rematcher, Any, dict[Any, Any]] | None = None
+        #: call key -> the rematch made for it and what the calls it finds equal
+        #: but for sizes run, by their sizes (``None``: it cannot have one)
+        self.rematch: dict[Any, tuple[Rematcher, dict[Any, Any]] | None] = {}
         self.targets: dict[int, Target] = {}
         self.misses = 0
         self.reasons: Counter[str] = Counter()
@@ -168,7 +171,7 @@ class _Slot(Wrapper):
             self.reasons["training"] += 1
             return self.orig(*args, **kwargs)
         target: Any
-        leaves: list[Any] | None = None
+        leaves: Any = None
         try:
             groups = self.groups
             if not self.handle.active:  # called outside the model: check those flags here
@@ -187,7 +190,11 @@ class _Slot(Wrapper):
                 target = last[3]
             elif near is not None and near[0] is snaps and \
                     (leaves := near[1](args, kwargs)) is not None:
-                target = near[2]
+                if type(leaves) is list:
+                    target = near[2]
+                else:  # (a ``Resized``: the same call but for sizes)
+                    leaves = leaves[0]
+                    target = self._resized(near, snaps, leaves, args, kwargs)
             else:
                 target = self._keyed(snaps, args, kwargs)
         except TransformedError:  # a live call under vmap / grad: no graph takes it
@@ -234,9 +241,30 @@ class _Slot(Wrapper):
             self.last = (snaps, len(args), check, target)
             return target
         if key not in self.rematch:
-            self.rematch[key] = rematcher(args, kwargs)
+            fn = rematcher(args, kwargs)
+            self.rematch[key] = None if fn is None else (fn, {})
         again = self.rematch[key]
-        self.near = None if again is None else (snaps, again, target)
+        self.near = None if again is None else (snaps, again[0], target, again[1])
+        return target
+
+    def _resized(self, near: tuple[Any, Rematcher, Any, dict[Any, Any]], snaps: Any,
+                 leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What a call runs that ``near``'s rematch finds equal to its call
+        but for its tensors' sizes and strides (a cache one token longer):
+        its key is that of any earlier such call with those sizes and
+        strides, so it is looked up by them, and keyed in full only the
+        first time (no walk of the cache object, no new rematch)."""
+        sizes = tuple([(t.shape, t.stride()) for t in leaves])
+        by_sizes = near[3]
+        target = by_sizes.get(sizes)
+        if target is None:
+            key = (snaps, call_key(args, kwargs))
+            target = self.memo.get(key)
+            if target is None:
+                target = self._resolve(snaps, key, args, kwargs)
+            if len(by_sizes) >= _MEMO_LIMIT:
+                by_sizes.clear()
+            by_sizes[sizes] = target
         return target
 
     def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
@@ -304,9 +332,13 @@ class _Slot(Wrapper):
     def invalidate(self) -> None:
         """The member's tensors, submodules or attributes were replaced: bind
         again (checking its identity again).  The rematches stay: each reads
-        only a call's arguments, never the member."""
+        only a call's arguments, never the member (what they found runs
+        goes: it is bound to what the member held)."""
         self.last = self.near = None
         self.memo.clear()
+        for again in self.rematch.values():
+            if again is not None:
+                again[1].clear()
         self.targets.clear()
         self.handle._programs.forget(self.name)
 

@@ -18,10 +18,14 @@ the same metadata, checked at once by torch's C-level ``TensorGuards``
 (dispatch keys, dtype, device, shape, stride, ``requires_grad``: a superset of
 what the key holds).  It returns the call's tensors in ``call_tensors``
 order (what a flattened program takes), or ``None`` -- then the caller
-computes the key as before.  Where the first call holds something the
-check cannot state exactly (a constant that is not a primitive value, a
-dataclass, a pytree-registered type, a sparse or nested tensor, a tensor
-subclass), there is no rematcher and every call is keyed in full.
+computes the key as before.  A call equal but for its tensors' sizes and
+strides (a cache one token longer) returns them wrapped in a 1-tuple
+(``Resized``): its key is that of any earlier call with those sizes and
+strides, which the caller can look up by them without the walk.  Where
+the first call holds something the check cannot state exactly (a constant
+that is not a primitive value, a dataclass, a pytree-registered type, a
+sparse or nested tensor, a tensor subclass), there is no rematcher and
+every call is keyed in full.
 """
 
 from __future__ import annotations
@@ -36,9 +40,14 @@ from .._base import codegen
 from .._base.torchcaps import TensorGuards
 from .signature import PRIMITIVES, _functorch_wrapped, _parts
 
-__all__ = ["Rematcher", "rematcher"]
+__all__ = ["Rematcher", "Resized", "rematcher"]
 
-Rematcher = Callable[[tuple[Any, ...], dict[str, Any]], "list[torch.Tensor] | None"]
+#: the call's tensors (its key is the first call's), a ``Resized`` of them
+#: (the key differs in sizes and strides only), or ``None``
+Rematcher = Callable[[tuple[Any, ...], dict[str, Any]],
+                     "list[torch.Tensor] | tuple[list[torch.Tensor]] | None"]
+#: what a rematch returns for a call equal but for sizes: a 1-tuple
+Resized = tuple[list[torch.Tensor]]
 
 _MAX_NODES = 512  # a larger call is keyed in full
 
@@ -151,14 +160,19 @@ def rematcher(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Rematcher | None
     try:
         guard = TensorGuards(*found, dynamic_dims_sizes=[list(t.shape) for t in found],
                              dynamic_dims_strides=[list(t.stride()) for t in found])
+        # every size and stride left free: the rest of each tensor's metadata
+        # (dispatch keys, dtype, device, requires_grad, dimension count)
+        free = [[None] * t.dim() for t in found]
+        resized = TensorGuards(*found, dynamic_dims_sizes=free, dynamic_dims_strides=free)
     except Exception:  # this torch's TensorGuards takes other arguments
         return None
-    src.namespace["G"] = guard
+    src.namespace["G"], src.namespace["R"] = guard, resized
     body = "\n".join(src.lines)
     tensors = "[" + ", ".join(src.tensors) + "]"
     guarded = "".join(v + ", " for v in src.guarded)
     source = (f"def rematch(args, kwargs):\n{body}\n"
-              f"    return {tensors} if G.check({guarded}) else None\n")
+              f"    if G.check({guarded}): return {tensors}\n"
+              f"    return ({tensors},) if R.check({guarded}) else None\n")
     try:
         fn: Rematcher = codegen.function(source, "rematch", src.namespace, what="rematch")
     except (SyntaxError, RecursionError):  # a call too deep for one function

@@ -98,6 +98,40 @@ def test_generate_dynamic_cache_installed(name: str, batch: int, sample: bool) -
     assert stats.total_hits == calls, (stats.hits, stats.misses, stats.reasons)
 
 
+def test_a_cache_one_token_longer_is_found_without_keying_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # each decode step passes the same cache object one token longer: a
+    # new key each call.  Once a length has been seen, its call is found by
+    # its tensors' sizes (no walk of the cache object to key it in full)
+    import ctxreplay.dispatch.install as dispatch_install
+    model = MODELS["qwen2"]()
+    eager = _generate(model, 1, False)
+    with ctxreplay.capture_with(model, targets="repeated") as session:
+        _generate(model, 1, False)
+    report = session.finalize()
+    keyed = []
+    original = dispatch_install.call_key
+
+    def counting(args: Any, kwargs: Any) -> Any:
+        keyed.append(1)
+        return original(args, kwargs)
+
+    monkeypatch.setattr(dispatch_install, "call_key", counting)
+    with ctxreplay.install(model, report, object_args="dispatch") as handle:
+        first = _generate(model, 1, False)
+        first_keyed = len(keyed)
+        again = _generate(model, 1, False)
+        stats = handle.stats()
+    assert torch.equal(first.sequences, eager.sequences)
+    assert torch.equal(again.sequences, eager.sequences)
+    assert stats.total_hits == 2 * 2 * NEW_TOKENS, stats.reasons
+    # the first generate() keys each layer's calls (prefill, each length);
+    # the second only those whose structure differs from the call before:
+    # the prefill (a fresh cache) and the first decode step (after it)
+    assert first_keyed == 2 * NEW_TOKENS
+    assert len(keyed) - first_keyed == 2 * 2, (first_keyed, len(keyed))
+
+
 def test_strict_export_keeps_the_assignments_undispatched() -> None:
     """Control: Dynamo interprets the forward's bytecode, so the traced
     function cannot read the assignments back -- the capture is not ok,
