@@ -193,8 +193,7 @@ class _Slot(Wrapper):
                 if type(leaves) is list:
                     target = near[2]
                 else:  # (a ``Resized``: the same call but for sizes)
-                    leaves = leaves[0]
-                    target = self._resized(near, snaps, leaves, args, kwargs)
+                    target, leaves = self._resized(near, snaps, leaves[0], args, kwargs)
             else:
                 target = self._keyed(snaps, args, kwargs)
         except TransformedError:  # a live call under vmap / grad: no graph takes it
@@ -248,12 +247,14 @@ class _Slot(Wrapper):
         return target
 
     def _resized(self, near: tuple[Any, Rematcher, Any, dict[Any, Any]], snaps: Any,
-                 leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                 leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[Any, Any]:
         """What a call runs that ``near``'s rematch finds equal to its call
         but for its tensors' sizes and strides (a cache one token longer):
         its key is that of any earlier such call with those sizes and
         strides, so it is looked up by them, and keyed in full only the
-        first time (no walk of the cache object, no new rematch)."""
+        first time (no walk of the cache object, no new rematch).  With
+        ``leaves``, the call's tensors, as the caller takes them back."""
         sizes = tuple([(t.shape, t.stride()) for t in leaves])
         by_sizes = near[3]
         target = by_sizes.get(sizes)
@@ -265,7 +266,7 @@ class _Slot(Wrapper):
             if len(by_sizes) >= _MEMO_LIMIT:
                 by_sizes.clear()
             by_sizes[sizes] = target
-        return target
+        return target, leaves
 
     def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any], skip: set[int] | frozenset[int] = frozenset()) -> Any:
