@@ -244,8 +244,9 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
             it) or ``"off"`` (no replay: the unfaithful baseline).
         verify: ``"sampled"`` (the default: everything ``"execute"`` checks,
             and the artifact run on copies of a sample of live calls -- each
-            member's first call of each variant and a reservoir of up to
-            four later ones, chosen before the call runs -- compared with
+            member's first five calls of each variant and a reservoir of
+            four later ones per variant, shared by its members, chosen
+            before the call runs -- compared with
             what the live call returned, by value; the calls not sampled
             stay on the fast path), ``"values"`` (the same, with a copy
             taken of every call, so the last call is among those compared),

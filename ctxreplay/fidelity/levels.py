@@ -47,8 +47,9 @@ _LEVELS: list[Level] = [
     Level("execute", True, False, "the artifact run with each member's weights on fresh "
           "inputs, against the member itself"),
     Level("sampled", True, True, "the artifact run on copies of a sample of live calls "
-          "(each member's first call of each variant and a bounded reservoir of later ones, "
-          "chosen before the call runs), against their live outputs by value", samples=True),
+          "(each member's first calls of each variant and a bounded reservoir of later ones "
+          "per variant, chosen before the call runs), against their live outputs by value",
+          samples=True),
     Level("values", True, True, "the same comparison, with copies taken from every live "
           "call (the first, the last and a reservoir between): each observed call pays a "
           "copy"),

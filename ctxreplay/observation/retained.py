@@ -1,7 +1,7 @@
 """Copies of live calls for the value-checking levels: per member and
-variant its first call and a reservoir of later ones, as CPU copies (inputs
-taken before the forward can change them in place, outputs when it
-returns), within one byte budget for the session.
+variant its first calls, and per variant a reservoir of later ones, as CPU
+copies (inputs taken before the forward can change them in place, outputs
+when it returns), within one byte budget for the session.
 
 Two policies:
 
