@@ -85,8 +85,12 @@ class Checker:
         self._left: list[Any] = []
         self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
         self.by_value = 0  # live calls run and compared by value in this pass
-        #: what the reference runs changed in their arguments
+        #: what the reference runs changed in their arguments, and what the
+        #: members' repeat live calls wrote in the state their forward keeps
         self.watch = Watch()
+        for m in request.members:
+            for change in m.writes:
+                self.watch.wrote(change)
         #: the live parameters the last run wrote in place (storage -> name), put back
         self.wrote: dict[int, str] = {}
         self._fresh: tuple[Any, dict[str, str] | None] | None = None

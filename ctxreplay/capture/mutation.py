@@ -201,12 +201,17 @@ class Watch:
         """Note what the runs since ``before`` (a ``pystate.reach`` of the
         module they ran) wrote in the Python state the forward keeps."""
         for change in before.changes(_MAX_REPORTED + len(self.ignore)):
-            where, _, what = change.partition(": ")
-            if self.ignore and set(_ATTRIBUTE.findall(where)) & set(self.ignore):
-                continue
-            m = Mutation("forward", where, what, HELD_FIELD)
-            if m not in self.found:
-                self.found.append(m)
+            self.wrote(change)
+
+    def wrote(self, change: str) -> None:
+        """Note one write (``where: what``) to the Python state the forward
+        keeps: by a run here, or by a repeat live call (``MemberCall.writes``)."""
+        where, _, what = change.partition(": ")
+        if self.ignore and set(_ATTRIBUTE.findall(where)) & set(self.ignore):
+            return
+        m = Mutation("forward", where, what, HELD_FIELD)
+        if m not in self.found:
+            self.found.append(m)
 
     def constants(self, artifact: Any, gm: Any) -> None:
         """Note each tensor constant of the traced artifact that the

@@ -81,6 +81,12 @@ class Held:
         self.unknown = unknown
 
     @property
+    def hooks(self) -> list[Any]:
+        """Every weight hook found (their bookkeeping is not the forward's
+        state: they put weights in place and take them away)."""
+        return [h for _, _, hooks in self.entries for h in hooks]
+
+    @property
     def paths(self) -> tuple[str, ...]:
         """The submodule paths whose forward a weight hook wraps."""
         return tuple(p for p, _, _ in self.entries)

@@ -103,6 +103,9 @@ class MemberCall:
     outputs: Spec | None
     completed: bool
     retained: tuple[RetainedCall, ...] = attrs.field(default=(), repr=False)
+    #: what the member's repeat live calls wrote in the Python state its
+    #: forward keeps (``where: what``, as ``pystate.Reach.changes`` says it)
+    writes: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -35,6 +35,7 @@ import sys
 import types
 import weakref
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -125,10 +126,11 @@ def held_constants(artifact: Any, gm: Any, before: Reach) -> list[str]:
                               if id(t) in before.tensors))
 
 
-def reach(module: nn.Module) -> Reach:
+def reach(module: nn.Module, skip: Iterable[Any] = ()) -> Reach:
     """Record the Python state ``module``'s forward can reach (see the
-    module docstring)."""
+    module docstring); ``skip``: objects not walked (nor what only they hold)."""
     walk = _Walk()
+    walk.seen.update(id(o) for o in skip)
     for m in module.modules():
         walk.push(m, type(m).__name__, 0)
         for cls in type(m).__mro__:
@@ -177,6 +179,8 @@ class _Walk:
                 continue
 
     def visit(self, obj: Any, label: str, depth: int) -> None:
+        if _ctxreplays(obj):
+            return
         if isinstance(obj, types.FunctionType):
             self.function(obj, label, depth)
         elif isinstance(obj, types.MethodType):
@@ -252,6 +256,19 @@ class _Walk:
             self.record("attr", obj, slot, value, f"{name}.{slot}")
             if value is not _ABSENT:
                 self.push(value, f"{name}.{slot}", depth)
+
+
+def _ctxreplays(obj: Any) -> bool:
+    """An object or function of ctxreplay's own (its bookkeeping: the
+    sampled calls it keeps, its counters), which no user's forward keeps
+    state in; ctxreplay's wrappers are followed to what they hold instead."""
+    if isinstance(obj, types.FunctionType):
+        mod = obj.__module__ or ""
+    elif getattr(type(obj), "ctxreplay_holder", False) or isinstance(obj, nn.Module):
+        return False
+    else:
+        mod = getattr(type(obj), "__module__", None) or ""
+    return mod == "ctxreplay" or mod.startswith("ctxreplay.")
 
 
 def _ours_in(value: Any, depth: int) -> Any:

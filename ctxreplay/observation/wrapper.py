@@ -27,6 +27,7 @@ calls the copy's own forward and observes nothing (``Detached``).
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import types
 from collections import Counter
@@ -40,6 +41,8 @@ from .._base.torchcaps import CAPS, tensor_guard
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import dynamo_exporting as _dynamo_exporting
 from ..capture.isolate import isolating
+from ..capture.offload import weight_hooks
+from ..capture.pystate import reach
 from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
 from ..specs.dims import size_free_key
@@ -55,6 +58,12 @@ __all__ = ["ABSENT"]
 
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
+
+#: the attribute steps of a ``pystate`` label (``Memo.last``, ``X.cache['k']``)
+_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)")
+
+#: the longest label of a write the report names
+_LABEL = 160
 
 #: ``_lookup``: a call retained for the value check, and one sampled into its
 #: variant's reservoir
@@ -98,6 +107,14 @@ class _Tally:
         self.mark = types.FunctionType(unique, mark.__globals__, unique.co_name, None,
                                        mark.__closure__)
         self.mark._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _weight_hooks(module: nn.Module) -> list[Any]:
+    """The hooks that put ``module``'s weights in place around its forward
+    (offloading): what they write on every call (accelerate's
+    ``AlignDevicesHook`` its tied-pointer set) is theirs, not the forward's."""
+    held = weight_hooks(module)
+    return [] if held is None else held.hooks
 
 
 class _Python:
@@ -167,7 +184,7 @@ class _Member(Wrapper):
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
     __slots__ = ("compiled", "dirty", "identity", "identity_value", "ignore", "lazy", "memo",
-                 "name", "scope", "shared", "stateful", "table", "tables", "training")
+                 "name", "scope", "shared", "stateful", "table", "tables", "training", "writes")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
@@ -178,6 +195,8 @@ class _Member(Wrapper):
         self.ignore = ignore
         self.compiled = _Tally()
         self.stateful: set[str] = set()  # held attributes its forward wrote
+        #: what a repeat call wrote in the Python state the forward keeps
+        self.writes: set[str] = set()
         self.memo: tuple[Any, ...] | None = None
         self.tables: dict[int, dict[Any, MemberVariant]] = {}
         self.lazy = uninitialized(module)
@@ -269,19 +288,53 @@ class _Member(Wrapper):
         if not real:
             return self.orig(*args, **kwargs)
         if mv is not None:
-            next(mv.counter)
-            try:
-                if sampled:
-                    return self._retaining(mv, args, kwargs, sampled == _POOLED)
-                if shared.profile:
-                    with torch.profiler.record_function(
-                            f"ctxreplay:{self.scope.name}#{mv.index}"):
-                        return self.orig(*args, **kwargs)
-                return self.orig(*args, **kwargs)
-            except BaseException:
-                self._raised(mv.counter)
-                raise
+            if next(mv.counter) == 1:
+                return self._second(mv, args, kwargs, sampled)
+            return self._counted(mv, args, kwargs, sampled)
         return self._first(snap, args, kwargs)
+
+    def _counted(self, mv: MemberVariant, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 sampled: int) -> Any:
+        """A call of a completed variant, counted: retained where sampled."""
+        try:
+            if sampled:
+                return self._retaining(mv, args, kwargs, sampled == _POOLED)
+            if self.shared.profile:
+                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                    return self.orig(*args, **kwargs)
+            return self.orig(*args, **kwargs)
+        except BaseException:
+            self._raised(mv.counter)
+            raise
+
+    def _second(self, mv: MemberVariant, args: tuple[Any, ...], kwargs: dict[str, Any],
+                sampled: int) -> Any:
+        """The second call of a variant, with the Python state the forward
+        reaches (``pystate.reach``: closures, the objects a forward
+        replacement holds, a step cache hook's state) recorded around it.  A
+        repeat call that writes there keeps a state machine -- compute or
+        reuse, a counter -- that no program carries: the member is stateful.
+        (The first call may fill a lazy cache once; the second is a repeat.)"""
+        try:
+            before = None if self.writes else reach(self.module, _weight_hooks(self.module))
+        except Exception:  # a walk that fails decides nothing
+            before = None
+        out = self._counted(mv, args, kwargs, sampled)
+        if before is not None:
+            try:
+                # (a label names a path of keys: bounded, as any report string)
+                changed = [c[:_LABEL] for c in before.changes() if not self._ignored(c)]
+            except Exception:
+                changed = []
+            self.writes.update(changed)
+            self.stateful.update(changed)
+        return out
+
+    def _ignored(self, change: str) -> bool:
+        """Whether ``change`` (``where: what``) writes an attribute the user
+        said the forward's result does not depend on (``ignore_attributes``)."""
+        where = change.partition(": ")[0]
+        return bool(self.ignore) and not set(_ATTRIBUTE.findall(where)).isdisjoint(self.ignore)
 
     def _raised(self, counter: Any) -> None:
         """The call just counted on ``counter`` raised in the user's forward:
@@ -315,7 +368,9 @@ class _Member(Wrapper):
             return
         pool = mv.pool
         # (an ``islice`` of the counter takes nothing from it once run out)
-        hits = None if pool is None else pool.hits(self, mv.calls + mv.raised + pending)
+        n = mv.calls + mv.raised + pending  # the next call's index
+        # (the second call takes the slow path: ``_second``)
+        hits = 0 if n <= 1 else None if pool is None else pool.hits(self, n)
         ticks = mv.counter if hits is None else itertools.islice(mv.counter, hits)
         check = _memo_check(args, sig)
         # a TensorGuards check of at least one tensor sees the dispatch keys

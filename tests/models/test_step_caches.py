@@ -42,13 +42,14 @@ pytestmark = [pytest.mark.models,
 CACHES = ("PyramidAttentionBroadcastConfig", "FasterCacheConfig", "FirstBlockCacheConfig",
           "MagCacheConfig", "SeaCacheConfig", "TaylorSeerCacheConfig", "TextKVCacheConfig")
 #: (model, targets, finalize inside an open cache_context, verify): each cache
-#: runs the blocks of one model with the context closed and open, and the
-#: whole other model.  With the context closed a cache that needs one does
-#: nothing at the trace while the live calls reused: only a comparison with
-#: the live values (the default level) sees it -- at "execute" SeaCache's
-#: blocks are ok there and the installed model differs from eager
-ROWS = (("wan", "repeated", False, "default"), ("wan", "repeated", True, "execute"),
-        ("cogvideox", None, True, "default"))
+#: runs the blocks of one model with the context closed and open, at the
+#: default level and at "execute", and the whole other model.  With the
+#: context closed a cache that needs one does nothing at the trace while the
+#: live calls reused: the comparison with the live values (the default level)
+#: sees it, and at "execute" the hook state a repeat live call writes does
+#: (before, SeaCache's blocks were ok there and the installed model differed)
+ROWS = (("wan", "repeated", False, "default"), ("wan", "repeated", False, "execute"),
+        ("wan", "repeated", True, "execute"), ("cogvideox", None, True, "default"))
 
 
 def test_every_cache_the_installed_diffusers_ships_is_covered() -> None:
@@ -56,7 +57,8 @@ def test_every_cache_the_installed_diffusers_ships_is_covered() -> None:
 
 
 @pytest.mark.parametrize(("kind", "targets", "inside", "verify"), ROWS,
-                         ids=["wan-blocks-outside", "wan-blocks-inside", "cogvideox-model-inside"])
+                         ids=["wan-blocks-outside", "wan-blocks-outside-execute",
+                              "wan-blocks-inside", "cogvideox-model-inside"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_step_cache_is_refused_or_installs_what_eager_computes(
         cache: str, kind: str, targets: str | None, inside: bool, verify: str) -> None:

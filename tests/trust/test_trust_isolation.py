@@ -979,6 +979,75 @@ def test_a_memo_a_forward_replacement_holds_is_left_as_found_and_named(
     assert not any(c.fidelity.ok for c in report.captures)
 
 
+#: a step cache's context, as a pipeline's loop opens one per step: its hook
+#: computes or reuses only while it is open
+STEP_CONTEXT = {"open": False}
+
+
+def _context_step(memo: Memo, orig: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    if not STEP_CONTEXT["open"]:
+        return orig(x)  # (no context: the hook stands aside)
+    return _memo_step(memo, orig, x)
+
+
+@pytest.mark.parametrize("verify", ["signature", "execute"])
+def test_a_state_machine_idle_at_finalize_is_named_from_the_live_calls(verify: str) -> None:
+    # the live calls ran inside the context (every second one reused the
+    # memo); finalize runs outside it, so neither the trace nor a check run
+    # writes the memo: only what the repeat live calls wrote shows the state
+    # machine.  Before, the report was ok and install dispatched the blocks
+    torch.manual_seed(0)
+    model, twin = _Blocks(Block), _Blocks(Block)
+    twin.load_state_dict(model.state_dict())
+    memos = [Memo() for _ in model.blocks]
+    for block, memo, twin_block, twin_memo in zip(model.blocks, memos, twin.blocks,
+                                                  [Memo() for _ in twin.blocks]):
+        block.forward = functools.partial(  # type: ignore[method-assign]
+            _context_step, memo, block.forward)
+        twin_block.forward = functools.partial(  # type: ignore[method-assign]
+            _context_step, twin_memo, twin_block.forward)
+    STEP_CONTEXT["open"] = True
+    try:
+        session = _six_calls(model, verify)
+        _six_calls(twin, "off").finalize()  # (the twin's memo at the same step)
+    finally:
+        STEP_CONTEXT["open"] = False
+    report = session.finalize()
+    assert not report.ok
+    # (the second call reused the memo: it wrote the count alone)
+    assert f"{type(memos[0]).__name__}.calls: assigned (new int)" in _held_reasons(report)
+    assert not any(c.fidelity.ok for c in report.captures)
+    # installed, the blocks run eagerly: the memo's state machine runs on
+    STEP_CONTEXT["open"] = True
+    try:
+        with ctxreplay.install(model, report) as handle, torch.no_grad():
+            for i in range(4):
+                x = torch.rand(2, DIM, generator=torch.Generator().manual_seed(10 + i))
+                assert torch.equal(model(x), twin(x))
+            assert handle.stats().total_hits == 0
+    finally:
+        STEP_CONTEXT["open"] = False
+
+
+def _first_call_only(memo: Memo, orig: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    if memo.calls == 0:
+        memo.calls = 1  # (a lazy set-up, once)
+    return orig(x)
+
+
+def test_a_forward_that_sets_up_once_is_not_a_state_machine() -> None:
+    # the control: state written by the first call alone (a lazy set-up) is
+    # no state machine; the second call writes nothing, the report is ok
+    torch.manual_seed(0)
+    model = _Blocks(Block)
+    for block in model.blocks:
+        block.forward = functools.partial(  # type: ignore[method-assign]
+            _first_call_only, Memo(), block.forward)
+    report = _six_calls(model, "execute").finalize()
+    assert report.ok, report.summary
+    assert _held_reasons(report) == set()
+
+
 def _counting_class() -> tuple[type[nn.Module], Callable[[], int]]:
     """A block class whose forward advances a counter of its closure."""
     count = 0
