@@ -145,6 +145,29 @@ def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
     return check if check is not None else _Python(sig)
 
 
+class _Memo:
+    """What a repeat of a member's last variant needs on the hot path
+    (``_Member.forward``), read from one object: attribute reads of a
+    slotted object cost about what unpacking a tuple does (CPython 3.11
+    specialises both)."""
+
+    __slots__ = ("cache", "check", "counter", "module", "obs", "orig", "shared", "state",
+                 "ticks", "training")
+
+    def __init__(self, cache: Any, state: Any, check: Any, ticks: Any, training: bool,
+                 member: _Member, counter: Any) -> None:
+        #: the observer's cached snapshot object the memo was made under
+        self.cache = cache
+        #: the C-level check that the snapshot still holds, and of the inputs
+        self.state, self.check = state, check
+        #: counts each hit on the variant's counter; runs out when a call is
+        #: due to be sampled for the value check
+        self.ticks, self.counter = ticks, counter
+        self.training = training
+        self.module, self.orig = member.module, member.orig
+        self.obs, self.shared = member.shared.observer, member.shared
+
+
 class _Shared:
     """What every member of one session shares."""
 
@@ -197,7 +220,7 @@ class _Member(Wrapper):
         self.stateful: set[str] = set()  # held attributes its forward wrote
         #: what a repeat call wrote in the Python state the forward keeps
         self.writes: set[str] = set()
-        self.memo: tuple[Any, ...] | None = None
+        self.memo: _Memo | None = None
         self.tables: dict[int, dict[Any, MemberVariant]] = {}
         self.lazy = uninitialized(module)
         self.identity_value: Any = None
@@ -211,7 +234,7 @@ class _Member(Wrapper):
     # -- the hot path -----------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The memo (``_memoize``) holds everything a repeat of the member's
-        # last variant needs, in one tuple: a hit reads one attribute of
+        # last variant needs, in one object: a hit reads one attribute of
         # ``self`` and makes one C-level check of the state (the guard and the
         # watched getters) and one of the inputs (``TensorGuards``).  ``ticks``
         # counts the hit on the variant's counter, and runs out when a call
@@ -225,20 +248,20 @@ class _Member(Wrapper):
                 # (another argument count fails ``check``: TensorGuards raises, the
                 # Python key differs; under ``torch.jit.trace`` it fails as well,
                 # ``_memo_check``)
-                cache, state, check, ticks, training, module, orig, obs, shared, counter = memo
-                if obs.cache is cache and module.training is training:
+                obs = memo.obs
+                if obs.cache is memo.cache and memo.module.training is memo.training:
                     try:
-                        hit = (state() and check(*args)
-                               and (shared.active or not obs.forward_changed()))
+                        hit = (memo.state() and memo.check(*args)
+                               and (memo.shared.active or not obs.forward_changed()))
                     except Exception:  # a getter or check that raises: the slow path decides
                         hit = False
                     # (``ticks`` counts the call on the variant's counter; run out,
                     # a sample is due and the slow path takes the call uncounted)
-                    if hit and next(ticks, None) is not None:
+                    if hit and next(memo.ticks, None) is not None:
                         try:  # (free in CPython >= 3.11 until something raises)
-                            return orig(*args)
+                            return memo.orig(*args)
                         except BaseException:
-                            self._raised(counter)
+                            self._raised(memo.counter)
                             raise
         return self._call(args, kwargs)
 
@@ -299,13 +322,18 @@ class _Member(Wrapper):
         try:
             if sampled:
                 return self._retaining(mv, args, kwargs, sampled == _POOLED)
-            if self.shared.profile:
-                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
-                    return self.orig(*args, **kwargs)
-            return self.orig(*args, **kwargs)
+            return self._run(mv, args, kwargs)
         except BaseException:
             self._raised(mv.counter)
             raise
+
+    def _run(self, mv: MemberVariant, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The user's forward, in a profiler range named for the variant
+        while the session profiles (``profile_ranges``)."""
+        if self.shared.profile:
+            with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
+                return self.orig(*args, **kwargs)
+        return self.orig(*args, **kwargs)
 
     def _second(self, mv: MemberVariant, args: tuple[Any, ...], kwargs: dict[str, Any],
                 sampled: int) -> Any:
@@ -380,8 +408,7 @@ class _Member(Wrapper):
                 return
         except Exception:
             return
-        self.memo = (cache, state, check.check, ticks, self.training, self.module,
-                     self.orig, obs, shared, mv.counter)
+        self.memo = _Memo(cache, state, check.check, ticks, self.training, self, mv.counter)
 
     # -- the slow paths ---------------------------------------------------
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],
@@ -428,11 +455,7 @@ class _Member(Wrapper):
         next(mv.counter)
         held = held_state(self.module, self.ignore)
         try:
-            if self.shared.profile:
-                with torch.profiler.record_function(f"ctxreplay:{self.scope.name}#{mv.index}"):
-                    out = self.orig(*args, **kwargs)
-            else:
-                out = self.orig(*args, **kwargs)
+            out = self._run(mv, args, kwargs)
         except BaseException:
             self._raised(mv.counter)
             raise
@@ -527,12 +550,7 @@ class _Member(Wrapper):
             self.shared.error("retain", failed)
             del failed
         try:
-            if self.shared.profile:
-                with torch.profiler.record_function(
-                        f"ctxreplay:{self.scope.name}#{mv.index}"):
-                    out = self.orig(*args, **kwargs)
-            else:
-                out = self.orig(*args, **kwargs)
+            out = self._run(mv, args, kwargs)
         except BaseException:
             if inputs is not None:  # a call that raised is not kept: its budget back
                 self.shared.retention.release(inputs)
