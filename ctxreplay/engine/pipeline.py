@@ -98,7 +98,10 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: Baseline, *, explain:
     todo = {(r.scope, r.variant) for _, r in mine} - job.done.keys()
     bar = Progress(_steps(everything, options), {(r.scope, r.variant) for r in everything} - todo,
                    progress)
-    results = _capture_mine(job, mine, plan, exchange, modules, baseline, net, bar)
+    root = obs.root.module if obs.root is not None else nn.Module()
+    results = exchange.captures_in_turns(
+        lambda: _capture_mine(job, mine, plan, exchange, modules, baseline, net, bar),
+        modules, root)
     captures = [c for c in results if isinstance(c, Capture)]
     explained = None
     if explain and not job.interrupted:

@@ -74,3 +74,38 @@ def test_tensor_parallel_blocks_are_checked_on_every_rank_and_dispatched(tmp_pat
             assert doc["install"] == {"hits": 6, "misses": 0, "reasons": {}, "unusable": {}}, \
                 (rank, verify)
             assert doc["same"], (rank, verify)
+
+
+def test_fsdp2_blocks_are_captured_gathered_and_dispatched_with_fsdp_gathering(
+        tmp_path: Path) -> None:
+    """Transformer blocks each ``fully_shard``-ed, with and without
+    ``MixedPrecisionPolicy(param_dtype=bf16)``: every block failed
+    ``isolation_failed`` ("FSDP does not support deepcopy").  Now each
+    variant is traced once on the whole parameters FSDP gathers for a call
+    (the ranks gathering together, in the policy's dtype), checked at the
+    default level and at "execute", and install dispatches every block call
+    with FSDP's own hooks still gathering and resharding around it."""
+    results = _run(cases.fully_sharded, tmp_path)
+    for rank, r in enumerate(results):
+        for policy in ("fp32", "bf16"):
+            for verify, last in (("default", "sampled"), ("execute", "execute")):
+                doc = r[f"{policy}/{verify}"]
+                where = (rank, policy, verify)
+                assert doc["ok"] and not doc["failures"], (where, doc)
+                assert doc["captures"] and all(
+                    c["ok"] and c["backend"] == "export" and c["checked"][-1] == last
+                    for c in doc["captures"]), (where, doc["captures"])
+                assert {c["rank"] for c in doc["captures"]} == {0, 1}, where  # both captured
+                assert doc["calls"] == 12, where  # 2 calls x 3 blocks x 2 ranks, all counted
+                assert doc["sharded_after_finalize"], where
+                assert doc["install"] == {"hits": 6, "misses": 0, "reasons": {},
+                                          "unusable": {}}, (where, doc["install"])
+                # every parameter sharded again after each call: the eager
+                # ones, then the installed ones
+                assert doc["sharded_after_calls"] == [True] * 4, where
+                assert doc["same"] and doc["eager_again"], where
+                dtype = "torch.bfloat16" if policy == "bf16" else "torch.float32"
+                assert doc["dtypes"] == [dtype, dtype], where
+                # the rank's own program was traced on the parameters FSDP
+                # gathered for the call: in the policy's dtype
+                assert doc["program_dtypes"] == [dtype], where

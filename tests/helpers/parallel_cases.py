@@ -254,3 +254,111 @@ def tensor_parallel(rank: int, world: int, port: int, out: str) -> None:
             result[verify]["install"] = stats(handle)
             result[verify]["same"] = same(eager, installed)
     teardown()
+
+
+# -- FSDP2: fully_shard, with and without a mixed-precision policy -------------
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention and MLP: every parameter a block's own, so that
+    ``fully_shard(block)`` holds them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, s, 3, HEADS, DIM // HEADS) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, DIM))
+        return x + self.down(torch.relu(self.up(self.norm2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TransformerBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def fsdp_model(world: int, bf16: bool) -> Transformer:
+    """Each block ``fully_shard``-ed, then the root (the usual FSDP2 layout);
+    ``bf16``: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, FSDP
+    gathering bf16 parameters and casting the block inputs to bf16."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    model = Transformer().eval()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def sharding(model: nn.Module, world: int) -> bool:
+    """Every parameter is the DTensor shard FSDP holds between calls (the
+    local shard a ``world``-th of the first dimension)."""
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) and p.to_local().shape[0] * world == p.shape[0]
+               for p in model.parameters())
+
+
+def _fsdp_calls(model: nn.Module, rank: int, world: int, shards: list[bool]
+                ) -> list[torch.Tensor]:
+    """Two sizes, each rank its own batch (data parallel); ``shards`` gets,
+    after each call, whether every parameter is sharded again."""
+    g = torch.Generator().manual_seed(100 + rank)
+    outs = []
+    with torch.no_grad():
+        for shape in ((2, 5, DIM), (3, 4, DIM)):
+            outs.append(model(torch.rand(*shape, generator=g)))
+            shards.append(sharding(model, world))
+    return outs
+
+
+def _program_dtypes(report: ctxreplay.CaptureReport) -> list[str]:
+    """The dtypes of the weights in the programs this rank traced."""
+    return sorted({str(t.dtype) for c in report.captures if c.artifact is not None
+                   for t in c.artifact.state_dict.values()})
+
+
+def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 blocks with and without the bf16 policy, at the default level
+    and at "execute": the report, install's counts, eager's outputs and the
+    sharding after finalize and after every installed call."""
+    setup(rank, world, port)
+    with written(out, rank) as result:
+        for bf16 in (False, True):
+            model = fsdp_model(world, bf16)
+            for verify in (None, "execute"):
+                kw = {} if verify is None else {"verify": verify}
+                shards: list[bool] = []
+                with ctxreplay.capture_with(model, targets="repeated", **kw) as session:
+                    eager = _fsdp_calls(model, rank, world, shards)
+                report = session.finalize()
+                doc = summary(report)
+                doc["sharded_after_finalize"] = sharding(model, world)
+                doc["program_dtypes"] = _program_dtypes(report)
+                doc["calls"] = sum(c.calls for c in report.captures)
+                with ctxreplay.install(model, report) as handle:
+                    installed = _fsdp_calls(model, rank, world, shards)
+                doc["install"] = stats(handle)
+                doc["sharded_after_calls"] = shards
+                doc["same"] = same(eager, installed)
+                doc["dtypes"] = [str(t.dtype) for t in installed]
+                doc["eager_again"] = same(eager, _fsdp_calls(model, rank, world, []))
+                result[f"{'bf16' if bf16 else 'fp32'}/{verify or 'default'}"] = doc
+    teardown()
