@@ -99,7 +99,7 @@ def fsdp_owners(module: nn.Module) -> list[nn.Module]:
     if fsdp_class() is None:
         return []
     inside = [m for m in module.modules() if is_fsdp(m)]
-    tree = {id(m) for m in module.modules()}
+    tree = {id(m) for m in module.modules() if m._parameters}
     covered = {id(m) for owner in inside for m in _managed(owner)}
     above = [] if tree <= covered else _ancestors(tree - covered)
     return [*above, *inside]

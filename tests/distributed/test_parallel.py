@@ -109,3 +109,11 @@ def test_fsdp2_blocks_are_captured_gathered_and_dispatched_with_fsdp_gathering(
                 # the rank's own program was traced on the parameters FSDP
                 # gathered for the call: in the policy's dtype
                 assert doc["program_dtypes"] == [dtype], where
+        # Linear layers inside the blocks, targeted by name (they failed
+        # bad_artifact): gathered through their blocks' FSDP groups
+        doc = r["bf16/linears"]
+        assert doc["ok"] and not doc["failures"], (rank, doc)
+        assert doc["install"] == {"hits": 12, "misses": 0, "reasons": {}, "unusable": {}}, \
+            (rank, doc["install"])
+        assert doc["sharded_after_finalize"] and doc["sharded_after_calls"] == [True] * 4
+        assert doc["same"], rank

@@ -361,4 +361,20 @@ def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
                 doc["dtypes"] = [str(t.dtype) for t in installed]
                 doc["eager_again"] = same(eager, _fsdp_calls(model, rank, world, []))
                 result[f"{'bf16' if bf16 else 'fp32'}/{verify or 'default'}"] = doc
+        # the Linear layers inside the blocks, targeted by name: FSDP's
+        # groups are their blocks'
+        model = fsdp_model(world, True)
+        linears = [f"blocks.{i}.{n}" for i in range(3) for n in ("qkv", "up")]
+        shards = []
+        with ctxreplay.capture_with(model, targets=linears) as session:
+            eager = _fsdp_calls(model, rank, world, shards)
+        report = session.finalize()
+        doc = summary(report)
+        doc["sharded_after_finalize"] = sharding(model, world)
+        with ctxreplay.install(model, report) as handle:
+            installed = _fsdp_calls(model, rank, world, shards)
+        doc["install"] = stats(handle)
+        doc["sharded_after_calls"] = shards
+        doc["same"] = same(eager, installed)
+        result["bf16/linears"] = doc
     teardown()
