@@ -117,3 +117,9 @@ def test_fsdp2_blocks_are_captured_gathered_and_dispatched_with_fsdp_gathering(
             (rank, doc["install"])
         assert doc["sharded_after_finalize"] and doc["sharded_after_calls"] == [True] * 4
         assert doc["same"], rank
+        # the bf16 captures after save_all and load (the graph of each with
+        # the weights of the rank that traced it): every call dispatched
+        doc = r["loaded"]
+        assert doc["install"] == {"hits": 6, "misses": 0, "reasons": {}, "unusable": {}}, \
+            (rank, doc["install"])
+        assert doc["same"] and doc["sharded_after_calls"] == [True, True], rank

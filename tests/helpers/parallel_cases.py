@@ -335,46 +335,61 @@ def _program_dtypes(report: ctxreplay.CaptureReport) -> list[str]:
                    for t in c.artifact.state_dict.values()})
 
 
+def _fsdp_round(model: nn.Module, rank: int, world: int, targets: Any, **kw: Any
+                ) -> tuple[dict[str, Any], ctxreplay.CaptureReport, list[torch.Tensor]]:
+    """Observe, finalize and install once: the report's summary, install's
+    counts, eager's outputs and the sharding after finalize and after every
+    call, eager and installed."""
+    shards: list[bool] = []
+    with ctxreplay.capture_with(model, targets=targets, **kw) as session:
+        eager = _fsdp_calls(model, rank, world, shards)
+    report = session.finalize()
+    doc = summary(report)
+    doc["sharded_after_finalize"] = sharding(model, world)
+    doc["program_dtypes"] = _program_dtypes(report)
+    doc["calls"] = sum(c.calls for c in report.captures)
+    with ctxreplay.install(model, report) as handle:
+        installed = _fsdp_calls(model, rank, world, shards)
+    doc["install"] = stats(handle)
+    doc["sharded_after_calls"] = shards
+    doc["same"] = same(eager, installed)
+    doc["dtypes"] = [str(t.dtype) for t in installed]
+    doc["eager_again"] = same(eager, _fsdp_calls(model, rank, world, []))
+    return doc, report, eager
+
+
 def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
     """FSDP2 blocks with and without the bf16 policy, at the default level
-    and at "execute": the report, install's counts, eager's outputs and the
-    sharding after finalize and after every installed call."""
+    and at "execute"; the Linear layers inside the blocks targeted by name;
+    and the bf16 captures saved, loaded and installed."""
     setup(rank, world, port)
     with written(out, rank) as result:
         for bf16 in (False, True):
             model = fsdp_model(world, bf16)
             for verify in (None, "execute"):
                 kw = {} if verify is None else {"verify": verify}
-                shards: list[bool] = []
-                with ctxreplay.capture_with(model, targets="repeated", **kw) as session:
-                    eager = _fsdp_calls(model, rank, world, shards)
-                report = session.finalize()
-                doc = summary(report)
-                doc["sharded_after_finalize"] = sharding(model, world)
-                doc["program_dtypes"] = _program_dtypes(report)
-                doc["calls"] = sum(c.calls for c in report.captures)
-                with ctxreplay.install(model, report) as handle:
-                    installed = _fsdp_calls(model, rank, world, shards)
-                doc["install"] = stats(handle)
-                doc["sharded_after_calls"] = shards
-                doc["same"] = same(eager, installed)
-                doc["dtypes"] = [str(t.dtype) for t in installed]
-                doc["eager_again"] = same(eager, _fsdp_calls(model, rank, world, []))
+                doc, report, eager = _fsdp_round(model, rank, world, "repeated", **kw)
                 result[f"{'bf16' if bf16 else 'fp32'}/{verify or 'default'}"] = doc
-        # the Linear layers inside the blocks, targeted by name: FSDP's
-        # groups are their blocks'
-        model = fsdp_model(world, True)
+        # FSDP's groups are the blocks': a Linear inside is gathered through them
         linears = [f"blocks.{i}.{n}" for i in range(3) for n in ("qkv", "up")]
-        shards = []
-        with ctxreplay.capture_with(model, targets=linears) as session:
-            eager = _fsdp_calls(model, rank, world, shards)
-        report = session.finalize()
-        doc = summary(report)
-        doc["sharded_after_finalize"] = sharding(model, world)
-        with ctxreplay.install(model, report) as handle:
-            installed = _fsdp_calls(model, rank, world, shards)
-        doc["install"] = stats(handle)
-        doc["sharded_after_calls"] = shards
-        doc["same"] = same(eager, installed)
-        result["bf16/linears"] = doc
+        result["bf16/linears"] = _fsdp_round(fsdp_model(world, True), rank, world, linears)[0]
+        report.save_all(Path(out, "captures"))  # every rank: a collective
+        shards: list[bool] = []
+        with ctxreplay.install(model, ctxreplay.load(Path(out, "captures"))) as handle:
+            loaded = _fsdp_calls(model, rank, world, shards)
+        result["loaded"] = {"install": stats(handle), "same": same(eager, loaded),
+                            "sharded_after_calls": shards}
     teardown()
+
+
+@contextmanager
+def one_rank_group(store: Path) -> Iterator[None]:
+    """A gloo group of this process alone (FSDP2 over a one-rank mesh runs
+    its hooks and gathers as on many ranks), destroyed after."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
