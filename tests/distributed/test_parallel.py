@@ -123,3 +123,14 @@ def test_fsdp2_blocks_are_captured_gathered_and_dispatched_with_fsdp_gathering(
         assert doc["install"] == {"hits": 6, "misses": 0, "reasons": {}, "unusable": {}}, \
             (rank, doc["install"])
         assert doc["same"] and doc["sharded_after_calls"] == [True, True], rank
+        # not dispatched: the whole model as one member holds the blocks'
+        # FSDP hooks, which gather inside its forward and which its program
+        # would skip.  Its capture reproduces the calls (compared by value,
+        # on the gathered weights), but install runs it eagerly, saying why
+        # (without a policy the shards even have the gathered dtype)
+        doc = r["fp32/whole"]
+        assert doc["ok"] and all(c["checked"][-1] == "sampled" for c in doc["captures"]), \
+            (rank, doc)
+        assert doc["install"] == {"hits": 0, "misses": 2, "reasons": {"hooks": 2},
+                                  "unusable": {}}, (rank, doc["install"])
+        assert doc["same"] and doc["sharded_after_calls"] == [True] * 4, rank

@@ -373,6 +373,8 @@ def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
         # FSDP's groups are the blocks': a Linear inside is gathered through them
         linears = [f"blocks.{i}.{n}" for i in range(3) for n in ("qkv", "up")]
         result["bf16/linears"] = _fsdp_round(fsdp_model(world, True), rank, world, linears)[0]
+        # the whole model as one member: FSDP's hooks on the blocks run inside it
+        result["fp32/whole"] = _fsdp_round(fsdp_model(world, False), rank, world, None)[0]
         report.save_all(Path(out, "captures"))  # every rank: a collective
         shards: list[bool] = []
         with ctxreplay.install(model, ctxreplay.load(Path(out, "captures"))) as handle:
