@@ -20,6 +20,9 @@ group, where every rank observed its own calls and the ranks
    problems, counts), so every rank builds the same merged report;
 6. run each graph that holds collectives *together* (``lockstep``).
 
+Where members hold FSDP2 parameters, step 5's captures are made *in turns*
+(``turns``): gathering them is an all-gather every rank must join.
+
 Only ``torch.distributed`` carries anything (its store and object
 collectives on the session's group); no ctxreplay transport exists.
 """
