@@ -358,6 +358,28 @@ def _fsdp_round(model: nn.Module, rank: int, world: int, targets: Any, **kw: Any
     return doc, report, eager
 
 
+def _fsdp_training(rank: int, world: int) -> dict[str, Any]:
+    """A training step, eager and installed: outputs and the gradient shards
+    FSDP reduce-scatters after backward."""
+    model = fsdp_model(world, False).train()
+    x = torch.rand(2, 5, DIM, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        y = model(x)
+        y.sum().backward()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad()
+        return y.detach(), grads
+
+    with ctxreplay.capture_with(model, targets="repeated") as session:
+        eager, eager_grads = step()
+    report = session.finalize()
+    with ctxreplay.install(model, report) as handle:
+        out, grads = step()
+    return {"ok": report.ok, "install": stats(handle), "same": same([eager], [out]),
+            "same_grads": same(eager_grads, grads), "sharded": sharding(model, world)}
+
+
 def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
     """FSDP2 blocks with and without the bf16 policy, at the default level
     and at "execute"; the Linear layers inside the blocks targeted by name;
@@ -373,6 +395,7 @@ def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
         # FSDP's groups are the blocks': a Linear inside is gathered through them
         linears = [f"blocks.{i}.{n}" for i in range(3) for n in ("qkv", "up")]
         result["bf16/linears"] = _fsdp_round(fsdp_model(world, True), rank, world, linears)[0]
+        result["fp32/train"] = _fsdp_training(rank, world)
         # the whole model as one member: FSDP's hooks on the blocks run inside it
         result["fp32/whole"] = _fsdp_round(fsdp_model(world, False), rank, world, None)[0]
         report.save_all(Path(out, "captures"))  # every rank: a collective
