@@ -166,3 +166,19 @@ def test_fsdp2_a_member_holding_fsdp_modules_is_not_dispatched(
         assert doc["install"] == {"hits": 0, "misses": 2, "reasons": {"hooks": 2},
                                   "unusable": {}}, (rank, doc["install"])
         assert doc["same"] and doc["sharded_after_calls"] == [True] * 4, rank
+
+
+def test_fsdp2_a_module_another_rank_cannot_name_is_refused_without_waiting(
+        fsdp: list[dict[str, Any]]) -> None:
+    """Rank 1 observed the model under another root, so the block rank 0
+    gathers has another name there: the ranks say so to each other before
+    anyone gathers, and the capture fails ``isolation_failed`` naming the
+    rank and the module -- no rank waits on a gather the other never starts."""
+    for rank, r in enumerate(fsdp):
+        doc = r["fp32/renamed"]
+        assert not doc["ok"] and not doc["captures"], (rank, doc)
+        assert sorted(f[1] for f in doc["failures"]) == ["isolation_failed"] * 4, doc
+        assert {f[3] for f in doc["failures"]} == {
+            "rank 1 has no FSDP module 'blocks.0' to gather with rank 0",
+            "rank 0 has no FSDP module '0.blocks.0' to gather with rank 1"}, doc
+        assert doc["sharded_after_finalize"], rank

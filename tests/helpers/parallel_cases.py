@@ -380,6 +380,18 @@ def _fsdp_training(rank: int, world: int) -> dict[str, Any]:
             "same_grads": same(eager_grads, grads), "sharded": sharding(model, world)}
 
 
+def _fsdp_renamed(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 observes the model under another root (``nn.Sequential(model)``):
+    the blocks rank 0 gathers by name are not there under that name."""
+    model = fsdp_model(world, False)
+    root = model if rank == 0 else nn.Sequential(model)
+    with ctxreplay.capture_with(root, targets="repeated") as session:
+        _fsdp_calls(root, rank, world, [])
+    doc = summary(session.finalize())
+    doc["sharded_after_finalize"] = sharding(model, world)
+    return doc
+
+
 def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
     """FSDP2 blocks with and without the bf16 policy, at the default level
     and at "execute"; the Linear layers inside the blocks targeted by name;
@@ -396,6 +408,7 @@ def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
         linears = [f"blocks.{i}.{n}" for i in range(3) for n in ("qkv", "up")]
         result["bf16/linears"] = _fsdp_round(fsdp_model(world, True), rank, world, linears)[0]
         result["fp32/train"] = _fsdp_training(rank, world)
+        result["fp32/renamed"] = _fsdp_renamed(rank, world)
         # the whole model as one member: FSDP's hooks on the blocks run inside it
         result["fp32/whole"] = _fsdp_round(fsdp_model(world, False), rank, world, None)[0]
         report.save_all(Path(out, "captures"))  # every rank: a collective
