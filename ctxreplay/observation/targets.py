@@ -166,10 +166,11 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
     for path, m in module.named_modules(remove_duplicate=False):
         budget = [4 * _MAX_ITEMS]
         attrs_ = []
+        fsdp = m.__dict__.get("_is_fsdp_managed_module") is True
         for k, v in m.__dict__.items():
             # FSDP's state keys are new uuids in each process: its bookkeeping,
             # not state a forward reads
-            if k in skip or is_fsdp_key(k):
+            if k in skip or (fsdp and is_fsdp_key(k)):
                 continue
             p = _plain(v, budget)
             if p is not _SKIP:
@@ -177,7 +178,7 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
         own = _own_forward(m)
         if own is not None:  # another forward than the class's runs this module
             attrs_.append(("forward", own))
-        key = _fsdp_key if m.__dict__.get("_is_fsdp_managed_module") is True else _tensor_key
+        key = _fsdp_key if fsdp else _tensor_key
         out.append((path, type(m).__qualname__, bool(m.training),
                     tuple((n, *key(t)) for n, t in m._parameters.items()
                           if t is not None),
