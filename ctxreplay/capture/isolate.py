@@ -24,6 +24,12 @@ the view's), and each hooked submodule of the view runs the forward its
 hook wraps, never the hook.  A tree whose hooks cannot be followed raises
 ``HookedWeights``.
 
+A tree whose parameters FSDP2 shards (``sharded.fsdp_owners``) is copied
+while the owners' whole parameters are gathered for it (``sharded.gathered``:
+``unshard()``, in the policy's dtype), each gathered parameter cloned into
+the view (``reshard()`` frees the gathered storage right after) and each
+``FSDP<cls>`` module copied as its own class, without FSDP's state or hooks.
+
 ``forward_alone(module)`` makes calling the (isolated) member run its
 ``forward`` alone, the way observation saw the live call: without the
 hooks ``nn.Module.__call__`` runs around it at the member's own level.
