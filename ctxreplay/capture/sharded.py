@@ -48,11 +48,18 @@ Gather = Callable[[list[nn.Module]], AbstractContextManager[None]]
 _gathers: list[Gather] = []
 
 
+#: where ``FSDPModule`` is defined (torch 2.6 moved it from ``_composable``)
+_HOMES = ("torch.distributed.fsdp._fully_shard._fully_shard",
+          "torch.distributed._composable.fsdp.fully_shard")
+
+
 def fsdp_class() -> type | None:
     """``FSDPModule``, where FSDP2 is imported (no module is one otherwise)."""
-    mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
-    cls = getattr(mod, "FSDPModule", None)
-    return cls if isinstance(cls, type) else None
+    for home in _HOMES:
+        cls = getattr(sys.modules.get(home), "FSDPModule", None)
+        if isinstance(cls, type):
+            return cls
+    return None
 
 
 def is_fsdp(module: nn.Module) -> bool:
@@ -88,8 +95,15 @@ def fsdp_states(module: nn.Module) -> list[Any]:
 
 
 def holds_fsdp(modules: Iterable[nn.Module]) -> bool:
-    """Whether any of ``modules`` has FSDP parameters in its tree."""
-    return fsdp_class() is not None and any(fsdp_owners(m) for m in modules)
+    """Whether any of ``modules`` has FSDP parameters in its tree (``True``
+    where FSDP's state cannot be read: each capture then fails to find them,
+    saying why, without anyone gathering)."""
+    if fsdp_class() is None:
+        return False
+    try:
+        return any(fsdp_owners(m) for m in modules)
+    except Exception:
+        return True
 
 
 def fsdp_owners(module: nn.Module) -> list[nn.Module]:
@@ -105,11 +119,20 @@ def fsdp_owners(module: nn.Module) -> list[nn.Module]:
     return [*above, *inside]
 
 
+def _groups(owner: nn.Module) -> list[Any]:
+    """The FSDP parameter groups of ``owner`` (a torch that keeps one reads it
+    as ``_fsdp_param_group``, ``None`` for none)."""
+    state = owner._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    one = state._fsdp_param_group
+    return [] if one is None else [one]
+
+
 def _managed(owner: nn.Module) -> list[nn.Module]:
     """The modules whose parameters ``owner``'s groups hold."""
-    state = owner._get_fsdp_state()  # type: ignore[operator]
-    return [fp._module_info.module for group in state._fsdp_param_groups
-            for fp in group.fsdp_params]
+    return [fp._module_info.module for group in _groups(owner) for fp in group.fsdp_params]
 
 
 def _ancestors(modules: set[int]) -> list[nn.Module]:
@@ -135,8 +158,7 @@ def gathered_forms(module: nn.Module) -> dict[int, tuple[tuple[int, ...], torch.
     whole shape, in ``MixedPrecisionPolicy.param_dtype`` where one is set."""
     out: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
     for owner in fsdp_owners(module):
-        state = owner._get_fsdp_state()  # type: ignore[operator]
-        for group in state._fsdp_param_groups:
+        for group in _groups(owner):
             for fp in group.fsdp_params:
                 shard = fp.sharded_param
                 out[id(shard)] = (tuple(fp._orig_size), fp.param_dtype or shard.dtype)
@@ -144,7 +166,7 @@ def gathered_forms(module: nn.Module) -> dict[int, tuple[tuple[int, ...], torch.
 
 
 def _unsharded(owner: nn.Module) -> bool:
-    groups = owner._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    groups = _groups(owner)
     return bool(groups) and all(g.is_unsharded for g in groups)
 
 
