@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 __all__ = ["Watch"]
 
 _lock = threading.Lock()
@@ -46,11 +48,13 @@ def _patch(cls: type) -> None:
     orig: Callable[[Any, str, Any], None] = cls.__setattr__  # type: ignore[assignment]
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
-        orig(self, name, value)
         tell = _watchers.get(id(self))
-        if tell:
-            for callback in tuple(tell):
-                callback()
+        if not tell or _fsdp_swap(self, name, value):
+            orig(self, name, value)
+            return
+        orig(self, name, value)
+        for callback in tuple(tell):
+            callback()
 
     __setattr__.__qualname__ = f"{cls.__qualname__}.__setattr__"
     __setattr__.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -59,6 +63,20 @@ def _patch(cls: type) -> None:
     except TypeError:  # a built-in type (SimpleNamespace): its changes stay unseen
         return
     _patched[cls] = (own, __setattr__, 1)
+
+
+def _fsdp_swap(module: Any, name: str, value: Any) -> bool:
+    """Whether assigning ``value`` is FSDP2 swapping a parameter of a module
+    it manages between its shard and the gathered whole (around every call;
+    torch's FSDP takes this assignment path once a class's ``__setattr__``
+    is not ``nn.Module``'s).  Both forms have the whole shape, and a
+    managed parameter's identity is that shape, so nothing changes."""
+    d = getattr(module, "__dict__", None)
+    if not d or d.get("_is_fsdp_managed_module") is not True:
+        return False
+    old = (d.get("_parameters") or {}).get(name)
+    return isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) \
+        and value.shape == old.shape
 
 
 def _unpatch(cls: type) -> None:

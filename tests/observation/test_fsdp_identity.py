@@ -5,6 +5,7 @@ identity, and FSDP's per-process state keys are not part of it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import parallel_cases as cases
 import pytest
@@ -51,3 +52,36 @@ def test_fsdp_state_keys_are_not_part_of_an_identity(tmp_path: Path) -> None:
         identity = identity_of(block)
         text = repr(identity)
     assert "__composable_api_state_key_" not in text
+
+
+def test_fsdp_swapping_parameters_around_a_call_does_not_recheck_identity(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP registers the gathered parameters before each block call and the
+    shards after, by assignment once a class's ``__setattr__`` is not
+    ``nn.Module``'s (the watch's is): every block call recomputed its
+    identity (~20 us a block on this machine).  A swap between the two
+    forms of one parameter is no change of identity."""
+    import ctxreplay
+    from ctxreplay.observation import wrapper
+
+    reads = [0]
+    real = wrapper.identity_of
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads[0] += 1
+        return real(*args, **kwargs)
+
+    with cases.one_rank_group(tmp_path / "store"):
+        model = cases.fsdp_model(1, bf16=True)
+        x = torch.rand(2, 3, cases.DIM)
+        with ctxreplay.capture_with(model, targets="repeated") as session, torch.no_grad():
+            model(x)
+            monkeypatch.setattr(wrapper, "identity_of", counted)
+            for _ in range(3):
+                model(x)
+            monkeypatch.setattr(wrapper, "identity_of", real)
+            model.blocks[0].norm1.eps = 1e-3  # an assignment that is a change
+            model(x)
+        report = session.finalize()
+    assert reads[0] == 0  # 9 block calls, none rechecked
+    assert report.ok and len(report.captures) == 2  # the changed eps: its own variant
