@@ -47,14 +47,22 @@ def _patch(cls: type) -> None:
     own = cls.__dict__.get("__setattr__")
     orig: Callable[[Any, str, Any], None] = cls.__setattr__  # type: ignore[assignment]
 
+    # FSDP2 assigns a parameter through the module's ``__setattr__`` only
+    # where it is not ``nn.Module``'s; with it, it writes ``_parameters``
+    plain = orig is torch.nn.Module.__setattr__
+
     def __setattr__(self: Any, name: str, value: Any) -> None:
-        tell = _watchers.get(id(self))
-        if not tell or _fsdp_swap(self, name, value):
-            orig(self, name, value)
+        if _fsdp_swap(self, name, value):  # no change of identity: tells no one
+            if plain:  # what FSDP does where no class patch is in its way
+                self._parameters[name] = value
+            else:
+                orig(self, name, value)
             return
         orig(self, name, value)
-        for callback in tuple(tell):
-            callback()
+        tell = _watchers.get(id(self))
+        if tell:
+            for callback in tuple(tell):
+                callback()
 
     __setattr__.__qualname__ = f"{cls.__qualname__}.__setattr__"
     __setattr__.__wrapped__ = orig  # type: ignore[attr-defined]
