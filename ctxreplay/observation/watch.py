@@ -13,7 +13,9 @@ attributes, so they are seen; a call where nothing was assigned pays
 nothing.  Changes made without an assignment on such an object (an item
 of a dict the module holds, a field of a built-in ``SimpleNamespace``
 attribute, a module-level global the forward reads) are not seen here:
-``verify="values"`` checks retained calls by value instead.
+``verify="values"`` checks retained calls by value instead.  FSDP2's swap
+of a managed parameter between its shard and the gathered whole, around
+every call, is not a change of identity (``_fsdp_swap``): it tells no one.
 
 The patch is counted per class and taken off when the last session
 watching that class detaches; a ``__setattr__`` another tool installed on
