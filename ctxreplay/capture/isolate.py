@@ -24,6 +24,12 @@ the view's), and each hooked submodule of the view runs the forward its
 hook wraps, never the hook.  A tree whose hooks cannot be followed raises
 ``HookedWeights``.
 
+A tree whose parameters FSDP2 shards (``sharded.fsdp_owners``) is copied
+while the owners' whole parameters are gathered for it (``sharded.gathered``:
+``unshard()``, in the policy's dtype), each gathered parameter cloned into
+the view (``reshard()`` frees the gathered storage right after) and each
+``FSDP<cls>`` module copied as its own class, without FSDP's state or hooks.
+
 ``forward_alone(module)`` makes calling the (isolated) member run its
 ``forward`` alone, the way observation saw the live call: without the
 hooks ``nn.Module.__call__`` runs around it at the member's own level.
@@ -56,6 +62,7 @@ from ..specs.storage import inner_tensors, storage_ptr, storage_ptrs
 from .hookfree import gated_global_hooks, silence_view
 from .offload import weight_hooks
 from .pystate import reach
+from .sharded import fsdp_owners, fsdp_states, gathered, is_fsdp, is_fsdp_key, original_class
 
 __all__ = ["BookkeepingError", "HookedWeights", "NotIsolable", "forward_alone", "isolated",
            "isolating", "isolating_as", "isolation_depth", "rng_guard", "unwatch", "watch"]
@@ -176,6 +183,9 @@ class HookedWeights(NotIsolable):
 
 
 def _copy(module: nn.Module) -> nn.Module:
+    owners = fsdp_owners(module)
+    if owners:
+        return _copy_gathered(module, owners)
     held = weight_hooks(module)
     if held is None:
         return _copy_tree(module, {})
@@ -199,6 +209,58 @@ def _copy(module: nn.Module) -> nn.Module:
     for path in held.paths:
         unhooked(view.get_submodule(path) if path else view)
     return view
+
+
+def _copy_gathered(module: nn.Module, owners: list[nn.Module]) -> nn.Module:
+    """A view of a tree whose parameters FSDP2 shards: copied while the
+    owners' whole parameters are registered (as FSDP's pre-hook gathers them
+    for a call, in its policy's dtype), each of those cloned -- ``reshard()``
+    frees the gathered storage, so a view sharing it would read freed memory
+    -- and every ``FSDP<cls>`` module copied as its own class, without
+    FSDP's state, markers or hooks: the view runs the forward the live call
+    ran, on the weights it ran with."""
+    memo: dict[int, Any] = {id(s): s for s in fsdp_states(module)}  # shared, never copied
+    sharded = {id(p) for p in module.parameters()}
+    with gathered(owners):
+        for p in module.parameters():
+            if id(p) not in sharded:  # gathered for this view: its own copy
+                memo[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        try:
+            view = _copy_unfsdp(module, memo)
+        except NotIsolable:
+            raise
+        except Exception as exc:
+            raise NotIsolable(
+                f"{type(module).__name__} (FSDP) cannot be copied for capture "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else '-'})"
+            ) from None
+    for m in view.modules():
+        for key in [k for k in m.__dict__ if is_fsdp_key(k)]:
+            del m.__dict__[key]
+    return view
+
+
+def _copy_unfsdp(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``module``'s tree copied with each ``FSDP<cls>`` module (which refuses
+    ``deepcopy``) as an instance of its own class: a shell of that class for
+    each is in ``memo`` before anything is copied, so the tree's references
+    to it land on the shell, and the shell is then given a copy of the
+    module's attributes but FSDP's own."""
+    shells: list[tuple[nn.Module, nn.Module]] = []
+    for m in module.modules():
+        if is_fsdp(m):
+            cls = original_class(m)
+            shell = object.__new__(cls)  # nn.Module has no __new__ of its own
+            memo[id(m)] = shell
+            shells.append((m, shell))
+    for m, shell in shells:
+        own = {k: v for k, v in m.__dict__.items() if not is_fsdp_key(k)}
+        shell.__dict__.update(copy.deepcopy(own, memo))
+    if is_fsdp(module):
+        view: nn.Module = memo[id(module)]
+        _follow_closures(view, memo)
+        return view
+    return _copy_tree(module, memo)
 
 
 def unhooked(module: nn.Module) -> None:

@@ -28,6 +28,7 @@ from ..capture.assigned import Assigned, split, write
 from ..capture.mutation import ARGUMENT_FIELD
 from ..capture.offload import Held, weight_hooks
 from ..capture.results import Capture
+from ..capture.sharded import gathered_forms
 from ..core.snapshots import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
 from ..loading.load import LoadedCapture, LoadedManifest
 from ..loading.needs import Needs, needs_of, static_differences
@@ -202,8 +203,19 @@ def _program_here(source: Capture, model: nn.Module | None) -> tuple[Any, str | 
 def _state(member: nn.Module, binding: str) -> dict[str, torch.Tensor]:
     """The member's tensors by the names its program gives them; an inner
     tensor of a wrapper parameter (a DTensor's local shard) as a parameter
-    over the same storage, which torch's program verifier requires."""
+    over the same storage, which torch's program verifier requires.  A
+    parameter FSDP2 holds as its shard between calls stands as the whole
+    parameter FSDP gathers for a call (its policy's dtype), with no memory
+    of its own (one element, expanded): the program was traced on that, and
+    a dispatched call takes the one FSDP put in place for it."""
     out = member_tensors(member, _prefix(binding))
+    forms = gathered_forms(member)
+    if forms:
+        for k, v in out.items():
+            if id(v) in forms:
+                shape, dtype = forms[id(v)]
+                blank = torch.zeros((), dtype=dtype, device=v.device).expand(shape)
+                out[k] = nn.Parameter(blank, requires_grad=False)
     for k, v in out.items():
         if unwrapped_name(k) is not None and not isinstance(v, nn.Parameter):
             out[k] = nn.Parameter(v, requires_grad=v.requires_grad)

@@ -20,6 +20,9 @@ group, where every rank observed its own calls and the ranks
    problems, counts), so every rank builds the same merged report;
 6. run each graph that holds collectives *together* (``lockstep``).
 
+Where members hold FSDP2 parameters, step 5's captures are made *in turns*
+(``turns``): gathering them is an all-gather every rank must join.
+
 Only ``torch.distributed`` carries anything (its store and object
 collectives on the session's group); no ctxreplay transport exists.
 """
@@ -31,8 +34,8 @@ import itertools
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import torch
@@ -42,6 +45,7 @@ from torch import nn
 from .._base.environment import ACCELERATORS
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
+from ..capture.sharded import holds_fsdp
 from ..core.probe import ContextProbe
 from ..core.snapshots import ContextSnapshot
 from ..errors import Error
@@ -50,6 +54,7 @@ from ..observation.targets import ADDRESS
 from ..specs.signature import CallSpec, ConstSpec, Spec
 from ..specs.specjson import call_to_json
 from .lockstep import run_collective_checks
+from .turns import in_turns
 from .wire import from_wire, portable, to_wire
 
 __all__ = ["Alone", "Collective", "DistributedError", "Exchange", "Observed", "Plan",
@@ -59,6 +64,7 @@ _sequence: dict[tuple[int, ...], itertools.count[int]] = {}
 # a device index differs between ranks for the same call (cuda:0 on rank 0, cuda:1 on rank 1)
 _DEVICE_INDEX = re.compile(rf"\b({'|'.join(ACCELERATORS)}):\d+\b")
 _POLL = 0.02
+T = TypeVar("T")
 
 
 class DistributedError(Error, RuntimeError):
@@ -297,6 +303,14 @@ class Collective:
         return [attrs.evolve(c, fidelity=checked[(c.scope, c.variant)])
                 if (c.scope, c.variant) in checked else c for c in captures]
 
+    def captures_in_turns(self, work: Callable[[], T], modules: Mapping[str, nn.Module],
+                          root: nn.Module) -> T:
+        """``work()`` (this rank's captures), the ranks taking turns where
+        any rank's members hold FSDP parameters (``turns``)."""
+        if not any(self.gather(holds_fsdp(modules.values()))):
+            return work()
+        return in_turns(self, work, root)
+
     def info(self, plan: Plan, every: list[RankResults]) -> dict[str, Any] | None:
         return {"world_size": dist.get_world_size(), "group_ranks": list(self.ranks),
                 "backend": str(dist.get_backend(self.group)),
@@ -370,6 +384,11 @@ class Exchange(Protocol):
                           verify: str) -> list[Capture]:
         """Captures whose graphs hold collectives, verified on every rank together."""
 
+    def captures_in_turns(self, work: Callable[[], T], modules: Mapping[str, nn.Module],
+                          root: nn.Module) -> T:
+        """``work()``: this rank's captures, with the other ranks where
+        capturing needs them (gathering FSDP parameters)."""
+
     def info(self, plan: Plan, every: list[RankResults]) -> dict[str, Any] | None:
         """What the report says of the job (``None``: one process)."""
 
@@ -410,6 +429,10 @@ class Alone:
                           baseline: tuple[ContextProbe[Any], ...],
                           verify: str) -> list[Capture]:
         return captures  # a graph that holds collectives needs a group
+
+    def captures_in_turns(self, work: Callable[[], T], modules: Mapping[str, nn.Module],
+                          root: nn.Module) -> T:
+        return work()
 
     def info(self, plan: Plan, every: list[RankResults]) -> dict[str, Any] | None:
         return None

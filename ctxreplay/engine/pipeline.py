@@ -98,12 +98,17 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: Baseline, *, explain:
     todo = {(r.scope, r.variant) for _, r in mine} - job.done.keys()
     bar = Progress(_steps(everything, options), {(r.scope, r.variant) for r in everything} - todo,
                    progress)
-    results = _capture_mine(job, mine, plan, exchange, modules, baseline, net, bar)
-    captures = [c for c in results if isinstance(c, Capture)]
-    explained = None
-    if explain and not job.interrupted:
-        explained = tuple(explain_captures(captures, modules, options).captures)
-    captures = list(merge_identical(captures))
+    def work() -> tuple[list[Result], tuple[Any, ...] | None]:
+        # explaining recaptures: it gathers FSDP parameters as capture does
+        results = _capture_mine(job, mine, plan, exchange, modules, baseline, net, bar)
+        if not explain or job.interrupted:
+            return results, None
+        made = [c for c in results if isinstance(c, Capture)]
+        return results, tuple(explain_captures(made, modules, options).captures)
+
+    root = obs.root.module if obs.root is not None else nn.Module()
+    results, explained = exchange.captures_in_turns(work, modules, root)
+    captures = list(merge_identical([c for c in results if isinstance(c, Capture)]))
     failures = [f for f in results if isinstance(f, CaptureFailure)]
     bar.summary(len(captures), len(failures), time.perf_counter() - t0)
     local = _rank_results(job, everything, captures, failures, explained,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..capture.options import Unrestorable
+from ..capture.sharded import is_fsdp_key
 from .copies import callees, is_ours
 
 # torch's lazy modules hold these until their first forward
@@ -33,6 +34,15 @@ def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     if isinstance(t, _Uninitialized):
         return ("uninitialized", t.device.type)
     return (tuple(t.shape), t.dtype, t.device.type)
+
+
+def _fsdp_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """A parameter FSDP2 manages is one parameter in two forms: its shard (a
+    ``DTensor`` of the whole shape, in the dtype it was made in) between
+    calls, and the gathered whole (in ``MixedPrecisionPolicy.param_dtype``)
+    during one.  Both have the whole shape; the dtype tells the forms apart,
+    not two members."""
+    return (tuple(t.shape), "fsdp", t.device.type)
 
 
 def structure_key(module: nn.Module) -> tuple[Any, ...]:
@@ -156,8 +166,11 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
     for path, m in module.named_modules(remove_duplicate=False):
         budget = [4 * _MAX_ITEMS]
         attrs_ = []
+        fsdp = m.__dict__.get("_is_fsdp_managed_module") is True
         for k, v in m.__dict__.items():
-            if k in skip:
+            # FSDP's state keys are new uuids in each process: its bookkeeping,
+            # not state a forward reads
+            if k in skip or (fsdp and is_fsdp_key(k)):
                 continue
             p = _plain(v, budget)
             if p is not _SKIP:
@@ -165,8 +178,9 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
         own = _own_forward(m)
         if own is not None:  # another forward than the class's runs this module
             attrs_.append(("forward", own))
+        key = _fsdp_key if fsdp else _tensor_key
         out.append((path, type(m).__qualname__, bool(m.training),
-                    tuple((n, *_tensor_key(t)) for n, t in m._parameters.items()
+                    tuple((n, *key(t)) for n, t in m._parameters.items()
                           if t is not None),
                     tuple((n, *_tensor_key(t)) for n, t in m._buffers.items()
                           if t is not None),

@@ -13,7 +13,9 @@ attributes, so they are seen; a call where nothing was assigned pays
 nothing.  Changes made without an assignment on such an object (an item
 of a dict the module holds, a field of a built-in ``SimpleNamespace``
 attribute, a module-level global the forward reads) are not seen here:
-``verify="values"`` checks retained calls by value instead.
+``verify="values"`` checks retained calls by value instead.  FSDP2's swap
+of a managed parameter between its shard and the gathered whole, around
+every call, is not a change of identity (``_fsdp_swap``): it tells no one.
 
 The patch is counted per class and taken off when the last session
 watching that class detaches; a ``__setattr__`` another tool installed on
@@ -26,6 +28,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 __all__ = ["Watch"]
 
@@ -45,7 +49,17 @@ def _patch(cls: type) -> None:
     own = cls.__dict__.get("__setattr__")
     orig: Callable[[Any, str, Any], None] = cls.__setattr__  # type: ignore[assignment]
 
+    # FSDP2 assigns a parameter through the module's ``__setattr__`` only
+    # where it is not ``nn.Module``'s; with it, it writes ``_parameters``
+    plain = orig is torch.nn.Module.__setattr__
+
     def __setattr__(self: Any, name: str, value: Any) -> None:
+        if _fsdp_swap(self, name, value):  # no change of identity: tells no one
+            if plain:  # what FSDP does where no class patch is in its way
+                self._parameters[name] = value
+            else:
+                orig(self, name, value)
+            return
         orig(self, name, value)
         tell = _watchers.get(id(self))
         if tell:
@@ -59,6 +73,20 @@ def _patch(cls: type) -> None:
     except TypeError:  # a built-in type (SimpleNamespace): its changes stay unseen
         return
     _patched[cls] = (own, __setattr__, 1)
+
+
+def _fsdp_swap(module: Any, name: str, value: Any) -> bool:
+    """Whether assigning ``value`` is FSDP2 swapping a parameter of a module
+    it manages between its shard and the gathered whole (around every call;
+    torch's FSDP takes this assignment path once a class's ``__setattr__``
+    is not ``nn.Module``'s).  Both forms have the whole shape, and a
+    managed parameter's identity is that shape, so nothing changes."""
+    d = getattr(module, "__dict__", None)
+    if not d or d.get("_is_fsdp_managed_module") is not True:
+        return False
+    old = (d.get("_parameters") or {}).get(name)
+    return isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) \
+        and value.shape == old.shape
 
 
 def _unpatch(cls: type) -> None:

@@ -9,6 +9,7 @@ understands.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import parallel_cases as cases
 import pytest
@@ -74,3 +75,110 @@ def test_tensor_parallel_blocks_are_checked_on_every_rank_and_dispatched(tmp_pat
             assert doc["install"] == {"hits": 6, "misses": 0, "reasons": {}, "unusable": {}}, \
                 (rank, verify)
             assert doc["same"], (rank, verify)
+
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One run of ``cases.fully_sharded`` on 2 ranks, each rank's findings:
+    3 transformer blocks each ``fully_shard``-ed, with and without
+    ``MixedPrecisionPolicy(param_dtype=bf16)``.  On HEAD before FSDP2 was
+    served every block failed ``isolation_failed`` ("FSDP does not support
+    deepcopy") and the Linear layers inside them ``bad_artifact``."""
+    return _run(cases.fully_sharded, tmp_path_factory.mktemp("fsdp"))  # type: ignore[return-value]
+
+
+_EVERY_CALL = {"hits": 6, "misses": 0, "reasons": {}, "unusable": {}}
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+@pytest.mark.parametrize("verify", ["default", "execute"])
+def test_fsdp2_blocks_are_traced_on_the_gathered_parameters_and_dispatched(
+        fsdp: list[dict[str, Any]], policy: str, verify: str) -> None:
+    """Each variant is traced once on the whole parameters FSDP gathers for
+    a call (the ranks gathering together, in the policy's dtype), checked
+    at the default level and at "execute"; install dispatches every block
+    call with FSDP's own hooks still gathering and resharding around it."""
+    last = "sampled" if verify == "default" else "execute"
+    dtype = "torch.bfloat16" if policy == "bf16" else "torch.float32"
+    for rank, r in enumerate(fsdp):
+        doc = r[f"{policy}/{verify}"]
+        assert doc["ok"] and not doc["failures"], (rank, doc)
+        assert doc["captures"] and all(c["ok"] and c["backend"] == "export"
+                                       and c["checked"][-1] == last
+                                       for c in doc["captures"]), (rank, doc["captures"])
+        assert {c["rank"] for c in doc["captures"]} == {0, 1}, rank  # both ranks captured
+        assert doc["calls"] == 12, rank  # 2 calls x 3 blocks x 2 ranks, every one counted
+        assert doc["sharded_after_finalize"], rank
+        # every call, a capture the other rank made included
+        assert doc["install"] == _EVERY_CALL, (rank, doc["install"])
+        # every parameter sharded again after each call, eager then installed
+        assert doc["sharded_after_calls"] == [True] * 4, rank
+        assert doc["same"] and doc["eager_again"], rank
+        assert doc["dtypes"] == [dtype, dtype], rank
+        # this rank's program was traced on what FSDP gathered: the policy's dtype
+        assert doc["program_dtypes"] == [dtype], rank
+
+
+def test_fsdp2_linears_inside_blocks_are_gathered_through_their_blocks(
+        fsdp: list[dict[str, Any]]) -> None:
+    """The Linear layers inside the blocks, targeted by name (they failed
+    ``bad_artifact``): their parameters are in their blocks' FSDP groups."""
+    for rank, r in enumerate(fsdp):
+        doc = r["bf16/linears"]
+        assert doc["ok"] and not doc["failures"], (rank, doc)
+        assert doc["install"] == {**_EVERY_CALL, "hits": 12}, (rank, doc["install"])
+        assert doc["sharded_after_finalize"] and doc["sharded_after_calls"] == [True] * 4
+        assert doc["same"], rank
+
+
+def test_fsdp2_captures_saved_and_loaded_dispatch_every_call(
+        fsdp: list[dict[str, Any]]) -> None:
+    """The bf16 captures after ``save_all`` and ``load``: every call
+    dispatched with the parameters FSDP gathers, bit-identical to eager."""
+    for rank, r in enumerate(fsdp):
+        doc = r["loaded"]
+        assert doc["install"] == _EVERY_CALL, (rank, doc["install"])
+        assert doc["same"] and doc["sharded_after_calls"] == [True, True], rank
+
+
+def test_fsdp2_a_training_step_through_installed_blocks_gives_eager_gradients(
+        fsdp: list[dict[str, Any]]) -> None:
+    """FSDP's hooks gather around each dispatched call, and after backward
+    reduce-scatter gradient shards equal to eager's."""
+    for rank, r in enumerate(fsdp):
+        doc = r["fp32/train"]
+        assert doc["ok"] and doc["same"] and doc["same_grads"] and doc["sharded"], (rank, doc)
+        assert doc["install"]["hits"] == 3 and doc["install"]["misses"] == 0, (rank, doc)
+
+
+def test_fsdp2_a_member_holding_fsdp_modules_is_not_dispatched(
+        fsdp: list[dict[str, Any]]) -> None:
+    """The whole model as one member holds the blocks' FSDP hooks, which
+    gather inside its forward and which its program would skip.  Its capture
+    reproduces the calls (compared by value, on the gathered weights), but
+    install runs it eagerly, saying why (without a policy the shards even
+    have the gathered dtype: nothing else would stop it)."""
+    for rank, r in enumerate(fsdp):
+        doc = r["fp32/whole"]
+        assert doc["ok"] and all(c["checked"][-1] == "sampled" for c in doc["captures"]), \
+            (rank, doc)
+        assert doc["install"] == {"hits": 0, "misses": 2, "reasons": {"hooks": 2},
+                                  "unusable": {}}, (rank, doc["install"])
+        assert doc["same"] and doc["sharded_after_calls"] == [True] * 4, rank
+
+
+def test_fsdp2_a_module_another_rank_cannot_name_is_refused_without_waiting(
+        fsdp: list[dict[str, Any]]) -> None:
+    """Rank 1 observed the model under another root, so the block rank 0
+    gathers has another name there: the ranks say so to each other before
+    anyone gathers, and the capture fails ``isolation_failed`` naming the
+    rank and the module -- no rank waits on a gather the other never starts."""
+    for rank, r in enumerate(fsdp):
+        doc = r["fp32/renamed"]
+        assert not doc["ok"] and not doc["captures"], (rank, doc)
+        assert sorted(f[1] for f in doc["failures"]) == ["isolation_failed"] * 4, doc
+        assert {f[3] for f in doc["failures"]} == {
+            "rank 1 has no FSDP module 'blocks.0' to gather with rank 0",
+            "rank 0 has no FSDP module '0.blocks.0' to gather with rank 1"}, doc
+        assert doc["sharded_after_finalize"], rank

@@ -254,3 +254,180 @@ def tensor_parallel(rank: int, world: int, port: int, out: str) -> None:
             result[verify]["install"] = stats(handle)
             result[verify]["same"] = same(eager, installed)
     teardown()
+
+
+# -- FSDP2: fully_shard, with and without a mixed-precision policy -------------
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention and MLP: every parameter a block's own, so that
+    ``fully_shard(block)`` holds them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, s, 3, HEADS, DIM // HEADS) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, DIM))
+        return x + self.down(torch.relu(self.up(self.norm2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TransformerBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def fsdp_model(world: int, bf16: bool) -> Transformer:
+    """Each block ``fully_shard``-ed, then the root (the usual FSDP2 layout);
+    ``bf16``: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, FSDP
+    gathering bf16 parameters and casting the block inputs to bf16."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    model = Transformer().eval()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def sharding(model: nn.Module, world: int) -> bool:
+    """Every parameter is the DTensor shard FSDP holds between calls (the
+    local shard a ``world``-th of the first dimension)."""
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) and p.to_local().shape[0] * world == p.shape[0]
+               for p in model.parameters())
+
+
+def _fsdp_calls(model: nn.Module, rank: int, world: int, shards: list[bool]
+                ) -> list[torch.Tensor]:
+    """Two sizes, each rank its own batch (data parallel); ``shards`` gets,
+    after each call, whether every parameter is sharded again."""
+    g = torch.Generator().manual_seed(100 + rank)
+    outs = []
+    with torch.no_grad():
+        for shape in ((2, 5, DIM), (3, 4, DIM)):
+            outs.append(model(torch.rand(*shape, generator=g)))
+            shards.append(sharding(model, world))
+    return outs
+
+
+def _program_dtypes(report: ctxreplay.CaptureReport) -> list[str]:
+    """The dtypes of the weights in the programs this rank traced."""
+    return sorted({str(t.dtype) for c in report.captures if c.artifact is not None
+                   for t in c.artifact.state_dict.values()})
+
+
+def _fsdp_round(model: nn.Module, rank: int, world: int, targets: Any, **kw: Any
+                ) -> tuple[dict[str, Any], ctxreplay.CaptureReport, list[torch.Tensor]]:
+    """Observe, finalize and install once: the report's summary, install's
+    counts, eager's outputs and the sharding after finalize and after every
+    call, eager and installed."""
+    shards: list[bool] = []
+    with ctxreplay.capture_with(model, targets=targets, **kw) as session:
+        eager = _fsdp_calls(model, rank, world, shards)
+    report = session.finalize()
+    doc = summary(report)
+    doc["sharded_after_finalize"] = sharding(model, world)
+    doc["program_dtypes"] = _program_dtypes(report)
+    doc["calls"] = sum(c.calls for c in report.captures)
+    with ctxreplay.install(model, report) as handle:
+        installed = _fsdp_calls(model, rank, world, shards)
+    doc["install"] = stats(handle)
+    doc["sharded_after_calls"] = shards
+    doc["same"] = same(eager, installed)
+    doc["dtypes"] = [str(t.dtype) for t in installed]
+    doc["eager_again"] = same(eager, _fsdp_calls(model, rank, world, []))
+    return doc, report, eager
+
+
+def _fsdp_training(rank: int, world: int) -> dict[str, Any]:
+    """A training step, eager and installed: outputs and the gradient shards
+    FSDP reduce-scatters after backward."""
+    model = fsdp_model(world, False).train()
+    x = torch.rand(2, 5, DIM, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        y = model(x)
+        y.sum().backward()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad()
+        return y.detach(), grads
+
+    with ctxreplay.capture_with(model, targets="repeated") as session:
+        eager, eager_grads = step()
+    report = session.finalize()
+    with ctxreplay.install(model, report) as handle:
+        out, grads = step()
+    return {"ok": report.ok, "install": stats(handle), "same": same([eager], [out]),
+            "same_grads": same(eager_grads, grads), "sharded": sharding(model, world)}
+
+
+def _fsdp_renamed(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 observes the model under another root (``nn.Sequential(model)``):
+    the blocks rank 0 gathers by name are not there under that name."""
+    model = fsdp_model(world, False)
+    root = model if rank == 0 else nn.Sequential(model)
+    with ctxreplay.capture_with(root, targets="repeated") as session:
+        _fsdp_calls(root, rank, world, [])
+    doc = summary(session.finalize())
+    doc["sharded_after_finalize"] = sharding(model, world)
+    return doc
+
+
+def fully_sharded(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 blocks with and without the bf16 policy, at the default level
+    and at "execute"; the Linear layers inside the blocks targeted by name;
+    and the bf16 captures saved, loaded and installed."""
+    setup(rank, world, port)
+    with written(out, rank) as result:
+        for bf16 in (False, True):
+            model = fsdp_model(world, bf16)
+            for verify in (None, "execute"):
+                kw = {} if verify is None else {"verify": verify}
+                doc, report, eager = _fsdp_round(model, rank, world, "repeated", **kw)
+                result[f"{'bf16' if bf16 else 'fp32'}/{verify or 'default'}"] = doc
+        # FSDP's groups are the blocks': a Linear inside is gathered through them
+        linears = [f"blocks.{i}.{n}" for i in range(3) for n in ("qkv", "up")]
+        result["bf16/linears"] = _fsdp_round(fsdp_model(world, True), rank, world, linears)[0]
+        result["fp32/train"] = _fsdp_training(rank, world)
+        result["fp32/renamed"] = _fsdp_renamed(rank, world)
+        # the whole model as one member: FSDP's hooks on the blocks run inside it
+        result["fp32/whole"] = _fsdp_round(fsdp_model(world, False), rank, world, None)[0]
+        report.save_all(Path(out, "captures"))  # every rank: a collective
+        shards: list[bool] = []
+        with ctxreplay.install(model, ctxreplay.load(Path(out, "captures"))) as handle:
+            loaded = _fsdp_calls(model, rank, world, shards)
+        result["loaded"] = {"install": stats(handle), "same": same(eager, loaded),
+                            "sharded_after_calls": shards}
+    teardown()
+
+
+@contextmanager
+def one_rank_group(store: Path) -> Iterator[None]:
+    """A gloo group of this process alone (FSDP2 over a one-rank mesh runs
+    its hooks and gathers as on many ranks), destroyed after."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
