@@ -17,7 +17,7 @@ from typing import Generic, Literal, TypeVar
 
 import attrs
 
-__all__ = ["Broken", "Entry", "Origin", "Registry"]
+__all__ = ["Broken", "Registration", "Origin", "Registry"]
 
 Origin = Literal["builtin", "entry_point", "runtime"]
 T = TypeVar("T")
@@ -28,7 +28,7 @@ _CALLER = 4
 
 
 @attrs.frozen
-class Entry(Generic[T]):
+class Registration(Generic[T]):
     """One registered plugin and where it came from."""
 
     value: T
@@ -77,7 +77,7 @@ class Registry(Generic[T]):
         self._register_entry_point = register_entry_point
         self._unknown_hint = unknown_hint
         self._lock = threading.RLock()
-        self._entries: dict[str, Entry[T]] = {}
+        self._entries: dict[str, Registration[T]] = {}
         self._broken: dict[str, Broken] = {}
         self._loaded = False
         self._loading: tuple[Origin, str | None] = ("runtime", None)
@@ -95,7 +95,7 @@ class Registry(Generic[T]):
                 raise ValueError(
                     f"a {self.kind} named {name!r} is already registered "
                     f"({self._entries[name].origin}); pass replace=True to replace it")
-            self._entries[name] = Entry(value, origin, dist)
+            self._entries[name] = Registration(value, origin, dist)
             self._broken.pop(name, None)
             self.generation += 1
 
@@ -119,7 +119,7 @@ class Registry(Generic[T]):
             raise self.unknown(name)
         return entry.value
 
-    def listing(self) -> tuple[dict[str, Entry[T]], dict[str, Broken]]:
+    def listing(self) -> tuple[dict[str, Registration[T]], dict[str, Broken]]:
         """Copies of the registered plugins and of the broken entry points (a
         broken one whose name is taken is keyed ``name@distribution``)."""
         self.load_entry_points()

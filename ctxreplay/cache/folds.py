@@ -1,6 +1,6 @@
 """Answering a fold from the capture cache, and filling it.
 
-A fold's entry is keyed by its example variant's key (``keys.variant_key``),
+A fold's entry is keyed by its example variant's key (``keys.cache_key``),
 the signatures of every variant it was asked to fold and the dimensions
 traced as dynamic: the same family of sizes, observed again, hits.  The
 entry holds the program (no weights), the graph's rules for its inputs
@@ -32,8 +32,8 @@ from ..capture.variant import Source
 from ..core.probe import ContextProbe
 from ..fidelity.levels import checked_by
 from ..specs.specjson import call_to_json, resolve_opaque, spec_from_json, spec_to_json
-from .keys import variant_key
-from .store import Entry
+from .keys import cache_key
+from .store import StoredEntry
 from .use import CaptureCache, deferred_capture, fill_record, read_entry, run_entry
 
 __all__ = ["cached_fold"]
@@ -66,7 +66,7 @@ def cached_fold(cache: CaptureCache, example: VariantRequest,
     key = None
     if module is not None:
         try:
-            keyed = variant_key(example, module, options)
+            keyed = cache_key(example, module, options)
             key = None if keyed is None else fold_key(keyed[0], pending, dims)
         except Exception:  # what cannot be keyed is captured, never guessed
             key = None
@@ -83,7 +83,7 @@ def cached_fold(cache: CaptureCache, example: VariantRequest,
     return _fill(cache, key, capture, trial, pending, example, module, options)
 
 
-def _use(cache: CaptureCache, entry: Entry, example: VariantRequest,
+def _use(cache: CaptureCache, entry: StoredEntry, example: VariantRequest,
          pending: Sequence[VariantRequest], trial: Trial, module: Any,
          modules: Mapping[str, nn.Module], options: CaptureOptions,
          baseline: tuple[ContextProbe[Any], ...], run: FoldRun) -> Capture | None:

@@ -28,7 +28,7 @@ from .._base.environment import environment
 from ..capture.options import CaptureOptions, VariantRequest
 from ..specs.specjson import call_to_json, resolve_opaque, spec_from_json
 
-__all__ = ["KEY_SCHEMA", "source_digest", "variant_key"]
+__all__ = ["KEY_SCHEMA", "source_digest", "cache_key"]
 
 #: bumped whenever what the key covers, or what an entry holds, changes
 KEY_SCHEMA = "ctxreplay.cache/1"
@@ -38,7 +38,7 @@ _lock = threading.Lock()
 _files: dict[str, tuple[tuple[int, int], str]] = {}
 
 
-def variant_key(request: VariantRequest, module: nn.Module,
+def cache_key(request: VariantRequest, module: nn.Module,
                 options: CaptureOptions) -> tuple[str, dict[str, Any]] | None:
     """``(key, what it covers)`` for ``request`` traced from ``module``;
     ``None`` where the key could not cover everything that shapes the graph."""

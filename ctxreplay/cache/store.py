@@ -31,7 +31,7 @@ import attrs
 
 from ..errors import Warning as CtxreplayWarning
 
-__all__ = ["CacheDir", "CacheWarning", "Entry"]
+__all__ = ["CacheDir", "CacheWarning", "StoredEntry"]
 
 RECORD, PROGRAM, READY = "record.json", "program.bin", "READY"
 
@@ -44,7 +44,7 @@ class CacheWarning(CtxreplayWarning):
 
 
 @attrs.frozen
-class Entry:
+class StoredEntry:
     """One entry as read back and checked: its record and program bytes."""
 
     key: str
@@ -62,7 +62,7 @@ class CacheDir:
     def entry_path(self, key: str) -> Path:
         return self.root / key[:2] / key
 
-    def read(self, key: str) -> Entry | None:
+    def read(self, key: str) -> StoredEntry | None:
         """The entry for ``key``; ``None`` when there is none, or when it is
         damaged (then it is discarded, with a warning)."""
         path = self.entry_path(key)
@@ -163,7 +163,7 @@ class CacheDir:
         return n
 
 
-def _read_entry(key: str, path: Path) -> Entry:
+def _read_entry(key: str, path: Path) -> StoredEntry:
     ready = json.loads((path / READY).read_bytes())
     body = (path / RECORD).read_bytes()
     program = (path / PROGRAM).read_bytes()
@@ -174,7 +174,7 @@ def _read_entry(key: str, path: Path) -> Entry:
     record = json.loads(body)
     if not isinstance(record, dict) or record.get("key") != key:
         raise ValueError("its record names another key")
-    return Entry(key, record, program, path)
+    return StoredEntry(key, record, program, path)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

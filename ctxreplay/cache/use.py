@@ -35,8 +35,8 @@ from ..core.probe import ContextProbe
 from ..fidelity.levels import checked_by
 from ..specs.signature import Spec, is_native
 from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
-from .keys import KEY_SCHEMA, variant_key
-from .store import CacheDir, CacheWarning, Entry
+from .keys import KEY_SCHEMA, cache_key
+from .store import CacheDir, CacheWarning, StoredEntry
 
 __all__ = ["NOT_STORED_REASONS", "CaptureCache", "Stored", "deferred_capture", "fill_record",
            "program_source", "read_entry", "run_entry"]
@@ -110,7 +110,7 @@ class CaptureCache:
         if module is None:
             return run(None)
         try:
-            keyed = variant_key(request, module, options)
+            keyed = cache_key(request, module, options)
         except Exception:  # what cannot be keyed is captured, never guessed
             keyed = None
         if keyed is None:
@@ -124,7 +124,7 @@ class CaptureCache:
         capture = run(None)
         return self._fill(key, capture, request, module, options)
 
-    def _use(self, entry: Entry, request: VariantRequest, module: nn.Module,
+    def _use(self, entry: StoredEntry, request: VariantRequest, module: nn.Module,
              modules: Mapping[str, nn.Module], options: CaptureOptions,
              baseline: tuple[ContextProbe[Any], ...], run: Run) -> Capture | None:
         """The capture ``entry`` holds, checked; ``None`` (the entry
@@ -170,7 +170,7 @@ class CaptureCache:
         return attrs.evolve(capture, not_cached=code)
 
 
-def read_entry(cache: CaptureCache, entry: Entry, request: VariantRequest
+def read_entry(cache: CaptureCache, entry: StoredEntry, request: VariantRequest
                ) -> tuple[Stored, ArtifactFormat, Backend] | None:
     """What ``entry``'s record says, its format and backend; ``None`` (the
     entry discarded) where it cannot be read or binds ``request``'s call
@@ -188,7 +188,7 @@ def read_entry(cache: CaptureCache, entry: Entry, request: VariantRequest
     return stored, fmt, backend
 
 
-def run_entry(cache: CaptureCache, entry: Entry, stored: Stored, fmt: ArtifactFormat,
+def run_entry(cache: CaptureCache, entry: StoredEntry, stored: Stored, fmt: ArtifactFormat,
               backend: Backend, run: Run) -> Capture | None:
     """``run`` given ``entry``'s program as its source (checked as a traced
     artifact is); ``None`` (the entry discarded) where it cannot be used."""
@@ -326,7 +326,7 @@ class _OnDisk(Deferred):
                                 f"({type(exc).__name__}: {exc})", "not_rebuildable") from exc
 
 
-def deferred_capture(entry: Entry, stored: Stored, fmt: ArtifactFormat, backend: Backend,
+def deferred_capture(entry: StoredEntry, stored: Stored, fmt: ArtifactFormat, backend: Backend,
                       request: VariantRequest, module: nn.Module,
                       modules: Mapping[str, nn.Module], options: CaptureOptions,
                       baseline: tuple[ContextProbe[Any], ...]) -> Capture:

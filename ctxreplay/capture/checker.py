@@ -41,7 +41,7 @@ from ..specs.signature import Spec, TensorSpec, tensor_values
 from .assigned import Assigned, read, split
 from .hookfree import user_hooks
 from .isolate import BookkeepingError, isolated, rng_guard
-from .mutation import ARGUMENT_FIELD, Watch
+from .mutation import ARGUMENT_FIELD, MutationLog
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 
@@ -87,7 +87,7 @@ class Checker:
         self.by_value = 0  # live calls run and compared by value in this pass
         #: what the reference runs changed in their arguments, and what the
         #: members' repeat live calls wrote in the state their forward keeps
-        self.watch = Watch()
+        self.watch = MutationLog()
         for m in request.members:
             for change in m.writes:
                 self.watch.wrote(change)

@@ -37,8 +37,8 @@ from ..specs.signature import PRIMITIVES
 from .isolate import forward_wrapped
 from .pystate import Reach, held_constants, reach
 
-__all__ = ["ARGUMENT_FIELD", "HELD_FIELD", "Mutation", "Watch", "changes", "mutation_mismatches",
-           "state_of", "watched", "with_mutations"]
+__all__ = ["ARGUMENT_FIELD", "HELD_FIELD", "Mutation", "MutationLog", "changes",
+           "mutation_mismatches", "state_of", "watched", "with_mutations"]
 
 #: ``Mismatch.field`` (and ``level``) of a change to an argument object: a
 #: capture holding one is not ok, and ``install`` never dispatches it
@@ -176,7 +176,7 @@ def changes(before: dict[Path, Token], after: dict[Path, Token],
 
 
 @attrs.define
-class Watch:
+class MutationLog:
     """Collects the changes runs of a forward made to their arguments."""
 
     found: list[Mutation] = attrs.field(factory=list)
@@ -238,7 +238,7 @@ class Watch:
 
 
 @contextmanager
-def watched(module: nn.Module, watch: Watch) -> Iterator[None]:
+def watched(module: nn.Module, watch: MutationLog) -> Iterator[None]:
     """Inside, each call of ``module``'s ``forward`` (an isolated view's)
     is run through ``watch``; Dynamo tracing it sees the forward alone (it
     would graph-break on the walk, and the tracer's own arguments are not

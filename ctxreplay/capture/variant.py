@@ -61,7 +61,7 @@ from ..specs.specjson import call_to_json
 from .assigned import Assigned, assigned_by, collect, joined_result
 from .checker import Checker
 from .isolate import HookedWeights, forward_alone, forward_wrapped, isolated, rng_guard
-from .mutation import ARGUMENT_FIELD, Mutation, Watch, state_of, watched, with_mutations
+from .mutation import ARGUMENT_FIELD, Mutation, MutationLog, state_of, watched, with_mutations
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .reads import Reads, recorded
 from .restore import restore_state
@@ -136,7 +136,7 @@ class _Plan:
     flatten_out: bool
     faults: list[BaseException]
     #: what the traced forward changed in its arguments
-    watch: Watch = attrs.field(factory=Watch)
+    watch: MutationLog = attrs.field(factory=MutationLog)
     #: leaf index -> dimensions traced as dynamic sizes (a fold); empty: fixed
     dims: Mapping[int, tuple[int, ...]] = attrs.field(factory=dict)
     #: what the trace read of the view's attributes (``None``: not recorded)
@@ -170,7 +170,7 @@ class _Plan:
         faults: list[BaseException] = []
         return cls(None if inside is None else _guard_inside(inside, faults), around,
                    embedded, ambient, binding, not outputs_native, faults,
-                   watch=Watch(ignore=options.ignore_attributes), dims=dims or {})
+                   watch=MutationLog(ignore=options.ignore_attributes), dims=dims or {})
 
 
 def capture_variant(request: VariantRequest, modules: Mapping[str, nn.Module],

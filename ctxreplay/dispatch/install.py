@@ -44,7 +44,7 @@ from ..core.snapshots import UnknownProbe, UnknownState
 from ..loading.load import LoadedCapture, LoadedManifest
 from ..observation.copies import Entries, path_modules
 from ..observation.targets import held_objects
-from ..observation.watch import Watch as AttributeWatch
+from ..observation.watch import AssignmentWatch
 from ..observation.wrapping import Root, Wrapper, unwrap, wrap
 from ..report.capture_report import CaptureReport
 from ..specs.rematch import Rematcher, rematcher
@@ -367,7 +367,7 @@ class InstallHandle:
         self._programs = Programs(compile)
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
-        self._attributes = AttributeWatch()
+        self._attributes = AssignmentWatch()
         self._observers: tuple[Observer | HookWatch, ...] = ()
         self._root: Root | None = None
         self._copies: list[Entries] = []

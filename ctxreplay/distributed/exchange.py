@@ -2,7 +2,7 @@
 
 ``finalize()`` runs one pipeline (``ctxreplay.engine.pipeline``) over an
 ``Exchange``: ``Alone`` for a single process -- the one-rank case, where
-nothing crosses a wire -- or ``Collective`` over a ``torch.distributed``
+nothing crosses a wire -- or ``RankGroup`` over a ``torch.distributed``
 group, where every rank observed its own calls and the ranks
 
 1. *join*: each writes an arrival key to the group's store and waits, with a
@@ -57,8 +57,8 @@ from .lockstep import run_collective_checks
 from .turns import in_turns
 from .wire import from_wire, portable, to_wire
 
-__all__ = ["Alone", "Collective", "DistributedError", "Exchange", "Observed", "Plan",
-           "RankResults", "active_group", "variant_key"]
+__all__ = ["Alone", "RankGroup", "DistributedError", "Exchange", "Observed", "Plan",
+           "RankResults", "active_group", "rank_variant_key"]
 
 _sequence: dict[tuple[int, ...], itertools.count[int]] = {}
 # a device index differs between ranks for the same call (cuda:0 on rank 0, cuda:1 on rank 1)
@@ -123,7 +123,7 @@ def _snapshot_key(snap: ContextSnapshot) -> Any:
     return {"portable": doc, "live": live}
 
 
-def variant_key(request: VariantRequest, identity: Any) -> str:
+def rank_variant_key(request: VariantRequest, identity: Any) -> str:
     """The same on every rank for the same call: scope, member identity,
     signature and context, without device indices or addresses."""
     return _digest({"scope": request.scope, "identity": ADDRESS.sub("", repr(identity)),
@@ -191,7 +191,7 @@ def make_plan(gathered: Sequence[Sequence[Observed]]) -> Plan:
     return Plan(owner, observed_on, rank_calls, members, variant, scopes)
 
 
-class Collective:
+class RankGroup:
     """The group, this rank's place in it, and the collectives finalize uses."""
 
     def __init__(self, group: Any) -> None:
@@ -250,7 +250,7 @@ class Collective:
         self.agree_on_probes(options.probe_names)
 
     def key(self, request: VariantRequest, identity: Any) -> str:
-        return variant_key(request, identity)
+        return rank_variant_key(request, identity)
 
     def plan(self, observed: list[Observed]) -> Plan:
         return make_plan(self.gather(observed))
@@ -353,7 +353,7 @@ class RankResults:
 
 class Exchange(Protocol):
     """What ``finalize()`` needs of the other ranks.  One process is the
-    one-rank case (``Alone``); a ``torch.distributed`` group is ``Collective``."""
+    one-rank case (``Alone``); a ``torch.distributed`` group is ``RankGroup``."""
 
     rank: int  # this rank's index in ``ranks``
     ranks: tuple[int, ...]

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..artifacts.formats import artifact_bytes, artifact_from_bytes
 from ..capture.isolate import isolated, rng_guard
-from ..capture.mutation import Watch, mutation_mismatches
+from ..capture.mutation import MutationLog, mutation_mismatches
 from ..capture.results import Capture
 from ..core.probe import ContextProbe
 from ..fidelity.levels import checked_by
@@ -31,8 +31,8 @@ from ..specs.storage import member_tensors
 __all__ = ["run_collective_checks"]
 
 
-class Collective(Protocol):
-    """What running together needs of the group (``_collective.Collective``)."""
+class LockstepGroup(Protocol):
+    """What running together needs of the group (``exchange.RankGroup`` is one)."""
 
     rank: int
 
@@ -41,7 +41,7 @@ class Collective(Protocol):
     def gather(self, obj: Any) -> list[Any]: ...
 
 
-def run_collective_checks(coll: Collective, captures: list[Capture],
+def run_collective_checks(coll: LockstepGroup, captures: list[Capture],
                           local: Mapping[str, Capture], modules: Mapping[str, nn.Module],
                           baseline: tuple[ContextProbe[Any], ...], level: str
                           ) -> dict[tuple[str, int], Fidelity]:
@@ -82,7 +82,7 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
     name = next((m for m in (c.weights_from, *c.members) if m in modules), None)
     leaves = materialize_leaves(c.signature)
     runs: list[Any] = []
-    watch = Watch()
+    watch = MutationLog()
     try:
         gm = program.module()
         if name is not None:
@@ -127,7 +127,7 @@ def _call(gm: Callable[..., Any], c: Capture, leaves: tuple[torch.Tensor, ...],
 
 
 def _eager(view: nn.Module, c: Capture, leaves: tuple[torch.Tensor, ...],
-           baseline: tuple[ContextProbe[Any], ...], watch: Watch) -> Any:
+           baseline: tuple[ContextProbe[Any], ...], watch: MutationLog) -> Any:
     it = iter(tuple(t.clone() for t in leaves))
     args, kwargs = bind_call(c.signature, lambda _s: next(it))
     try:

@@ -35,7 +35,7 @@ _DONE = "ctxreplay/turn-done"
 
 
 class Group(Protocol):
-    """What taking turns needs of the group (``exchange.Collective``)."""
+    """What taking turns needs of the group (``exchange.RankGroup``)."""
 
     rank: int
     size: int

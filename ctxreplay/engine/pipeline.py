@@ -2,7 +2,7 @@
 
 A single process is the one-rank case of a distributed job: ``finalize()``
 runs these steps over an exchange -- ``Alone`` for one process, the group's
-``Collective`` otherwise -- so every report, distributed or not, is built by
+``RankGroup`` otherwise -- so every report, distributed or not, is built by
 ``build_report`` here, once.
 """
 
@@ -34,7 +34,7 @@ from ..report.explain import explain_captures
 from ..specs.dims import size_free
 from .baseline import Baseline
 from .coverage import coverage
-from .progress import Progress
+from .progress import FinalizeProgress
 
 __all__ = ["Finalizing", "build_report", "run_finalize"]
 
@@ -96,8 +96,8 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: Baseline, *, explain:
     modules = obs.member_modules()
     baseline = _baseline_probes()
     todo = {(r.scope, r.variant) for _, r in mine} - job.done.keys()
-    bar = Progress(_steps(everything, options), {(r.scope, r.variant) for r in everything} - todo,
-                   progress)
+    bar = FinalizeProgress(_steps(everything, options),
+                           {(r.scope, r.variant) for r in everything} - todo, progress)
     def work() -> tuple[list[Result], tuple[Any, ...] | None]:
         # explaining recaptures: it gathers FSDP parameters as capture does
         results = _capture_mine(job, mine, plan, exchange, modules, baseline, net, bar)
@@ -137,7 +137,7 @@ def _steps(requests: Sequence[VariantRequest], options: CaptureOptions
 def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan: Plan,
                   exchange: Exchange, modules: dict[str, nn.Module],
                   baseline: tuple[ContextProbe[Any], ...], net: Baseline,
-                  bar: Progress) -> list[Result]:
+                  bar: FinalizeProgress) -> list[Result]:
     """Capture this rank's variants (those an interrupted finalize already
     captured are kept), each as the merged report names it: the variants
     of a family that differ in sizes only folded where they can be."""
@@ -298,7 +298,7 @@ class _FoldKin:
 
 
 def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Module],
-          baseline: tuple[ContextProbe[Any], ...], net: Baseline, bar: Progress,
+          baseline: tuple[ContextProbe[Any], ...], net: Baseline, bar: FinalizeProgress,
           cache: CaptureCache | None, distributed: bool, kin: _FoldKin) -> None:
     """Fold the variants of ``group`` (one family) not captured yet, and
     those of ``kin`` its trace may serve: each folded capture is recorded
@@ -343,7 +343,7 @@ def _fold(job: Finalizing, group: list[VariantRequest], modules: dict[str, nn.Mo
         _folded_done(job, bar, fold_family(rest, job.options, run)[0])
 
 
-def _folded_done(job: Finalizing, bar: Progress, made: Sequence[Capture]) -> None:
+def _folded_done(job: Finalizing, bar: FinalizeProgress, made: Sequence[Capture]) -> None:
     """Each folded capture recorded under its example, the variants it
     stands for as done with nothing of their own."""
     for c in made:

@@ -12,14 +12,14 @@ from collections.abc import Callable, Mapping
 
 from .._base import progress
 
-__all__ = ["Progress"]
+__all__ = ["FinalizeProgress"]
 
 _log = logging.getLogger("ctxreplay")
 
 Where = tuple[str, int]
 
 
-class Progress(progress.Progress):
+class FinalizeProgress(progress.Progress):
     """``checked(where)`` after each member's check of a variant,
     ``finished(where, label, graph=...)`` once the variant is captured
     (``graph``: a graph of its own, traced or from the cache; else served

@@ -20,7 +20,7 @@ from ..capture.options import RETAIN_BYTES, CaptureOptions
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
-from ..distributed.exchange import Alone, Collective, Exchange, active_group
+from ..distributed.exchange import Alone, Exchange, RankGroup, active_group
 from ..errors import Error
 from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
 from ..fidelity.levels import level
@@ -152,7 +152,7 @@ class CaptureSession:
                                "session.report. Open a new session with "
                                "ctxreplay.capture_with(...) to capture more")
         group = active_group(self.options.group)
-        exchange: Exchange = Collective(group) if group is not None else Alone()
+        exchange: Exchange = RankGroup(group) if group is not None else Alone()
         self.close()
         # The safety net: whatever a probe's replay, a backend or a capture
         # thread abandoned after ``capture_timeout`` did to the ambient state,

@@ -28,9 +28,9 @@ from .targets import (
     training_of,
 )
 from .variants import MemberVariant, Scope
-from .watch import Watch as AttributeWatch
+from .watch import AssignmentWatch
 from .wrapper import TRACED, _Member, _Shared
-from .wrapping import Root, Watch, Wrapper, let_go, reaches, unwrap, wrap
+from .wrapping import ForwardWatch, Root, Wrapper, let_go, reaches, unwrap, wrap
 
 __all__ = ["Observation"]
 
@@ -98,7 +98,7 @@ class Observation:
             wrap(member)
             self.members.append(member)
         # assignments to attributes of the members' trees drop their memos
-        self.setattr_watch = AttributeWatch()
+        self.setattr_watch = AssignmentWatch()
         for member in self.members:
             self.setattr_watch.add([*member.module.modules(),
                             *held_objects(member.module, member.ignore)], member.changed)
@@ -109,7 +109,7 @@ class Observation:
         self.replaced: list[_Member] = []  # members another tool's forward went round
         #: (member, calls) recorded under a forward another tool then replaced
         self.lost: list[tuple[str, int]] = []
-        self.root.watch = Watch([m.module for m in self.members], self.rewatch)
+        self.root.watch = ForwardWatch([m.module for m in self.members], self.rewatch)
         # a forward set anew is an assignment: the root looks only after one
         self.setattr_watch.add([m.module for m in self.members], self.root.watch.touched)
         watch(self)  # calls made by a capture or check elsewhere are not counted

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Watch"]
+__all__ = ["AssignmentWatch"]
 
 _lock = threading.Lock()
 #: id(module) -> callbacks of the members whose subtree holds it
@@ -105,7 +105,7 @@ def _unpatch(cls: type) -> None:
         cls.__setattr__ = own  # type: ignore[method-assign]
 
 
-class Watch:
+class AssignmentWatch:
     """One session's watch over the modules of its members."""
 
     def __init__(self) -> None:

@@ -580,7 +580,7 @@ class _Member(Wrapper):
 
     def changed(self) -> None:
         """An attribute of the member or a submodule was assigned
-        (``watch.Watch`` calls this): the next call rechecks the identity."""
+        (``watch.AssignmentWatch`` calls this): the next call rechecks the identity."""
         self.memo = None
         self.dirty = True
 

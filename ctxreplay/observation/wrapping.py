@@ -31,7 +31,7 @@ from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .copies import callees, signed
 from .modules import ABSENT, Holder
 
-__all__ = ["Root", "Watch", "Wrapper", "let_go", "reaches", "unwrap", "wrap"]
+__all__ = ["Root", "ForwardWatch", "Wrapper", "let_go", "reaches", "unwrap", "wrap"]
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
 
@@ -137,7 +137,7 @@ def reaches(fn: Any, wrapper: Wrapper, budget: int = 64) -> bool:
     return any(getattr(f, "__self__", None) is wrapper for f in callees(fn, budget))
 
 
-class Watch:
+class ForwardWatch:
     """Whether each watched module's ``forward`` is still what was last seen
     there: another tool may set it anew while a session is open
     (accelerate's ``remove_hook_from_module`` puts back the forward it
@@ -208,7 +208,7 @@ class Root(Wrapper):
         self.observers = observers
         self.counts = counts
         self.errors = errors
-        self.watch: Watch | None = None
+        self.watch: ForwardWatch | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.off or _dynamo_compiling() or _is_tracing():
@@ -232,7 +232,7 @@ class Root(Wrapper):
             if watch is not None and watch.dirty and not self.off and not watch.intact():
                 self._repair(watch, True)
 
-    def _repair(self, watch: Watch, during: bool) -> None:
+    def _repair(self, watch: ForwardWatch, during: bool) -> None:
         try:
             watch.repair(during)
         except Exception as exc:  # the calls it would observe are not covered
