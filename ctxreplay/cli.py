@@ -323,6 +323,28 @@ def _check(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _compile(ns: argparse.Namespace) -> int:
+    """``ctxreplay compile DIR``: each capture compiled ahead of time, checked, recorded."""
+    from .compiling import compile_dir
+
+    done = compile_dir(ns.dir, force=ns.force)
+    src = load(done.directory)
+    assert isinstance(src, LoadedManifest)
+    for cap in src.captures:
+        rec = cap.compiled
+        if cap.label in done.skipped:
+            print(f"{cap.label}: not compiled: {done.skipped[cap.label]}")
+        elif rec is not None:
+            verdict = "ok" if rec.ok else f"FAILED its check: {rec.reason}"
+            print(f"{cap.label}: {rec.package}: {verdict}; worst error {rec.error:.3g} of the "
+                  f"peak over {_count(len(rec.checked), 'size')}"
+                  + (f"; dynamic {'; '.join(rec.dynamic)}" if rec.dynamic else ""))
+    print(f"ctxreplay compile: {done.directory}: {_count(len(done.compiled), 'capture')} "
+          f"compiled, {len(done.failed)} failed their check, {len(done.skipped)} not "
+          f"compiled ({done.seconds:.1f} s)")
+    return 1 if done.failed else 0
+
+
 def _cache(ns: argparse.Namespace) -> int:
     """``ctxreplay cache list|size|clear [DIR]``."""
     import os
@@ -411,6 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ignore", action="append", default=[], metavar="PROBE",
                    help="a probe not to check (you vouch for it); repeatable")
     p.set_defaults(func=_check)
+    p = sub.add_parser("compile", help="compile every capture of a saved directory ahead of "
+                                       "time (AOTInductor), check and record each; exit 1 "
+                                       "when one fails its check")
+    p.add_argument("dir", metavar="DIR", help="a directory written by report.save_all")
+    p.add_argument("--force", action="store_true", help="compile again what is compiled")
+    p.set_defaults(func=_compile)
     p = sub.add_parser("cache", help="list, size or clear a capture cache directory")
     p.add_argument("action", choices=("list", "size", "clear"))
     p.add_argument("dir", metavar="DIR", nargs="?", help="the cache directory (default: "

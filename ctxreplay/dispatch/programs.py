@@ -14,8 +14,10 @@ it on first use; a ``Target`` runs it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -29,6 +31,7 @@ from ..capture.mutation import ARGUMENT_FIELD
 from ..capture.offload import Held, weight_hooks
 from ..capture.results import Capture
 from ..core.snapshots import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
+from ..loading.compiled import CompiledProgram
 from ..loading.load import LoadedCapture, LoadedManifest
 from ..loading.needs import Needs, needs_of, static_differences
 from ..loading.weights import WeightsError, bind_weights
@@ -50,8 +53,11 @@ from ..specs.signature import (
 )
 from ..specs.specjson import call_to_json, holds_objects
 from ..specs.storage import member_tensors, unwrapped_name
+from .aot import compiled_flat
 from .bound import Bound
 from .flat import Flat, flatten
+
+_log = logging.getLogger("ctxreplay")
 
 __all__ = ["REFUSED", "UNFIT", "Call", "Entry", "Programs", "Target", "entry", "sources"]
 
@@ -92,6 +98,12 @@ class Entry:
     #: what the forward assigns to its argument objects: the program
     #: returns the tensors after its outputs, and a call writes them back
     assigned: Assigned | None = None
+    #: its ahead-of-time compiled program (a loaded capture ``ctxreplay compile``
+    #: compiled), the directory holding its package, and why it is not used
+    #: (``(reason code, words)``: the uncompiled program runs instead)
+    compiled: CompiledProgram | None = None
+    directory: Path | None = None
+    uncompiled: tuple[str, str] | None = None
 
     @property
     def comparable(self) -> bool:
@@ -163,10 +175,14 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
                                       backend_ok, ignore, object_args)
     if _mutates_argument(source):  # whatever the policy
         unusable = "mutates_argument"
-    return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
-                  flatten_out, snap, unusable, dict(source.identities),
-                  tuple(source.ignore_attributes), document=document, folding=source.folding,
-                  assigned=None if isinstance(source, LoadedCapture) else source.assigned)
+    made = Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
+                 flatten_out, snap, unusable, dict(source.identities),
+                 tuple(source.ignore_attributes), document=document, folding=source.folding,
+                 assigned=None if isinstance(source, LoadedCapture) else source.assigned)
+    if isinstance(source, LoadedCapture) and source.compiled is not None:
+        made.compiled, made.directory = source.compiled, source.path.parent
+        made.uncompiled = source.compiled.unusable(made.directory)
+    return made
 
 
 def _program_here(source: Capture, model: nn.Module | None) -> tuple[Any, str | None]:
@@ -289,10 +305,17 @@ class Programs:
         self.unflattened: dict[str, str] = {}
         #: member -> the hooks that put its weights in place around a forward
         self.held: dict[str, Held] = {}
+        #: ``id(entry)`` of the captures whose flat function is their compiled program
+        self.ahead: set[int] = set()
 
     def flat(self, e: Entry) -> Flat | None:
-        """``e``'s program flattened (once), or ``None``: ``compile`` is set, or it cannot be."""
+        """``e``'s program flattened (once) -- its compiled program in place of
+        the function where it has a usable one --, or ``None``: ``compile``
+        is set, or it cannot be flattened."""
         if self.compile is not None:
+            if e.compiled is not None and e.uncompiled is None:
+                e.uncompiled = ("compiled_overridden", "install(compile=...) compiles the "
+                                "programs itself")
             return None
         key = id(e)
         if key not in self._flat:
@@ -303,7 +326,26 @@ class Programs:
             self._flat[key] = made if isinstance(made, Flat) else None
             if not isinstance(made, Flat):
                 self.unflattened[e.label] = made
+                if e.compiled is not None and e.uncompiled is None:
+                    e.uncompiled = ("compiled_mismatch", f"its program cannot be flattened "
+                                    f"here ({made})")
+            elif e.compiled is not None and e.uncompiled is None:
+                self._flat[key] = self._ahead(e, made)
         return self._flat[key]
+
+    def _ahead(self, e: Entry, flat: Flat) -> Flat:
+        """``flat`` running ``e``'s compiled program, or ``flat`` itself where
+        that cannot be loaded (``e.uncompiled`` then says why)."""
+        assert e.compiled is not None and e.directory is not None
+        made = compiled_flat(flat, e.program, e.compiled, e.directory,
+                             guarded=e.folding is not None)
+        if isinstance(made, Flat):
+            self.ahead.add(id(e))
+            return made
+        e.uncompiled = made
+        _log.warning("install: %s runs its uncompiled program: %s (%s)", e.label, made[1],
+                     made[0])
+        return flat
 
     def fits(self, e: Entry, name: str, module: nn.Module) -> str | None:
         """Whether member ``name`` can run ``e``'s program (``None``), or why not: it is
@@ -332,10 +374,24 @@ class Programs:
                     "", _identity(module, e.ignore_attributes)):
                 built = None
                 self.unfit[where] = "identity"
+            if built is not None and id(e) in self.ahead:
+                built = self._served(where, built)
             self._built[key] = built
         if self._built[key] is not None:
             return None
         return self.unfit.get(f"{e.label}@{name}", "structure")
+
+    def _served(self, where: str, built: tuple[nn.Module | None, Bound]
+                ) -> tuple[nn.Module | None, Bound] | None:
+        """A member bound to a compiled program: its tensors must be laid out as
+        the program was compiled for (contiguous: the compiled code indexes them
+        with the strides it was built with)."""
+        if not all(t.is_contiguous() for t in built[1].first):
+            self.unfit[where] = "weights"
+            return None
+        if where not in self.compiled:
+            self.compiled.append(where)
+        return built
 
     def bound(self, e: Entry, name: str) -> tuple[Flat | None, Bound | None]:
         """``e``'s flat program (``None``: it runs as a module) and member ``name``'s
@@ -378,6 +434,7 @@ class Programs:
         """Drop every program (``remove()``)."""
         self._built.clear()
         self._flat.clear()
+        self.ahead.clear()
 
 
 def _bind_module(e: Entry, module: nn.Module) -> tuple[nn.Module, Bound]:

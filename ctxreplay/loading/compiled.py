@@ -1,0 +1,158 @@
+"""A capture's ahead-of-time compiled program, as the manifest records it.
+
+``ctxreplay compile DIR`` writes, beside each capture it compiles, an
+AOTInductor package and a ``compiled`` record in the capture's manifest
+entry: the package's file name, the member tensors the program takes
+first (by name, in order), what it depends on (``compiled_environment``:
+torch and its git revision, the machine and CPU ISA, the accelerator and
+its capability; the C++ compiler that built it) and the verification
+against the uncompiled program (the worst error per output and the
+tolerance it was held to: numbers only).  ``unusable`` says why a record
+cannot serve in this process -- install then runs the uncompiled capture.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .._base.environment import COMPILED_GUARDED, compiled_environment
+from .._base.jsonread import read_bool, read_int, read_list, read_mapping, read_str
+
+__all__ = ["COMPILED_FORMAT", "COMPILED_REASONS", "CompiledProgram", "OutputError"]
+
+#: the one compiled format: an AOTInductor package (``aoti_compile_and_package``)
+COMPILED_FORMAT = "aoti"
+
+#: why a compiled program is not used (install runs the uncompiled capture):
+#: its verification failed, its package file is gone, it was built for
+#: another environment, this process cannot load it, it takes other member
+#: tensors than the capture's program here, or ``install(compile=...)``
+#: compiles the programs itself
+COMPILED_REASONS = ("compiled_failed", "compiled_missing", "compiled_environment",
+                    "compiled_load_failed", "compiled_mismatch", "compiled_overridden")
+
+
+@attrs.frozen
+class OutputError:
+    """One output's worst error over the checked calls: ``max |compiled - uncompiled|
+    / max |uncompiled|`` (0 where both are 0; exact for integer and bool outputs),
+    and the tolerance its dtype is held to."""
+
+    index: int
+    dtype: str
+    error: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "dtype": self.dtype, "error": self.error,
+                "tolerance": self.tolerance}
+
+
+def _float(value: object, path: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(float(value)):  # type: ignore[arg-type]
+        raise ValueError(f"{path}: expected a finite number, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+@attrs.frozen
+class CompiledProgram:
+    """The ``compiled`` record of a manifest entry (see the module docstring)."""
+
+    package: str
+    """The package's file name, in the manifest's directory."""
+    state: tuple[str, ...]
+    """The member tensors the program takes before the call's tensors, in order."""
+    environment: Mapping[str, Any]
+    """``compiled_environment()`` where it was compiled."""
+    compiler: str
+    """The C++ compiler that built it (recorded, not compared)."""
+    ok: bool
+    """Whether every checked output was within its tolerance."""
+    checked: tuple[str, ...]
+    """The sizes it was checked at (``"args[0]: 4x7x32"``; one entry for fixed sizes)."""
+    outputs: tuple[OutputError, ...]
+    """Each output's worst error and tolerance."""
+    dynamic: tuple[str, ...] = ()
+    """A folded capture's dynamic dimensions it was compiled with (``Folding.describe``)."""
+    seconds: float = 0.0
+    """How long compiling it took."""
+    reason: str | None = None
+    """Why it failed its check, in words (``None`` when ``ok``)."""
+
+    @property
+    def error(self) -> float:
+        """The worst relative error over the outputs."""
+        return max((o.error for o in self.outputs), default=0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": COMPILED_FORMAT, "package": self.package, "state": list(self.state),
+                "environment": dict(self.environment), "compiler": self.compiler,
+                "ok": self.ok, "checked": list(self.checked),
+                "outputs": [o.to_json() for o in self.outputs], "dynamic": list(self.dynamic),
+                "seconds": round(self.seconds, 3), "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, value: object, path: str) -> CompiledProgram:
+        """The inverse of ``to_json``; ``ValueError`` naming the bad field."""
+        keys = {"format", "package", "state", "environment", "compiler", "ok", "checked",
+                "outputs", "dynamic", "seconds", "reason"}
+        doc = read_mapping(value, path, keys=keys, required=keys - {"dynamic", "seconds",
+                                                                      "reason"})
+        read_str(doc["format"], f"{path}.format", choices={COMPILED_FORMAT})
+        package = read_str(doc["package"], f"{path}.package", max_len=1024)
+        if Path(package).name != package or package in ("", ".", ".."):
+            raise ValueError(f"{path}.package: {package!r} must be a bare file name")
+        env = read_mapping(doc["environment"], f"{path}.environment", required={"torch"})
+        for k, v in env.items():
+            if v is not None:
+                read_str(v, f"{path}.environment.{k}", max_len=256)
+        outputs = []
+        for i, o in enumerate(read_list(doc["outputs"], f"{path}.outputs")):
+            w = f"{path}.outputs[{i}]"
+            m = read_mapping(o, w, required={"index", "dtype", "error", "tolerance"})
+            outputs.append(OutputError(read_int(m["index"], f"{w}.index", lo=0),
+                                       read_str(m["dtype"], f"{w}.dtype"),
+                                       _float(m["error"], f"{w}.error"),
+                                       _float(m["tolerance"], f"{w}.tolerance")))
+        reason = doc.get("reason")
+        return cls(
+            package=package,
+            state=tuple(read_str(s, f"{path}.state[{i}]", max_len=4096)
+                        for i, s in enumerate(read_list(doc["state"], f"{path}.state"))),
+            environment=dict(env),
+            compiler=read_str(doc["compiler"], f"{path}.compiler", max_len=256),
+            ok=read_bool(doc["ok"], f"{path}.ok"),
+            checked=tuple(read_str(s, f"{path}.checked[{i}]", max_len=4096)
+                          for i, s in enumerate(read_list(doc["checked"], f"{path}.checked"))),
+            outputs=tuple(outputs),
+            dynamic=tuple(read_str(s, f"{path}.dynamic[{i}]", max_len=4096)
+                          for i, s in enumerate(read_list(doc.get("dynamic", []),
+                                                          f"{path}.dynamic"))),
+            seconds=_float(doc.get("seconds", 0.0), f"{path}.seconds"),
+            reason=None if reason is None else read_str(reason, f"{path}.reason",
+                                                        max_len=4096))
+
+    def unusable(self, directory: Path) -> tuple[str, str] | None:
+        """Why this program cannot serve here -- ``(reason code, words)``, the
+        code one of ``COMPILED_REASONS`` -- or ``None`` when it can."""
+        if not self.ok:
+            return "compiled_failed", f"its check against the uncompiled program failed " \
+                f"({self.reason or 'an output beyond its tolerance'})"
+        if not (directory / self.package).is_file():
+            return "compiled_missing", f"its package {self.package} is missing"
+        now = compiled_environment(str(self.environment.get("device") or "cpu"))
+        for field in COMPILED_GUARDED:
+            was = self.environment.get(field)
+            if was != now.get(field):
+                return "compiled_environment", f"compiled for {field} {was!r}, this " \
+                    f"process has {now.get(field)!r}"
+        return None

@@ -1,0 +1,118 @@
+"""``ctxreplay compile DIR``: each saved capture compiled ahead of time,
+checked against its uncompiled program, recorded in the manifest -- and a
+fresh process that installs the directory runs the compiled programs and
+compiles nothing.
+
+The directory is made once per module, in a fresh process
+(``compiled_dirs.make_compiled``: a folded capture of two repeated blocks
+under CPU bfloat16 autocast; AOTInductor takes ~10 s a capture here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from compiled_dirs import make_compiled, run_fresh
+from metadata_check import assert_metadata_only
+
+import ctxreplay
+from ctxreplay.cli import main
+from ctxreplay.compiling import TOLERANCES, compile_dir
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    directory = tmp_path_factory.mktemp("aot") / "captures"
+    return directory, make_compiled(directory)
+
+
+def test_compile_records_the_program_its_check_and_what_it_depends_on(
+        compiled: tuple[Path, str]) -> None:
+    directory, printed = compiled
+    (cap,) = ctxreplay.load(directory).captures
+    rec = cap.compiled
+    assert rec is not None and rec.ok and rec.reason is None
+    assert (directory / rec.package).is_file() and rec.package.endswith(".aoti.pt2")
+    assert rec.state == ("norm.weight", "norm.bias", "mlp.0.weight", "mlp.0.bias",
+                         "mlp.2.weight", "mlp.2.bias")
+    # the fold compiled with its dynamic dim, checked at its example size and both ends
+    (dim,) = rec.dynamic
+    assert dim.startswith("args[0][1] = ") and dim.endswith(" in [5, 9])")
+    assert len(rec.checked) == 3 and set(rec.checked) == {"4x5x32", "4x7x32", "4x9x32"}
+    (out,) = rec.outputs
+    assert out.dtype == "bfloat16" and out.tolerance == TOLERANCES[torch.bfloat16]
+    assert 0.0 <= out.error <= out.tolerance
+    assert rec.environment["torch"] == str(torch.__version__)
+    assert rec.environment["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
+    assert rec.environment["device"] == "cpu" and rec.compiler
+    assert f"{cap.label}: {rec.package}: ok; worst error" in printed
+    assert "1 capture compiled, 0 failed their check, 0 not compiled" in printed
+
+
+def test_the_record_is_metadata_only(compiled: tuple[Path, str]) -> None:
+    directory, _ = compiled
+    (cap,) = ctxreplay.load(directory).captures
+    assert cap.compiled is not None
+    assert_metadata_only(cap.compiled.to_json())
+
+
+_FRESH = '''
+import json, os, sys
+from pathlib import Path
+import ctxreplay
+from torch._dynamo.utils import counters
+
+model = build()
+handle = ctxreplay.install(model, ctxreplay.load(sys.argv[1]))
+xs = [torch.rand(4, n, 32, generator=torch.Generator().manual_seed(n)) for n in (5, 6, 8, 9)]
+with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+    got = [model(x) for x in xs]
+stats = handle.stats()
+handle.remove()
+with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+    want = [model(x) for x in xs]
+cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+print(json.dumps({
+    "errors": [float((g.float() - w.float()).abs().max() / w.float().abs().max())
+               for g, w in zip(got, want)],
+    "exact": all(torch.equal(g, w) for g, w in zip(got, want)),
+    "hits": stats.hits, "misses": stats.total_misses, "compiled": list(stats.compiled),
+    "uncompiled": stats.uncompiled, "frames": sum(counters["frames"].values()),
+    "inductor": sum(counters["inductor"].values()),
+    "cache_files": [str(p) for p in cache.rglob("*") if p.is_file()],
+}))
+'''
+
+
+def test_a_fresh_process_runs_the_compiled_programs_and_compiles_nothing(
+        compiled: tuple[Path, str], tmp_path: Path) -> None:
+    directory, _ = compiled
+    (cap,) = ctxreplay.load(directory).captures
+    cache, tmp = tmp_path / "inductor-cache", tmp_path / "tmp"
+    cache.mkdir()
+    tmp.mkdir()
+    got = run_fresh(_FRESH, str(directory), TORCHINDUCTOR_CACHE_DIR=str(cache), TMPDIR=str(tmp))
+    # every block call, at every size of the fold, served by the compiled program
+    assert got["hits"] == {cap.label: 8} and got["misses"] == 0
+    assert got["compiled"] == [f"{cap.label}@blocks.0", f"{cap.label}@blocks.1"]
+    assert got["uncompiled"] == {}
+    assert max(got["errors"]) <= TOLERANCES[torch.bfloat16]
+    # nothing compiled at run time: no Dynamo frame, no Inductor work, no cache entry
+    assert got["frames"] == 0 and got["inductor"] == 0 and got["cache_files"] == []
+
+
+def test_compiling_again_keeps_what_is_compiled(compiled: tuple[Path, str]) -> None:
+    directory, _ = compiled
+    (before,) = ctxreplay.load(directory).captures
+    done = compile_dir(directory)  # nothing to compile: no Inductor runs in this process
+    (after,) = ctxreplay.load(directory).captures
+    assert done.compiled == (before.label,) and not done.failed and not done.skipped
+    assert after.compiled == before.compiled
+
+
+def test_compile_names_a_directory_without_a_manifest(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compile", str(tmp_path)]) == 2
+    assert f"{tmp_path} holds no manifest.json" in capsys.readouterr().err
