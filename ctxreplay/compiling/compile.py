@@ -31,7 +31,7 @@ from ..loading.compiled import CompiledProgram, OutputError
 from ..loading.load import LoadedCapture, LoadedManifest, load
 from ..report.manifest import MANIFEST_NAME, write_manifest
 from .lift import NotLiftable, lifted, lifted_export
-from .verify import compare, describe, inputs_of, size_points
+from .verify import compare, compute_tolerance, describe, inputs_of, size_points
 
 __all__ = ["CompiledDir", "compile_dir"]
 
@@ -174,13 +174,14 @@ def _check(cap: LoadedCapture, flat: Flat, package: Path, state: list[torch.Tens
     if len(specs) == len(leaves) and all(tuple(s.shape) == tuple(t.shape)
                                          for s, t in zip(specs, leaves)):
         points += [(label, inputs_of(made)) for label, made in size_points(cap.folding, specs)]
+    floor = compute_tolerance(cap.program)
     worst: dict[int, OutputError] = {}
     for _, values in points:
         with torch.no_grad(), cap.replay():
             want = flat.fn(*state, *values)
             got = loader.run([*state, *values])
         want = list(want) if isinstance(want, (list, tuple)) else [want]
-        for o in compare(got, want):
+        for o in compare(got, want, floor):
             if o.index not in worst or o.error > worst[o.index].error:
                 worst[o.index] = o
     return [label for label, _ in points], [worst[i] for i in sorted(worst)]

@@ -9,7 +9,10 @@ the program's own weights, inside what the capture needs around it
 sizes and at each end of its ranges.
 
 The error of an output is ``max |compiled - uncompiled| / max |uncompiled|``,
-held to a tolerance per dtype (``TOLERANCES``).  Inductor fuses
+held to a tolerance per dtype (``TOLERANCES``): that of the output's dtype
+or of the least precise floating dtype the program computes in, whichever
+is looser -- a float32 residual stream that adds bfloat16 block outputs
+(autocast) carries bfloat16's rounding.  Inductor fuses
 elementwise chains and reorders reductions (its own tiling and
 accumulation order), and keeps fused intermediates in float32 where eager
 rounds each op's result to bfloat16 or float16: the results are not
@@ -31,7 +34,7 @@ from ..specs.dims import Folding, _evaluate, contiguous, parse_expr
 from ..specs.materialize import tensor
 from ..specs.signature import TensorSpec
 
-__all__ = ["TOLERANCES", "compare", "size_points"]
+__all__ = ["TOLERANCES", "compare", "compute_tolerance", "size_points"]
 
 #: dtype -> the largest ``max |compiled - uncompiled| / max |uncompiled|``
 #: a compiled output may have: about three units in the last place at the
@@ -91,9 +94,28 @@ def inputs_of(specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
     return [tensor(attrs.evolve(s, requires_grad=False)) for s in specs]
 
 
-def compare(got: Sequence[Any], want: Sequence[Any]) -> list[OutputError]:
+def compute_tolerance(program: Any) -> float:
+    """The loosest tolerance of the floating dtypes ``program``'s graph computes
+    in (its nodes' values, its autocast regions' dtypes, its regions' bodies
+    included); 0 where it names none."""
+    found: set[torch.dtype] = set()
+    for module in program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            val = node.meta.get("val")
+            for v in val if isinstance(val, (list, tuple)) else (val,):
+                if isinstance(v, torch.Tensor):
+                    found.add(v.dtype)
+            found.update(a for a in node.args if isinstance(a, torch.dtype))
+    return max((TOLERANCES.get(d, 0.0) for d in found), default=0.0)
+
+
+def compare(got: Sequence[Any], want: Sequence[Any], floor: float = 0.0) -> list[OutputError]:
     """Each output's error (see the module docstring); an output that is not
-    a tensor must be equal."""
+    a tensor must be equal.  ``floor``: the tolerance of the program's least
+    precise compute dtype (``compute_tolerance``), for floating outputs."""
     out = []
     if len(got) != len(want):
         return [OutputError(0, "count", _BROKEN, 0.0)]
@@ -102,6 +124,8 @@ def compare(got: Sequence[Any], want: Sequence[Any]) -> list[OutputError]:
             out.append(OutputError(i, type(w).__name__, 0.0 if g == w else _BROKEN, 0.0))
             continue
         tol = TOLERANCES.get(w.dtype, 0.0)
+        if tol:
+            tol = max(tol, floor)
         name = str(w.dtype).removeprefix("torch.")
         if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
             out.append(OutputError(i, name, _BROKEN, tol))
