@@ -21,6 +21,7 @@ from .core.registry import available_probes, get_probe
 from .core.snapshots import describe_state
 from .demo import run_demo
 from .fidelity.verify import fidelity_status
+from .loading.compiled import CompiledProgram
 from .loading.detect import detect
 from .loading.load import LoadedManifest, load
 from .loading.needs import Needs, merge_differences, needs_from_document, static_differences
@@ -247,6 +248,8 @@ def _inspect(ns: argparse.Namespace) -> int:
               f"{'ok' if doc.ok else 'not ok'}; {_environment(doc.environment)})")
         extra = _failure_lines(data.get("failures"), data.get("problems"))
         extra += _cache_line(data)
+        extra += [_compiled_line(e.label, e.compiled, f"$.captures[{e.index}].compiled")
+                  for e in doc.entries if e.compiled is not None]
     elif kind == "report":
         for c in data.get("captures", []) if isinstance(data.get("captures"), list) else []:
             if isinstance(c, Mapping):
@@ -275,6 +278,17 @@ def _inspect(ns: argparse.Namespace) -> int:
     for line in extra:
         print(line)
     return 0
+
+
+def _compiled_line(label: str, doc: Mapping[str, Any], where: str) -> str:
+    """``compiled: label -> package (ok, error ...; for torch ..., cpu_isa ...)``."""
+    rec = CompiledProgram.from_json(doc, where)
+    env = rec.environment
+    target = f"cpu_isa {env.get('cpu_isa')}" if env.get("device") == "cpu" else \
+        f"{env.get('device')} {env.get('capability')}"
+    verdict = "ok" if rec.ok else "FAILED its check"
+    return (f"compiled: {label} -> {rec.package} ({verdict}, error {rec.error:.2g}; for torch "
+            f"{env.get('torch')}, {env.get('machine')} {target})")
 
 
 def _check(ns: argparse.Namespace) -> int:

@@ -96,8 +96,8 @@ def inputs_of(specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
 
 def compute_tolerance(program: Any) -> float:
     """The loosest tolerance of the floating dtypes ``program``'s graph computes
-    in (its nodes' values, its autocast regions' dtypes, its regions' bodies
-    included); 0 where it names none."""
+    in (its nodes' values, its regions' bodies included: an autocast region's
+    ops hold its dtype); 0 where it names none."""
     found: set[torch.dtype] = set()
     for module in program.graph_module.modules():
         graph = getattr(module, "graph", None)
@@ -108,7 +108,6 @@ def compute_tolerance(program: Any) -> float:
             for v in val if isinstance(val, (list, tuple)) else (val,):
                 if isinstance(v, torch.Tensor):
                     found.add(v.dtype)
-            found.update(a for a in node.args if isinstance(a, torch.dtype))
     return max((TOLERANCES.get(d, 0.0) for d in found), default=0.0)
 
 

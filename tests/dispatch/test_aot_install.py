@@ -146,3 +146,27 @@ def test_sizes_outside_the_fold_and_a_converted_model_run_eagerly(compiled: Path
         stats = handle.stats()
     assert stats.reasons == {"signature": 2, "weights": 1} and stats.total_hits == 3
     assert stats.misses == {"blocks.0": 2, "blocks.1": 1}
+
+
+def test_a_call_autograd_would_record_runs_the_uncompiled_function(compiled: Path) -> None:
+    from ctxreplay.dispatch.aot import compiled_flat
+    from ctxreplay.dispatch.flat import Flat, flatten
+
+    (cap,) = ctxreplay.load(compiled).captures
+    assert cap.compiled is not None
+    flat = flatten(cap.program, keep_guards=True)
+    assert isinstance(flat, Flat)
+    made = compiled_flat(flat, cap.program, cap.compiled, compiled, guarded=True)
+    assert isinstance(made, Flat)
+    own = cap.program.state_dict
+    state = [own[n].detach().requires_grad_(True) for n in flat.state_names]
+    x = torch.rand(4, 6, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (recorded,) = made.fn(*state, x)  # grad mode on: the compiled program computes none
+        with torch.no_grad():
+            (served,) = made.fn(*state, x)
+    assert recorded.requires_grad and recorded.grad_fn is not None
+    assert not served.requires_grad
+    # the size guard still runs
+    with pytest.raises(AssertionError, match="Guard failed"), torch.no_grad():
+        made.fn(*state, torch.rand(4, 6, 16))

@@ -55,11 +55,12 @@ import sys
 import ctxreplay
 from ctxreplay.cli import main
 
-model = build()
+device = sys.argv[2]
+model = build().to(device)
 with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+    with torch.autocast(device, dtype=torch.bfloat16), torch.inference_mode():
         for n in SIZES:
-            model(torch.rand(4, n, 32))
+            model(torch.rand(4, n, 32, device=device))
 report = session.finalize()
 assert report.ok and len(report.captures) == 1, report.summary
 report.save_all(sys.argv[1])
@@ -75,10 +76,10 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
-def make_compiled(directory: Path) -> str:
-    """Capture, save and ``ctxreplay compile`` the tiny model into
-    ``directory`` in a fresh process; returns what the command printed."""
-    proc = subprocess.run([sys.executable, "-c", _MAKE, str(directory)], env=env(),
+def make_compiled(directory: Path, device: str = "cpu") -> str:
+    """Capture (on ``device``), save and ``ctxreplay compile`` the tiny model
+    into ``directory`` in a fresh process; returns what the command printed."""
+    proc = subprocess.run([sys.executable, "-c", _MAKE, str(directory), device], env=env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

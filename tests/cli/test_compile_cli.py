@@ -1,0 +1,54 @@
+"""``ctxreplay compile DIR``: its lines, its exit codes, and what ``inspect``
+then shows of a compiled directory (one tiny folded capture, compiled in a
+fresh process by ``compiled_dirs.make_compiled``, which runs the command)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from compiled_dirs import make_compiled
+
+import ctxreplay
+from ctxreplay.cli import main
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    directory = tmp_path_factory.mktemp("aot") / "captures"
+    return directory, make_compiled(directory)
+
+
+def test_compile_prints_a_line_per_capture_and_a_summary(compiled: tuple[Path, str]) -> None:
+    directory, printed = compiled
+    (cap,) = ctxreplay.load(directory).captures
+    assert cap.compiled is not None
+    line = next(x for x in printed.splitlines() if x.startswith(cap.label))
+    assert line.startswith(f"{cap.label}: {cap.compiled.package}: ok; worst error ")
+    assert line.endswith(f"of the peak over 3 sizes; dynamic {cap.compiled.dynamic[0]}")
+    assert f"ctxreplay compile: {directory}: 1 capture compiled, 0 failed their check, " \
+        "0 not compiled (" in printed
+
+
+def test_compiling_again_keeps_it_and_exits_0(compiled: tuple[Path, str],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    directory, _ = compiled
+    assert main(["compile", str(directory)]) == 0
+    assert "1 capture compiled, 0 failed their check" in capsys.readouterr().out
+
+
+def test_inspect_shows_each_compiled_program(compiled: tuple[Path, str],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    directory, _ = compiled
+    (cap,) = ctxreplay.load(directory).captures
+    assert cap.compiled is not None
+    assert main(["inspect", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert f"compiled: {cap.label} -> {cap.compiled.package} (ok, error " in out
+    assert f"cpu_isa {cap.compiled.environment['cpu_isa']})" in out
+
+
+def test_a_directory_without_a_manifest_exits_2(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compile", str(tmp_path)]) == 2
+    assert f"{tmp_path} holds no manifest.json" in capsys.readouterr().err
