@@ -134,25 +134,28 @@ def _compile(cap: LoadedCapture, root: Path,
     flat = flatten(program, keep_guards=cap.folding is not None)
     if not isinstance(flat, Flat):
         raise NotLiftable(f"its program cannot be flattened ({flat})")
-    module = lifted(program, flat)
+    module, keep = lifted(program, flat)
     own = {**program.state_dict, **program.constants}
     state = [own[n].detach() for n in flat.state_names]
     args, kwargs = cap.example_inputs()
     leaves = flat.leaves(args, kwargs)
-    if not all(isinstance(t, torch.Tensor) for t in leaves):
-        raise NotLiftable("an input of the call is not a tensor")
-    leaves = [t.detach() for t in leaves]
+    taken = list(range(len(leaves))) if keep is None else list(keep)
+    tensors = [leaves[i] for i in taken]
+    if len(taken) != sum(isinstance(t, torch.Tensor) for t in leaves) or \
+            not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise NotLiftable("the call's tensors are not the inputs its graph takes")
+    tensors = [t.detach() for t in tensors]
     start = time.monotonic()
     with torch.no_grad(), cap.replay():
-        exported = lifted_export(module, tuple(state + leaves), len(state), cap.folding)
+        exported = lifted_export(module, tuple(state + tensors), len(state), cap.folding)
     package = root / (Path(cap.path.name).stem + PACKAGE_SUFFIX)
     with torch.no_grad():
         torch._inductor.aoti_compile_and_package(
             exported, package_path=str(package),
             inductor_configs=dict(configs) if configs is not None else None)
     seconds = time.monotonic() - start
-    device = leaves[0].device.type if leaves else state[0].device.type if state else "cpu"
-    checked, outputs = _check(cap, flat, package, state, leaves, device)
+    device = tensors[0].device.type if tensors else state[0].device.type if state else "cpu"
+    checked, outputs = _check(cap, flat, package, state, (leaves, taken), device)
     worst = [o for o in outputs if not o.ok]
     reason = None if not worst else "; ".join(
         f"output {o.index} ({o.dtype}) off by {o.error:.3g} of its peak, tolerance "
@@ -160,25 +163,32 @@ def _compile(cap: LoadedCapture, root: Path,
     return CompiledProgram(package.name, tuple(flat.state_names), compiled_environment(device),
                            _compiler(), not worst, tuple(checked), tuple(outputs),
                            tuple(cap.folding.describe()) if cap.folding else (), seconds,
-                           reason)
+                           reason, keep)
 
 
 def _check(cap: LoadedCapture, flat: Flat, package: Path, state: list[torch.Tensor],
-           leaves: list[torch.Tensor], device: str) -> tuple[list[str], list[OutputError]]:
+           call: tuple[list[Any], list[int]], device: str
+           ) -> tuple[list[str], list[OutputError]]:
     """The package run against the uncompiled program at every size point;
-    each output's worst error."""
+    each output's worst error.  ``call``: the example call's leaves, and the
+    positions of those the package takes (its tensors)."""
+    leaves, taken = call
     loader = torch._C._aoti.AOTIModelPackageLoader(
         str(package), "model", False, 1, -1 if device == "cpu" else 0)
     specs = [s for _, s in cap.sidecar.inputs]
-    points = [(describe(specs), leaves)]
-    if len(specs) == len(leaves) and all(tuple(s.shape) == tuple(t.shape)
-                                         for s, t in zip(specs, leaves)):
+    tensors = [leaves[i] for i in taken]
+    points = [(describe(specs), tensors)]
+    if len(specs) == len(tensors) and all(tuple(s.shape) == tuple(t.shape)
+                                          for s, t in zip(specs, tensors)):
         points += [(label, inputs_of(made)) for label, made in size_points(cap.folding, specs)]
     floor = compute_tolerance(cap.program)
     worst: dict[int, OutputError] = {}
     for _, values in points:
+        full = list(leaves)
+        for i, t in zip(taken, values):
+            full[i] = t
         with torch.no_grad(), cap.replay():
-            want = flat.fn(*state, *values)
+            want = flat.fn(*state, *full)
             got = loader.run([*state, *values])
         want = list(want) if isinstance(want, (list, tuple)) else [want]
         for o in compare(got, want, floor):

@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.export.graph_signature import (
+    ConstantArgument,
+    InputKind,
+    OutputKind,
+    TensorArgument,
+)
 
 from ..dispatch.flat import Flat
 from ..errors import Error
@@ -63,8 +68,10 @@ class _Lifted(nn.Module):
         return tuple(self.gm(*values))
 
 
-def lifted(program: Any, flat: Flat) -> _Lifted:
-    """``program`` as a module taking ``(*flat.state_names tensors, *leaves)``.
+def lifted(program: Any, flat: Flat) -> tuple[_Lifted, tuple[int, ...] | None]:
+    """``program`` as a module taking ``(*flat.state_names tensors, *tensor leaves)``,
+    and the positions of the call's leaves it takes where some are constants
+    the graph holds itself (a ``None`` argument; ``None``: it takes every leaf).
 
     Raises ``NotLiftable`` for what this cannot lift: a graph that writes
     its buffers or inputs (BatchNorm in train mode, a static cache), one
@@ -76,7 +83,7 @@ def lifted(program: Any, flat: Flat) -> _Lifted:
     n_state = len(state)
     order: list[tuple[str, Any]] = []
     constants: dict[str, torch.Tensor] = {}
-    leaf = 0
+    leaf, position, taken = 0, 0, []
     for spec in sig.input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             if spec.target in state:
@@ -90,13 +97,19 @@ def lifted(program: Any, flat: Flat) -> _Lifted:
             constants[str(spec.target)] = program.constants[spec.target]
             order.append(("const", str(spec.target)))
         elif spec.kind == InputKind.USER_INPUT:
-            if not isinstance(spec.arg, TensorArgument):
-                raise NotLiftable("an input of the call is not a tensor")
-            order.append(("input", n_state + leaf))
-            leaf += 1
+            if isinstance(spec.arg, TensorArgument):
+                order.append(("input", n_state + leaf))
+                taken.append(position)
+                leaf += 1
+            elif isinstance(spec.arg, ConstantArgument):
+                order.append(("value", spec.arg.value))  # the traced call's, as the graph's
+            else:
+                raise NotLiftable(f"an input of the call is a {type(spec.arg).__name__}")
+            position += 1
         else:
             raise NotLiftable(f"its graph takes a {spec.kind.name.lower()} input")
-    return _Lifted(program.graph_module, order, constants)
+    keep = None if len(taken) == position else tuple(taken)
+    return _Lifted(program.graph_module, order, constants), keep
 
 
 def lifted_export(module: _Lifted, inputs: tuple[torch.Tensor, ...], n_state: int,

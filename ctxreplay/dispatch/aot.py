@@ -49,31 +49,45 @@ def compiled_flat(flat: Flat, program: Any, record: CompiledProgram, directory: 
         guard = _user_guard(program) if guarded else None
     except _Unguarded as exc:
         return "compiled_mismatch", str(exc)
-    fn = _runner(loader.run, guard, flat.fn, len(flat.state_names))
+    fn = _runner(loader.run, guard, flat.fn, len(flat.state_names), record.leaves)
     return Flat(fn, flat.source, flat.state_names, flat.state_meta, flat.in_spec,
                 flat.out_spec)
 
 
 def _runner(run: Callable[[list[Any]], list[Any]], guard: Callable[..., Any] | None,
-            uncompiled: Callable[..., Any], n_state: int) -> Callable[..., Any]:
+            uncompiled: Callable[..., Any], n_state: int,
+            keep: tuple[int, ...] | None) -> Callable[..., Any]:
     """The compiled call.  A compiled program computes no gradients (AOTInductor
     compiles for inference): where autograd would record the call -- grad
-    mode on and a tensor that requires grad -- the uncompiled function runs."""
+    mode on and a tensor that requires grad -- the uncompiled function runs.
+    ``keep``: the leaves the program takes, where the call also passes
+    constants its graph holds (equal to the captured ones: the call matched
+    its signature)."""
     is_grad = torch.is_grad_enabled
+    if keep is not None:
+        run = _taking(run, n_state, keep)
 
     if guard is None:
         def compiled(*inputs: Any) -> Any:
-            if is_grad() and any(t.requires_grad for t in inputs):
+            if is_grad() and any(getattr(t, "requires_grad", False) for t in inputs):
                 return uncompiled(*inputs)
             return run(list(inputs))
         return compiled
 
     def guarded(*inputs: Any) -> Any:
-        if is_grad() and any(t.requires_grad for t in inputs):
+        if is_grad() and any(getattr(t, "requires_grad", False) for t in inputs):
             return uncompiled(*inputs)  # (its own guard runs inside)
         guard(*inputs[n_state:])  # raises AssertionError("Guard failed ...") on a refused size
         return run(list(inputs))
     return guarded
+
+
+def _taking(run: Callable[[list[Any]], list[Any]], n_state: int,
+            keep: tuple[int, ...]) -> Callable[[list[Any]], list[Any]]:
+    """``run`` given the member's tensors and only the leaves at ``keep``."""
+    def taking(inputs: list[Any]) -> list[Any]:
+        return run(inputs[:n_state] + [inputs[n_state + i] for i in keep])
+    return taking
 
 
 class _Unguarded(Exception):

@@ -87,6 +87,10 @@ class CompiledProgram:
     """How long compiling it took."""
     reason: str | None = None
     """Why it failed its check, in words (``None`` when ``ok``)."""
+    leaves: tuple[int, ...] | None = None
+    """The positions of the call's leaves it takes (its tensors), where the call
+    also has constant leaves (a ``None`` keyword argument) the graph holds itself;
+    ``None``: every leaf."""
 
     @property
     def error(self) -> float:
@@ -98,15 +102,16 @@ class CompiledProgram:
                 "environment": dict(self.environment), "compiler": self.compiler,
                 "ok": self.ok, "checked": list(self.checked),
                 "outputs": [o.to_json() for o in self.outputs], "dynamic": list(self.dynamic),
-                "seconds": round(self.seconds, 3), "reason": self.reason}
+                "seconds": round(self.seconds, 3), "reason": self.reason,
+                "leaves": None if self.leaves is None else list(self.leaves)}
 
     @classmethod
     def from_json(cls, value: object, path: str) -> CompiledProgram:
         """The inverse of ``to_json``; ``ValueError`` naming the bad field."""
         keys = {"format", "package", "state", "environment", "compiler", "ok", "checked",
-                "outputs", "dynamic", "seconds", "reason"}
+                "outputs", "dynamic", "seconds", "reason", "leaves"}
         doc = read_mapping(value, path, keys=keys, required=keys - {"dynamic", "seconds",
-                                                                      "reason"})
+                                                                      "reason", "leaves"})
         read_str(doc["format"], f"{path}.format", choices={COMPILED_FORMAT})
         package = read_str(doc["package"], f"{path}.package", max_len=1024)
         if Path(package).name != package or package in ("", ".", ".."):
@@ -124,6 +129,7 @@ class CompiledProgram:
                                        _float(m["error"], f"{w}.error"),
                                        _float(m["tolerance"], f"{w}.tolerance")))
         reason = doc.get("reason")
+        leaves = doc.get("leaves")
         return cls(
             package=package,
             state=tuple(read_str(s, f"{path}.state[{i}]", max_len=4096)
@@ -139,7 +145,10 @@ class CompiledProgram:
                                                           f"{path}.dynamic"))),
             seconds=_float(doc.get("seconds", 0.0), f"{path}.seconds"),
             reason=None if reason is None else read_str(reason, f"{path}.reason",
-                                                        max_len=4096))
+                                                        max_len=4096),
+            leaves=None if leaves is None else tuple(
+                read_int(v, f"{path}.leaves[{i}]", lo=0)
+                for i, v in enumerate(read_list(leaves, f"{path}.leaves"))))
 
     def unusable(self, directory: Path) -> tuple[str, str] | None:
         """Why this program cannot serve here -- ``(reason code, words)``, the
