@@ -291,10 +291,21 @@ def _compiled_line(label: str, doc: Mapping[str, Any], where: str) -> str:
             f"{env.get('torch')}, {env.get('machine')} {target})")
 
 
+def _compiled_here(label: str, record: CompiledProgram, directory: Path) -> str:
+    """Whether ``label``'s compiled program runs in this process, and if not why."""
+    why = record.unusable(directory)
+    if why is None:
+        return f"compiled: {label} runs its compiled program ({record.package})"
+    return f"compiled: {label} runs uncompiled here: {why[1]} ({why[0]})"
+
+
 def _check(ns: argparse.Namespace) -> int:
     kind, target, data = detect(ns.path)
     notes: list[str] = []
     needs: list[Needs] = []
+    # compiled programs that do not hold here leave their captures usable
+    # (install runs them uncompiled): said, not counted as a difference
+    compiled: list[str] = []
     if kind == "report":
         caps = data.get("captures", [])
         if not isinstance(caps, list):
@@ -308,6 +319,8 @@ def _check(ns: argparse.Namespace) -> int:
         src = load(target)
         captures = src.captures if isinstance(src, LoadedManifest) else (src,)
         needs = [c.needs for c in captures]
+        compiled = [_compiled_here(c.label, c.compiled, c.path.parent) for c in captures
+                    if c.compiled is not None]
         if isinstance(src, LoadedManifest):
             notes += [f"not saved: {label} ({reason})" for label, reason in src.not_saved]
             notes += [f"failed: {s}#{v} {reason} ({backend})"
@@ -328,6 +341,8 @@ def _check(ns: argparse.Namespace) -> int:
     for what, labels in around.items():
         shown = ", ".join(labels[:4]) + (", ..." if len(labels) > 4 else "")
         print(f"establish around each call: {what} [{shown}]")
+    for line in compiled:
+        print(line)
     if found or notes:
         print(f"ctxreplay check: {target}: NOT OK ({len(found)} differences, "
               f"{len(notes)} other findings)", file=sys.stderr)
@@ -350,12 +365,12 @@ def _compile(ns: argparse.Namespace) -> int:
             print(f"{cap.label}: not compiled: {done.skipped[cap.label]}")
         elif rec is not None:
             verdict = "ok" if rec.ok else f"FAILED its check: {rec.reason}"
-            print(f"{cap.label}: {rec.package}: {verdict}; worst error {rec.error:.3g} of the "
-                  f"peak over {_count(len(rec.checked), 'size')}"
+            print(f"{cap.label}: {rec.package}: {verdict}, error {rec.error:.3g} at "
+                  f"{_count(len(rec.checked), 'size')}"
                   + (f"; dynamic {'; '.join(rec.dynamic)}" if rec.dynamic else ""))
-    print(f"ctxreplay compile: {done.directory}: {_count(len(done.compiled), 'capture')} "
-          f"compiled, {len(done.failed)} failed their check, {len(done.skipped)} not "
-          f"compiled ({done.seconds:.1f} s)")
+    print(f"ctxreplay compile: {done.directory}: {len(done.compiled)} compiled, "
+          f"{len(done.failed)} failed their check, {len(done.skipped)} not compiled "
+          f"({done.seconds:.1f} s)")
     return 1 if done.failed else 0
 
 
