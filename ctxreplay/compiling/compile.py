@@ -158,12 +158,18 @@ def _compile(cap: LoadedCapture, root: Path,
     checked, outputs = _check(cap, flat, package, state, (leaves, taken), device)
     worst = [o for o in outputs if not o.ok]
     reason = None if not worst else "; ".join(
-        f"output {o.index} ({o.dtype}) off by {o.error:.3g} of its peak, tolerance "
+        f"{_named(o, flat)} ({o.dtype}) off by {o.error:.3g} of its peak, tolerance "
         f"{o.tolerance:g}" for o in worst)
     return CompiledProgram(package.name, tuple(flat.state_names), compiled_environment(device),
                            _compiler(), not worst, tuple(checked), tuple(outputs),
                            tuple(cap.folding.describe()) if cap.folding else (), seconds,
                            reason, keep)
+
+
+def _named(o: OutputError, flat: Flat) -> str:
+    if o.of == "state" and o.index < len(flat.state_names):
+        return f"{flat.state_names[o.index]} as the call leaves it"
+    return f"{o.of} {o.index}" if o.of == "output" else f"input {o.index} as the call leaves it"
 
 
 def _check(cap: LoadedCapture, flat: Flat, package: Path, state: list[torch.Tensor],
@@ -182,19 +188,38 @@ def _check(cap: LoadedCapture, flat: Flat, package: Path, state: list[torch.Tens
                                           for s, t in zip(specs, tensors)):
         points += [(label, inputs_of(made)) for label, made in size_points(cap.folding, specs)]
     floor = compute_tolerance(cap.program)
-    worst: dict[int, OutputError] = {}
+    worst: dict[tuple[str, int], OutputError] = {}
     for _, values in points:
+        # each side on its own copies: a program that writes its buffers or
+        # inputs (BatchNorm's running stats) must write the same values
+        ref_state, ref_values = _copies(state), _copies(values)
+        got_state, got_values = _copies(state), _copies(values)
         full = list(leaves)
-        for i, t in zip(taken, values):
+        for i, t in zip(taken, ref_values):
             full[i] = t
         with torch.no_grad(), cap.replay():
-            want = flat.fn(*state, *full)
-            got = loader.run([*state, *values])
+            want = flat.fn(*ref_state, *full)
+            got = loader.run([*got_state, *got_values])
         want = list(want) if isinstance(want, (list, tuple)) else [want]
-        for o in compare(got, want, floor):
-            if o.index not in worst or o.error > worst[o.index].error:
-                worst[o.index] = o
-    return [label for label, _ in points], [worst[i] for i in sorted(worst)]
+        found = compare(got, want, floor) + \
+            [o for o in compare(got_state, ref_state, floor, "state") + compare(
+                got_values, ref_values, floor, "input") if o.error > 0 or
+             not _same(state[o.index] if o.of == "state" else values[o.index],
+                       got_state[o.index] if o.of == "state" else got_values[o.index])]
+        for o in found:
+            key = (o.of, o.index)
+            if key not in worst or o.error > worst[key].error:
+                worst[key] = o
+    return [label for label, _ in points], [worst[k] for k in sorted(worst)]
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether ``after`` still equals the value ``before`` holds (not written)."""
+    return bool(torch.equal(before, after))
 
 
 def _compiler() -> str:

@@ -111,25 +111,27 @@ def compute_tolerance(program: Any) -> float:
     return max((TOLERANCES.get(d, 0.0) for d in found), default=0.0)
 
 
-def compare(got: Sequence[Any], want: Sequence[Any], floor: float = 0.0) -> list[OutputError]:
-    """Each output's error (see the module docstring); an output that is not
-    a tensor must be equal.  ``floor``: the tolerance of the program's least
-    precise compute dtype (``compute_tolerance``), for floating outputs."""
+def compare(got: Sequence[Any], want: Sequence[Any], floor: float = 0.0,
+            of: str = "output") -> list[OutputError]:
+    """Each value's error (see the module docstring); a value that is not a
+    tensor must be equal.  ``floor``: the tolerance of the program's least
+    precise compute dtype (``compute_tolerance``), for floating values;
+    ``of``: what the values are (``OutputError.of``)."""
     out = []
     if len(got) != len(want):
-        return [OutputError(0, "count", _BROKEN, 0.0)]
+        return [OutputError(0, "count", _BROKEN, 0.0, of)]
     for i, (g, w) in enumerate(zip(got, want)):
         if not isinstance(w, torch.Tensor):
-            out.append(OutputError(i, type(w).__name__, 0.0 if g == w else _BROKEN, 0.0))
+            out.append(OutputError(i, type(w).__name__, 0.0 if g == w else _BROKEN, 0.0, of))
             continue
         tol = TOLERANCES.get(w.dtype, 0.0)
         if tol:
             tol = max(tol, floor)
         name = str(w.dtype).removeprefix("torch.")
         if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
-            out.append(OutputError(i, name, _BROKEN, tol))
+            out.append(OutputError(i, name, _BROKEN, tol, of))
             continue
-        out.append(OutputError(i, name, _error(g.detach(), w.detach()), tol))
+        out.append(OutputError(i, name, _error(g.detach(), w.detach()), tol, of))
     return out
 
 

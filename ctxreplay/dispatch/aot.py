@@ -32,10 +32,13 @@ __all__ = ["compiled_flat"]
 
 
 def compiled_flat(flat: Flat, program: Any, record: CompiledProgram, directory: Path,
-                  *, guarded: bool) -> Flat | tuple[str, str]:
+                  *, guarded: bool, on_autograd: Callable[[], None] | None = None
+                  ) -> Flat | tuple[str, str]:
     """``flat`` with its function replaced by the compiled program, or why
     not (``(reason code, words)``).  ``guarded``: run the uncompiled
-    program's input guard before each call (a folded capture)."""
+    program's input guard before each call (a folded capture);
+    ``on_autograd``: called when a call runs the uncompiled function because
+    autograd records it."""
     if tuple(record.state) != tuple(flat.state_names):
         return "compiled_mismatch", "it takes other member tensors than the capture's program"
     device = str(record.environment.get("device") or "cpu")
@@ -49,7 +52,14 @@ def compiled_flat(flat: Flat, program: Any, record: CompiledProgram, directory: 
         guard = _user_guard(program) if guarded else None
     except _Unguarded as exc:
         return "compiled_mismatch", str(exc)
-    fn = _runner(loader.run, guard, flat.fn, len(flat.state_names), record.leaves)
+    uncompiled = flat.fn
+    if on_autograd is not None:
+        told = on_autograd
+
+        def uncompiled(*inputs: Any) -> Any:
+            told()
+            return flat.fn(*inputs)
+    fn = _runner(loader.run, guard, uncompiled, len(flat.state_names), record.leaves)
     return Flat(fn, flat.source, flat.state_names, flat.state_meta, flat.in_spec,
                 flat.out_spec)
 

@@ -112,7 +112,8 @@ class DispatchStats:
     so the uncompiled one runs (a reason code of ``COMPILED_REASONS``:
     ``compiled_environment`` -- compiled for another torch, CPU ISA or
     accelerator --, ``compiled_failed``, ``compiled_missing``,
-    ``compiled_load_failed``, ``compiled_mismatch``, ``compiled_overridden``);
+    ``compiled_load_failed``, ``compiled_mismatch``, ``compiled_overridden``,
+    and ``compiled_autograd`` where calls autograd records ran uncompiled);
     ``unflattened``: labels whose program runs as torch's ``program.module()``
     (correct, but a dispatched call then costs ~10x more), and why."""
 

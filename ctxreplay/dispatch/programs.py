@@ -337,8 +337,13 @@ class Programs:
         """``flat`` running ``e``'s compiled program, or ``flat`` itself where
         that cannot be loaded (``e.uncompiled`` then says why)."""
         assert e.compiled is not None and e.directory is not None
+        def autograd() -> None:
+            if e.uncompiled is None:
+                e.uncompiled = ("compiled_autograd", "a call autograd records runs the "
+                                "uncompiled program (compiled programs compute no gradients)")
+
         made = compiled_flat(flat, e.program, e.compiled, e.directory,
-                             guarded=e.folding is not None)
+                             guarded=e.folding is not None, on_autograd=autograd)
         if isinstance(made, Flat):
             self.ahead.add(id(e))
             return made

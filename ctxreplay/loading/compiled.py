@@ -31,22 +31,30 @@ COMPILED_FORMAT = "aoti"
 #: why a compiled program is not used (install runs the uncompiled capture):
 #: its verification failed, its package file is gone, it was built for
 #: another environment, this process cannot load it, it takes other member
-#: tensors than the capture's program here, or ``install(compile=...)``
-#: compiles the programs itself
+#: tensors than the capture's program here, ``install(compile=...)``
+#: compiles the programs itself -- or, for some calls only, autograd records
+#: the call (grad mode on, a tensor that requires grad), which a compiled
+#: program cannot serve
 COMPILED_REASONS = ("compiled_failed", "compiled_missing", "compiled_environment",
-                    "compiled_load_failed", "compiled_mismatch", "compiled_overridden")
+                    "compiled_load_failed", "compiled_mismatch", "compiled_overridden",
+                    "compiled_autograd")
 
 
 @attrs.frozen
 class OutputError:
-    """One output's worst error over the checked calls: ``max |compiled - uncompiled|
-    / max |uncompiled|`` (0 where both are 0; exact for integer and bool outputs),
-    and the tolerance its dtype is held to."""
+    """One value's worst error over the checked calls: ``max |compiled - uncompiled|
+    / max |uncompiled|`` (0 where both are 0; exact for integer and bool values),
+    and the tolerance its dtype is held to.  ``of``: ``"output"`` (``index``
+    into the program's outputs), ``"state"`` (into ``CompiledProgram.state``: a
+    member tensor as the call leaves it, which a program that writes its
+    buffers changes) or ``"input"`` (into the call's tensors, as the call leaves
+    them)."""
 
     index: int
     dtype: str
     error: float
     tolerance: float
+    of: str = "output"
 
     @property
     def ok(self) -> bool:
@@ -54,7 +62,7 @@ class OutputError:
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "dtype": self.dtype, "error": self.error,
-                "tolerance": self.tolerance}
+                "tolerance": self.tolerance, "of": self.of}
 
 
 def _float(value: object, path: str) -> float:
@@ -80,7 +88,9 @@ class CompiledProgram:
     checked: tuple[str, ...]
     """The sizes it was checked at (``"args[0]: 4x7x32"``; one entry for fixed sizes)."""
     outputs: tuple[OutputError, ...]
-    """Each output's worst error and tolerance."""
+    """Each output's worst error and tolerance, and those of the member tensors
+    and call tensors a checked call left different (a program that writes
+    them: its compiled program must write the same)."""
     dynamic: tuple[str, ...] = ()
     """A folded capture's dynamic dimensions it was compiled with (``Folding.describe``)."""
     seconds: float = 0.0
@@ -94,7 +104,7 @@ class CompiledProgram:
 
     @property
     def error(self) -> float:
-        """The worst relative error over the outputs."""
+        """The worst relative error over the outputs (and the tensors written)."""
         return max((o.error for o in self.outputs), default=0.0)
 
     def to_json(self) -> dict[str, Any]:
@@ -123,11 +133,14 @@ class CompiledProgram:
         outputs = []
         for i, o in enumerate(read_list(doc["outputs"], f"{path}.outputs")):
             w = f"{path}.outputs[{i}]"
-            m = read_mapping(o, w, required={"index", "dtype", "error", "tolerance"})
+            m = read_mapping(o, w, keys={"index", "dtype", "error", "tolerance", "of"},
+                             required={"index", "dtype", "error", "tolerance"})
             outputs.append(OutputError(read_int(m["index"], f"{w}.index", lo=0),
                                        read_str(m["dtype"], f"{w}.dtype"),
                                        _float(m["error"], f"{w}.error"),
-                                       _float(m["tolerance"], f"{w}.tolerance")))
+                                       _float(m["tolerance"], f"{w}.tolerance"),
+                                       read_str(m.get("of", "output"), f"{w}.of",
+                                                choices={"output", "state", "input"})))
         reason = doc.get("reason")
         leaves = doc.get("leaves")
         return cls(

@@ -131,3 +131,71 @@ def test_a_cuda_capture_compiles_and_serves_compiled(tmp_path: Path) -> None:
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     assert got["hits"] == {cap.label: 8} and got["uncompiled"] == {}
     assert len(got["compiled"]) == 2 and max(got["errors"]) <= TOLERANCES[torch.bfloat16]
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.bn(x))
+
+
+def _norms() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_Norm(), _Norm()).train(True)
+
+
+def _saved(tmp_path: Path, *, grad: bool, verify: str = "execute") -> Path:
+    model = _norms()
+    with ctxreplay.capture_with(model, targets="repeated", verify=verify) as session, \
+            torch.set_grad_enabled(grad):
+        model(torch.rand(4, 8))
+    session.finalize().save_all(tmp_path / "captures")
+    return tmp_path / "captures"
+
+
+def test_a_program_that_writes_its_buffers_is_checked_on_what_it_writes(
+        tmp_path: Path) -> None:
+    # BatchNorm in train mode updates its running stats in place: the compiled
+    # program must write the same values into the member's buffers
+    directory = _saved(tmp_path, grad=False)
+    done = compile_dir(directory)
+    (cap,) = ctxreplay.load(directory).captures
+    assert done.compiled == (cap.label,) and cap.compiled is not None and cap.compiled.ok
+    written = {cap.compiled.state[o.index] for o in cap.compiled.outputs if o.of == "state"}
+    assert written == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    model, twin = _norms(), _norms()
+    x = torch.rand(4, 8)
+    with ctxreplay.install(model, ctxreplay.load(directory)) as handle, torch.no_grad():
+        got = model(x)
+        assert len(handle.stats().compiled) == 2 and handle.stats().total_misses == 0
+    with torch.no_grad():
+        want = twin(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for a, b in zip(model.buffers(), twin.buffers()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert int(model[1].bn.num_batches_tracked) == 1
+
+
+def test_calls_autograd_records_run_uncompiled_and_say_so(tmp_path: Path) -> None:
+    directory = _saved(tmp_path, grad=True)
+    done = compile_dir(directory)
+    assert done.compiled and not done.failed and not done.skipped
+    model, twin = _norms(), _norms()
+    x = torch.rand(4, 8)
+    with ctxreplay.install(model, ctxreplay.load(directory)) as handle:
+        got = model(x)  # grad mode, weights that require grad: the uncompiled program
+        stats = handle.stats()
+    assert got.grad_fn is not None and stats.total_misses == 0
+    assert set(stats.uncompiled.values()) == {"compiled_autograd"}
+    torch.testing.assert_close(got, twin(x), rtol=0, atol=0)
+
+
+def test_a_capture_that_is_not_ok_is_not_compiled(tmp_path: Path) -> None:
+    directory = _saved(tmp_path, grad=False, verify="off")
+    done = compile_dir(directory)
+    assert list(done.skipped.values()) == [
+        "its capture is not ok (fidelity unchecked): install never runs it"]
