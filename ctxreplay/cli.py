@@ -291,9 +291,10 @@ def _compiled_line(label: str, doc: Mapping[str, Any], where: str) -> str:
             f"{env.get('torch')}, {env.get('machine')} {target})")
 
 
-def _compiled_here(label: str, record: CompiledProgram, directory: Path) -> str:
+def _compiled_here(label: str, record: CompiledProgram, directory: Path,
+                   fingerprint: str) -> str:
     """Whether ``label``'s compiled program runs in this process, and if not why."""
-    why = record.unusable(directory)
+    why = record.unusable(directory, fingerprint)
     if why is None:
         return f"compiled: {label} runs its compiled program ({record.package})"
     return f"compiled: {label} runs uncompiled here: {why[1]} ({why[0]})"
@@ -319,8 +320,8 @@ def _check(ns: argparse.Namespace) -> int:
         src = load(target)
         captures = src.captures if isinstance(src, LoadedManifest) else (src,)
         needs = [c.needs for c in captures]
-        compiled = [_compiled_here(c.label, c.compiled, c.path.parent) for c in captures
-                    if c.compiled is not None]
+        compiled = [_compiled_here(c.label, c.compiled, c.path.parent, c.fingerprint)
+                    for c in captures if c.compiled is not None]
         if isinstance(src, LoadedManifest):
             notes += [f"not saved: {label} ({reason})" for label, reason in src.not_saved]
             notes += [f"failed: {s}#{v} {reason} ({backend})"

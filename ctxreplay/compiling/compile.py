@@ -112,7 +112,8 @@ def _compile_or_keep(cap: LoadedCapture, root: Path, force: bool,
                      configs: Mapping[str, Any] | None) -> CompiledProgram | str:
     """The capture's compiled record, made now or kept from before; or why
     it cannot be compiled."""
-    if not force and cap.compiled is not None and cap.compiled.unusable(root) is None:
+    if not force and cap.compiled is not None and \
+            cap.compiled.unusable(root, cap.fingerprint) is None:
         return cap.compiled
     if cap.fidelity not in ("ok", "ok_with_needs"):
         return f"its capture is not ok (fidelity {cap.fidelity}): install never runs it"
@@ -163,7 +164,7 @@ def _compile(cap: LoadedCapture, root: Path,
     return CompiledProgram(package.name, tuple(flat.state_names), compiled_environment(device),
                            _compiler(), not worst, tuple(checked), tuple(outputs),
                            tuple(cap.folding.describe()) if cap.folding else (), seconds,
-                           reason, keep)
+                           reason, keep, cap.fingerprint)
 
 
 def _named(o: OutputError, flat: Flat) -> str:

@@ -181,7 +181,7 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
                  assigned=None if isinstance(source, LoadedCapture) else source.assigned)
     if isinstance(source, LoadedCapture) and source.compiled is not None:
         made.compiled, made.directory = source.compiled, source.path.parent
-        made.uncompiled = source.compiled.unusable(made.directory)
+        made.uncompiled = source.compiled.unusable(made.directory, source.fingerprint)
     return made
 
 

@@ -101,6 +101,9 @@ class CompiledProgram:
     """The positions of the call's leaves it takes (its tensors), where the call
     also has constant leaves (a ``None`` keyword argument) the graph holds itself;
     ``None``: every leaf."""
+    fingerprint: str = ""
+    """The fingerprint of the capture it was compiled from: a capture saved
+    again over the same file is another program."""
 
     @property
     def error(self) -> float:
@@ -113,15 +116,16 @@ class CompiledProgram:
                 "ok": self.ok, "checked": list(self.checked),
                 "outputs": [o.to_json() for o in self.outputs], "dynamic": list(self.dynamic),
                 "seconds": round(self.seconds, 3), "reason": self.reason,
-                "leaves": None if self.leaves is None else list(self.leaves)}
+                "leaves": None if self.leaves is None else list(self.leaves),
+                "fingerprint": self.fingerprint}
 
     @classmethod
     def from_json(cls, value: object, path: str) -> CompiledProgram:
         """The inverse of ``to_json``; ``ValueError`` naming the bad field."""
         keys = {"format", "package", "state", "environment", "compiler", "ok", "checked",
-                "outputs", "dynamic", "seconds", "reason", "leaves"}
-        doc = read_mapping(value, path, keys=keys, required=keys - {"dynamic", "seconds",
-                                                                      "reason", "leaves"})
+                "outputs", "dynamic", "seconds", "reason", "leaves", "fingerprint"}
+        doc = read_mapping(value, path, keys=keys, required=keys - {
+            "dynamic", "seconds", "reason", "leaves", "fingerprint"})
         read_str(doc["format"], f"{path}.format", choices={COMPILED_FORMAT})
         package = read_str(doc["package"], f"{path}.package", max_len=1024)
         if Path(package).name != package or package in ("", ".", ".."):
@@ -161,11 +165,17 @@ class CompiledProgram:
                                                         max_len=4096),
             leaves=None if leaves is None else tuple(
                 read_int(v, f"{path}.leaves[{i}]", lo=0)
-                for i, v in enumerate(read_list(leaves, f"{path}.leaves"))))
+                for i, v in enumerate(read_list(leaves, f"{path}.leaves"))),
+            fingerprint=read_str(doc.get("fingerprint", ""), f"{path}.fingerprint"))
 
-    def unusable(self, directory: Path) -> tuple[str, str] | None:
+    def unusable(self, directory: Path, fingerprint: str | None = None
+                 ) -> tuple[str, str] | None:
         """Why this program cannot serve here -- ``(reason code, words)``, the
-        code one of ``COMPILED_REASONS`` -- or ``None`` when it can."""
+        code one of ``COMPILED_REASONS`` -- or ``None`` when it can.
+        ``fingerprint``: the capture's, where known (it must be the one compiled)."""
+        if fingerprint is not None and self.fingerprint not in ("", fingerprint):
+            return "compiled_mismatch", "it was compiled from another capture than the one " \
+                "saved now"
         if not self.ok:
             return "compiled_failed", f"its check against the uncompiled program failed " \
                 f"({self.reason or 'an output beyond its tolerance'})"

@@ -77,6 +77,7 @@ def test_the_compiled_programs_serve_every_member(compiled: Path) -> None:
     ("environment.torch", "0.0.1", "compiled_environment"),
     ("environment.device", "cuda", "compiled_environment"),
     ("ok", False, "compiled_failed"),
+    ("fingerprint", "another capture's", "compiled_mismatch"),
 ])
 def test_a_record_that_does_not_hold_here_runs_the_uncompiled_capture(
         copy: Path, field: str, value: Any, reason: str) -> None:
