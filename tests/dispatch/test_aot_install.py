@@ -171,3 +171,21 @@ def test_a_call_autograd_would_record_runs_the_uncompiled_function(compiled: Pat
     # the size guard still runs
     with pytest.raises(AssertionError, match="Guard failed"), torch.no_grad():
         made.fn(*state, torch.rand(4, 6, 16))
+
+
+def test_hooks_keep_their_meaning_on_the_compiled_path(compiled: Path) -> None:
+    model = build_model()
+    seen: list[str] = []
+    own = model.blocks[1].register_forward_hook(lambda *_: seen.append("member"))
+    inner = model.blocks[0].mlp.register_forward_hook(lambda *_: seen.append("inner"))
+    with ctxreplay.install(model, ctxreplay.load(compiled)) as handle:
+        _run(model, XS[:1])
+        stats = handle.stats()
+    own.remove()
+    inner.remove()
+    # a hook inside a member: the graph would skip it, so that member runs eagerly;
+    # the member's own hook runs around its compiled program
+    assert seen == ["inner", "member"]
+    assert stats.reasons == {"hooks": 1} and stats.total_hits == 1
+    assert stats.compiled == (f"{next(iter(stats.hits))}@blocks.1",)
+
