@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.utils._pytree as pytree
 
 from .._base.environment import compiled_environment
 from .._base.progress import Progress, counted
@@ -164,7 +165,10 @@ def _compile(cap: LoadedCapture, root: Path,
     return CompiledProgram(package.name, tuple(flat.state_names), compiled_environment(device),
                            _compiler(), not worst, tuple(checked), tuple(outputs),
                            tuple(cap.folding.describe()) if cap.folding else (), seconds,
-                           reason, keep, cap.fingerprint)
+                           reason, keep, cap.fingerprint,
+                           tuple((shape, str(dtype).removeprefix("torch."), str(device))
+                                 for shape, dtype, device in flat.state_meta),
+                           _specs(flat))
 
 
 def _named(o: OutputError, flat: Flat) -> str:
@@ -221,6 +225,15 @@ def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
     """Whether ``after`` still equals the value ``before`` holds (not written)."""
     return bool(torch.equal(before, after))
+
+
+def _specs(flat: Flat) -> tuple[Any, Any] | None:
+    """The program's in- and out-spec as torch writes them (parsed), or ``None``."""
+    try:
+        return (json.loads(pytree.treespec_dumps(flat.in_spec)),
+                json.loads(pytree.treespec_dumps(flat.out_spec)))
+    except Exception:  # a container torch's writer does not know: read the program
+        return None
 
 
 def _compiler() -> str:

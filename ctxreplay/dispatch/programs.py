@@ -14,6 +14,7 @@ it on first use; a ``Target`` runs it.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -22,6 +23,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..artifacts.formats import get_format
@@ -158,7 +160,10 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     elsewhere: str | None = None
     if isinstance(source, LoadedCapture):
         needs = source.needs
-        program: Any = source.program
+        # a capture that runs its compiled program needs its uncompiled one only
+        # for calls autograd records: read it then (torch's deserialiser alone
+        # takes ~1.5 s to import in a fresh process)
+        program: Any = _Deferred(source) if _compiled_alone(source) else source.program
         signature, outputs = source.signature(), source.outputs()
         if signature is None:
             document = source.call_document()
@@ -183,6 +188,64 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
         made.compiled, made.directory = source.compiled, source.path.parent
         made.uncompiled = source.compiled.unusable(made.directory, source.fingerprint)
     return made
+
+
+class _Deferred:
+    """A loaded capture's program, read from its file when first needed."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: LoadedCapture) -> None:
+        self.source = source
+
+
+def _compiled_alone(source: LoadedCapture) -> bool:
+    """Whether the capture's compiled program can run without its uncompiled
+    one at hand: its record holds here and carries the program's structure,
+    and no size guard of the uncompiled program must run first (not folded)."""
+    rec = source.compiled
+    return rec is not None and source.folding is None and rec.specs is not None and \
+        len(rec.state_meta) == len(rec.state) and \
+        rec.unusable(source.path.parent, source.fingerprint) is None
+
+
+def _resolved(e: Entry) -> Any:
+    """``e``'s program, read now where it was deferred."""
+    if isinstance(e.program, _Deferred):
+        e.program = e.program.source.program
+    return e.program
+
+
+def _record_flat(e: Entry) -> Flat | None:
+    """A flat function for ``e`` from its compiled record alone, or ``None``:
+    its function reads and flattens the uncompiled program on first use."""
+    rec = e.compiled
+    if rec is None or rec.specs is None:
+        return None
+    try:
+        in_spec, out_spec = (pytree.treespec_loads(json.dumps(x)) for x in rec.specs)
+        meta = tuple((shape, getattr(torch, dtype), torch.device(device))
+                     for shape, dtype, device in rec.state_meta)
+        if not all(isinstance(m[1], torch.dtype) for m in meta):
+            return None
+    except Exception:  # a record this torch cannot read back: read the program
+        return None
+    return Flat(_uncompiled_later(e), "", tuple(rec.state), meta, in_spec, out_spec)
+
+
+def _uncompiled_later(e: Entry) -> Callable[..., Any]:
+    made: list[Flat] = []
+
+    def uncompiled(*inputs: Any) -> Any:
+        if not made:
+            flat = flatten(_resolved(e), keep_guards=False)
+            if not isinstance(flat, Flat) or e.compiled is None or \
+                    flat.state_names != tuple(e.compiled.state):
+                raise RuntimeError(f"ctxreplay: {e.label}'s program cannot run uncompiled "
+                                   f"here ({flat if isinstance(flat, str) else 'its tensors'})")
+            made.append(flat)
+        return made[0].fn(*inputs)
+    return uncompiled
 
 
 def _program_here(source: Capture, model: nn.Module | None) -> tuple[Any, str | None]:
@@ -318,9 +381,14 @@ class Programs:
                                 "programs itself")
             return None
         key = id(e)
+        if key not in self._flat and isinstance(e.program, _Deferred):
+            alone = _record_flat(e)
+            if alone is not None:
+                self._flat[key] = self._ahead(e, alone)
+                return self._flat[key]
         if key not in self._flat:
             try:
-                made = flatten(e.program, keep_guards=e.folding is not None)
+                made = flatten(_resolved(e), keep_guards=e.folding is not None)
             except Exception as exc:  # torch's module of another form: the general path
                 made = f"{type(exc).__name__}: {exc}"
             self._flat[key] = made if isinstance(made, Flat) else None
@@ -444,8 +512,9 @@ class Programs:
 
 def _bind_module(e: Entry, module: nn.Module) -> tuple[nn.Module, Bound]:
     """``program.module()`` with the member's tensors assigned, and those tensors."""
-    gm = bind_weights(e.program, module, e.binding)
-    sig = e.program.graph_signature
+    program = _resolved(e)
+    gm = bind_weights(program, module, e.binding)
+    sig = program.graph_signature
     return gm, Bound((*sig.parameters, *sig.buffers), None, module, _prefix(e.binding))
 
 

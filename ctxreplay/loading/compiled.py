@@ -71,6 +71,37 @@ def _float(value: object, path: str) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+def _state_meta(value: object, path: str) -> tuple[tuple[tuple[int, ...], str, str], ...]:
+    out = []
+    for i, item in enumerate(read_list(value, path)):
+        where = f"{path}[{i}]"
+        triple = read_list(item, where)
+        if len(triple) != 3:
+            raise ValueError(f"{where}: expected [shape, dtype, device]")
+        shape = tuple(read_int(n, f"{where}[0][{j}]", lo=0)
+                      for j, n in enumerate(read_list(triple[0], f"{where}[0]")))
+        out.append((shape, read_str(triple[1], f"{where}[1]"),
+                    read_str(triple[2], f"{where}[2]")))
+    return tuple(out)
+
+
+def _specs(value: object, path: str) -> tuple[Any, Any] | None:
+    """``[in_spec, out_spec]`` as torch's ``treespec_dumps`` documents (each
+    ``[protocol, node]``), checked for shape here and by torch's reader at use."""
+    if value is None:
+        return None
+    pair = read_list(value, path)
+    if len(pair) != 2:
+        raise ValueError(f"{path}: expected [in_spec, out_spec]")
+    for i, spec in enumerate(pair):
+        doc = read_list(spec, f"{path}[{i}]")
+        if len(doc) != 2:
+            raise ValueError(f"{path}[{i}]: expected [protocol, tree spec]")
+        read_int(doc[0], f"{path}[{i}][0]", lo=0)
+        read_mapping(doc[1], f"{path}[{i}][1]")
+    return pair[0], pair[1]
+
+
 @attrs.frozen
 class CompiledProgram:
     """The ``compiled`` record of a manifest entry (see the module docstring)."""
@@ -104,6 +135,13 @@ class CompiledProgram:
     fingerprint: str = ""
     """The fingerprint of the capture it was compiled from: a capture saved
     again over the same file is another program."""
+    state_meta: tuple[tuple[tuple[int, ...], str, str], ...] = ()
+    """Shape, dtype and device of each member tensor it takes (``state`` order)."""
+    specs: tuple[Any, Any] | None = None
+    """The capture's program's input and output structure (``treespec_dumps``
+    documents, parsed: containers and keyword names, no values), so that
+    install can run the compiled program without reading the uncompiled one
+    first; ``None`` where torch cannot write it."""
 
     @property
     def error(self) -> float:
@@ -117,15 +155,19 @@ class CompiledProgram:
                 "outputs": [o.to_json() for o in self.outputs], "dynamic": list(self.dynamic),
                 "seconds": round(self.seconds, 3), "reason": self.reason,
                 "leaves": None if self.leaves is None else list(self.leaves),
-                "fingerprint": self.fingerprint}
+                "fingerprint": self.fingerprint,
+                "state_meta": [[list(shape), dtype, device]
+                               for shape, dtype, device in self.state_meta],
+                "specs": None if self.specs is None else list(self.specs)}
 
     @classmethod
     def from_json(cls, value: object, path: str) -> CompiledProgram:
         """The inverse of ``to_json``; ``ValueError`` naming the bad field."""
         keys = {"format", "package", "state", "environment", "compiler", "ok", "checked",
-                "outputs", "dynamic", "seconds", "reason", "leaves", "fingerprint"}
+                "outputs", "dynamic", "seconds", "reason", "leaves", "fingerprint",
+                "state_meta", "specs"}
         doc = read_mapping(value, path, keys=keys, required=keys - {
-            "dynamic", "seconds", "reason", "leaves", "fingerprint"})
+            "dynamic", "seconds", "reason", "leaves", "fingerprint", "state_meta", "specs"})
         read_str(doc["format"], f"{path}.format", choices={COMPILED_FORMAT})
         package = read_str(doc["package"], f"{path}.package", max_len=1024)
         if Path(package).name != package or package in ("", ".", ".."):
@@ -166,7 +208,9 @@ class CompiledProgram:
             leaves=None if leaves is None else tuple(
                 read_int(v, f"{path}.leaves[{i}]", lo=0)
                 for i, v in enumerate(read_list(leaves, f"{path}.leaves"))),
-            fingerprint=read_str(doc.get("fingerprint", ""), f"{path}.fingerprint"))
+            fingerprint=read_str(doc.get("fingerprint", ""), f"{path}.fingerprint"),
+            state_meta=_state_meta(doc.get("state_meta", []), f"{path}.state_meta"),
+            specs=_specs(doc.get("specs"), f"{path}.specs"))
 
     def unusable(self, directory: Path, fingerprint: str | None = None
                  ) -> tuple[str, str] | None:

@@ -199,3 +199,39 @@ def test_a_capture_that_is_not_ok_is_not_compiled(tmp_path: Path) -> None:
     done = compile_dir(directory)
     assert list(done.skipped.values()) == [
         "its capture is not ok (fidelity unchecked): install never runs it"]
+
+
+_FIXED = '''
+import json, sys
+import ctxreplay
+
+model = build()
+handle = ctxreplay.install(model, ctxreplay.load(sys.argv[1]))
+x = torch.rand(4, 7, 32, generator=torch.Generator().manual_seed(7))
+with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+    got = model(x)
+stats = handle.stats()
+handle.remove()
+read = "torch._export.serde.serialize" in sys.modules
+with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+    want = model(x)
+print(json.dumps({
+    "read": read, "compiled": list(stats.compiled), "hits": stats.total_hits,
+    "uncompiled": stats.uncompiled,
+    "error": float((got.float() - want.float()).abs().max() / want.float().abs().max()),
+}))
+'''
+
+
+def test_a_fixed_size_capture_runs_compiled_without_reading_its_program(
+        tmp_path: Path) -> None:
+    directory = tmp_path / "captures"
+    make_compiled(directory, sizes="7")
+    (cap,) = ctxreplay.load(directory).captures
+    assert cap.folding is None and cap.compiled is not None and cap.compiled.specs is not None
+    got = run_fresh(_FIXED, str(directory))
+    # served compiled with no .pt2 read: torch's deserialiser is never imported
+    # (the uncompiled program is read only if a call needs it: one autograd records)
+    assert got["read"] is False and got["hits"] == 2 and got["uncompiled"] == {}
+    assert got["compiled"] == [f"{cap.label}@blocks.0", f"{cap.label}@blocks.1"]
+    assert got["error"] <= TOLERANCES[torch.bfloat16]

@@ -56,10 +56,11 @@ import ctxreplay
 from ctxreplay.cli import main
 
 device = sys.argv[2]
+sizes = [int(n) for n in sys.argv[3].split(",")] if sys.argv[3] else SIZES
 model = build().to(device)
 with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session:
     with torch.autocast(device, dtype=torch.bfloat16), torch.inference_mode():
-        for n in SIZES:
+        for n in sizes:
             model(torch.rand(4, n, 32, device=device))
 report = session.finalize()
 assert report.ok and len(report.captures) == 1, report.summary
@@ -76,10 +77,12 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
-def make_compiled(directory: Path, device: str = "cpu") -> str:
-    """Capture (on ``device``), save and ``ctxreplay compile`` the tiny model
-    into ``directory`` in a fresh process; returns what the command printed."""
-    proc = subprocess.run([sys.executable, "-c", _MAKE, str(directory), device], env=env(),
+def make_compiled(directory: Path, device: str = "cpu", sizes: str = "") -> str:
+    """Capture (on ``device``; at ``sizes``, comma-separated, default ``SIZES``:
+    one folded capture), save and ``ctxreplay compile`` the tiny model into
+    ``directory`` in a fresh process; returns what the command printed."""
+    proc = subprocess.run([sys.executable, "-c", _MAKE, str(directory), device, sizes],
+                          env=env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
