@@ -6,8 +6,9 @@ and replay it when the graph is captured later.
 The everyday API is here.  Probe authoring (the contract, the registry, the
 built-in probes) is under ``ctxreplay.probes``, capture backends under
 ``ctxreplay.backends``, the records a report and a saved file hand back under
-``ctxreplay.report`` and ``ctxreplay.artifacts``, and test helpers under
-``ctxreplay.testing``.
+``ctxreplay.report`` and ``ctxreplay.artifacts``, ahead-of-time compiling of a
+saved directory (``ctxreplay compile DIR``) under ``ctxreplay.compiling``, and
+test helpers under ``ctxreplay.testing``.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from .core.registry import available_probes, get_probe
 from .core.snapshots import describe_state
 from .demo import run_demo
 from .fidelity.verify import fidelity_status
+from .loading.compiled import CompiledProgram
 from .loading.detect import detect
 from .loading.load import LoadedManifest, load
 from .loading.needs import Needs, merge_differences, needs_from_document, static_differences
@@ -247,6 +248,8 @@ def _inspect(ns: argparse.Namespace) -> int:
               f"{'ok' if doc.ok else 'not ok'}; {_environment(doc.environment)})")
         extra = _failure_lines(data.get("failures"), data.get("problems"))
         extra += _cache_line(data)
+        extra += [_compiled_line(e.label, e.compiled, f"$.captures[{e.index}].compiled")
+                  for e in doc.entries if e.compiled is not None]
     elif kind == "report":
         for c in data.get("captures", []) if isinstance(data.get("captures"), list) else []:
             if isinstance(c, Mapping):
@@ -277,10 +280,33 @@ def _inspect(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _compiled_line(label: str, doc: Mapping[str, Any], where: str) -> str:
+    """``compiled: label -> package (ok, error ...; for torch ..., cpu_isa ...)``."""
+    rec = CompiledProgram.from_json(doc, where)
+    env = rec.environment
+    target = f"cpu_isa {env.get('cpu_isa')}" if env.get("device") == "cpu" else \
+        f"{env.get('device')} {env.get('capability')}"
+    verdict = "ok" if rec.ok else "FAILED its check"
+    return (f"compiled: {label} -> {rec.package} ({verdict}, error {rec.error:.2g}; for torch "
+            f"{env.get('torch')}, {env.get('machine')} {target})")
+
+
+def _compiled_here(label: str, record: CompiledProgram, directory: Path,
+                   fingerprint: str) -> str:
+    """Whether ``label``'s compiled program runs in this process, and if not why."""
+    why = record.unusable(directory, fingerprint)
+    if why is None:
+        return f"compiled: {label} runs its compiled program ({record.package})"
+    return f"compiled: {label} runs uncompiled here: {why[1]} ({why[0]})"
+
+
 def _check(ns: argparse.Namespace) -> int:
     kind, target, data = detect(ns.path)
     notes: list[str] = []
     needs: list[Needs] = []
+    # compiled programs that do not hold here leave their captures usable
+    # (install runs them uncompiled): said, not counted as a difference
+    compiled: list[str] = []
     if kind == "report":
         caps = data.get("captures", [])
         if not isinstance(caps, list):
@@ -294,6 +320,8 @@ def _check(ns: argparse.Namespace) -> int:
         src = load(target)
         captures = src.captures if isinstance(src, LoadedManifest) else (src,)
         needs = [c.needs for c in captures]
+        compiled = [_compiled_here(c.label, c.compiled, c.path.parent, c.fingerprint)
+                    for c in captures if c.compiled is not None]
         if isinstance(src, LoadedManifest):
             notes += [f"not saved: {label} ({reason})" for label, reason in src.not_saved]
             notes += [f"failed: {s}#{v} {reason} ({backend})"
@@ -314,6 +342,8 @@ def _check(ns: argparse.Namespace) -> int:
     for what, labels in around.items():
         shown = ", ".join(labels[:4]) + (", ..." if len(labels) > 4 else "")
         print(f"establish around each call: {what} [{shown}]")
+    for line in compiled:
+        print(line)
     if found or notes:
         print(f"ctxreplay check: {target}: NOT OK ({len(found)} differences, "
               f"{len(notes)} other findings)", file=sys.stderr)
@@ -321,6 +351,28 @@ def _check(ns: argparse.Namespace) -> int:
     print(f"ok: {target} can run in this environment, as it was verified "
           f"({_count(len(needs), 'capture')})")
     return 0
+
+
+def _compile(ns: argparse.Namespace) -> int:
+    """``ctxreplay compile DIR``: each capture compiled ahead of time, checked, recorded."""
+    from .compiling import compile_dir
+
+    done = compile_dir(ns.dir, force=ns.force)
+    src = load(done.directory)
+    assert isinstance(src, LoadedManifest)
+    for cap in src.captures:
+        rec = cap.compiled
+        if cap.label in done.skipped:
+            print(f"{cap.label}: not compiled: {done.skipped[cap.label]}")
+        elif rec is not None:
+            verdict = "ok" if rec.ok else f"FAILED its check: {rec.reason}"
+            print(f"{cap.label}: {rec.package}: {verdict}, error {rec.error:.3g} at "
+                  f"{_count(len(rec.checked), 'size')}"
+                  + (f"; dynamic {'; '.join(rec.dynamic)}" if rec.dynamic else ""))
+    print(f"ctxreplay compile: {done.directory}: {len(done.compiled)} compiled, "
+          f"{len(done.failed)} failed their check, {len(done.skipped)} not compiled "
+          f"({done.seconds:.1f} s)")
+    return 1 if done.failed else 0
 
 
 def _cache(ns: argparse.Namespace) -> int:
@@ -411,6 +463,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ignore", action="append", default=[], metavar="PROBE",
                    help="a probe not to check (you vouch for it); repeatable")
     p.set_defaults(func=_check)
+    p = sub.add_parser("compile", help="compile every capture of a saved directory ahead of "
+                                       "time (AOTInductor), check and record each; exit 1 "
+                                       "when one fails its check")
+    p.add_argument("dir", metavar="DIR", help="a directory written by report.save_all")
+    p.add_argument("--force", action="store_true", help="compile again what is compiled")
+    p.set_defaults(func=_compile)
     p = sub.add_parser("cache", help="list, size or clear a capture cache directory")
     p.add_argument("action", choices=("list", "size", "clear"))
     p.add_argument("dir", metavar="DIR", nargs="?", help="the cache directory (default: "

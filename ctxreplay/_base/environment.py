@@ -17,8 +17,8 @@ import torch
 
 from .version import __version__
 
-__all__ = ["ACCELERATORS", "autocast_policy", "capability", "device_available",
-           "environment", "full_environment"]
+__all__ = ["ACCELERATORS", "COMPILED_GUARDED", "autocast_policy", "capability",
+           "compiled_environment", "device_available", "environment", "full_environment"]
 
 #: device types an artifact's tensors may live on besides the CPU
 ACCELERATORS = ("cuda", "xpu", "mps", "hpu", "mtia", "privateuseone")
@@ -94,3 +94,30 @@ def full_environment() -> dict[str, Any]:
     env = environment()
     env["autocast_policy"] = autocast_policy()
     return env
+
+
+#: the fields of ``compiled_environment`` a compiled program is loaded only
+#: where they are equal: its shared library calls into this torch's C++
+#: runtime (the release and its git revision), runs the machine's
+#: instructions (the CPU's architecture and the vector ISA Inductor chose
+#: its kernels for: an AVX512 kernel faults on an AVX2 machine) or the
+#: accelerator's (CUDA compute capability).  The C++ compiler is recorded,
+#: not compared: it ran when the program was compiled, and none runs at load.
+COMPILED_GUARDED = ("torch", "torch_git", "machine", "cpu_isa", "device", "capability")
+
+
+def compiled_environment(device_type: str) -> dict[str, str | None]:
+    """What an ahead-of-time compiled program for ``device_type`` depends on
+    (metadata only): the fields of ``COMPILED_GUARDED`` read now."""
+    cpu = getattr(torch.backends, "cpu", None)
+    try:
+        isa = str(cpu.get_cpu_capability()) if cpu is not None else None
+    except Exception:  # a torch without the query: unknown, so never equal to a record
+        isa = None
+    return {"torch": str(torch.__version__),
+            "torch_git": str(getattr(torch.version, "git_version", "") or ""),
+            "machine": platform.machine(), "cpu_isa": isa,
+            # a device this process cannot reach is never the one it was compiled for
+            "device": device_type if device_available(device_type)
+            else f"{device_type} (not available)",
+            "capability": capability(device_type) if device_type != "cpu" else None}

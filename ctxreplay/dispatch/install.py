@@ -106,7 +106,14 @@ class DispatchStats:
     submodules holds a module hook (or torch's global tables do) when it is
     called -- the graph, traced without user hooks, would skip it (the
     member's own hooks run around the graph as around its forward).
-    ``compiled``: labels compiled so far (per member);
+    ``compiled``: ``label@member`` compiled so far by ``compile=``, or
+    bound to the capture's ahead-of-time compiled program (``ctxreplay
+    compile``); ``uncompiled``: labels whose compiled program is not used,
+    so the uncompiled one runs (a reason code of ``COMPILED_REASONS``:
+    ``compiled_environment`` -- compiled for another torch, CPU ISA or
+    accelerator --, ``compiled_failed``, ``compiled_missing``,
+    ``compiled_load_failed``, ``compiled_mismatch``, ``compiled_overridden``,
+    and ``compiled_autograd`` where calls autograd records ran uncompiled);
     ``unflattened``: labels whose program runs as torch's ``program.module()``
     (correct, but a dispatched call then costs ~10x more), and why."""
 
@@ -119,9 +126,13 @@ class DispatchStats:
     unusable: dict[str, str]
     """``scope#variant`` -> why that capture cannot be used here (a reason code)."""
     compiled: tuple[str, ...] = ()
-    """Labels of the programs compiled so far (per member)."""
+    """``label@member`` of the programs compiled so far by ``compile=``, or bound
+    to their ahead-of-time compiled program."""
     unflattened: dict[str, str] = attrs.field(factory=dict)
     """``scope#variant`` -> why its program runs as ``program.module()``, not flattened."""
+    uncompiled: dict[str, str] = attrs.field(factory=dict)
+    """``scope#variant`` -> why its ahead-of-time compiled program is not used (a code
+    of ``loading.compiled.COMPILED_REASONS``): its uncompiled program runs instead."""
 
     @property
     def total_hits(self) -> int:
@@ -432,7 +443,9 @@ class InstallHandle:
         return DispatchStats({e.label: e.hits for e in self._entries},
                              {s.name: s.misses for s in self._slots}, dict(reasons),
                              unusable, tuple(self._programs.compiled),
-                             dict(self._programs.unflattened))
+                             dict(self._programs.unflattened),
+                             {e.label: e.uncompiled[0] for e in self._entries
+                              if e.uncompiled is not None})
 
     def remove(self) -> None:
         """Put back every member's ``forward`` as it was; a wrapper another
@@ -532,6 +545,10 @@ def install(model: nn.Module,
         c.install()
     _log.info("install: %d captures bound to %d members of %s (%s)", len(entries), len(modules),
               type(model).__name__, _names(list(modules)))
+    for e in entries:
+        if e.uncompiled is not None:
+            _log.warning("install: %s runs its uncompiled program: %s (%s)", e.label,
+                         e.uncompiled[1], e.uncompiled[0])
     return handle
 
 

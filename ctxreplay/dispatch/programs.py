@@ -14,12 +14,16 @@ it on first use; a ``Target`` runs it.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..artifacts.formats import get_format
@@ -30,6 +34,7 @@ from ..capture.offload import Held, weight_hooks
 from ..capture.results import Capture
 from ..capture.sharded import gathered_forms
 from ..core.snapshots import ContextSnapshot, UnknownProbe, UnknownState, Unresolved
+from ..loading.compiled import CompiledProgram
 from ..loading.load import LoadedCapture, LoadedManifest
 from ..loading.needs import Needs, needs_of, static_differences
 from ..loading.weights import WeightsError, bind_weights
@@ -51,8 +56,11 @@ from ..specs.signature import (
 )
 from ..specs.specjson import call_to_json, holds_objects
 from ..specs.storage import member_tensors, unwrapped_name
+from .aot import compiled_flat
 from .bound import Bound
 from .flat import Flat, flatten
+
+_log = logging.getLogger("ctxreplay")
 
 __all__ = ["REFUSED", "UNFIT", "Call", "Entry", "Programs", "Target", "entry", "sources"]
 
@@ -93,6 +101,12 @@ class Entry:
     #: what the forward assigns to its argument objects: the program
     #: returns the tensors after its outputs, and a call writes them back
     assigned: Assigned | None = None
+    #: its ahead-of-time compiled program (a loaded capture ``ctxreplay compile``
+    #: compiled), the directory holding its package, and why it is not used
+    #: (``(reason code, words)``: the uncompiled program runs instead)
+    compiled: CompiledProgram | None = None
+    directory: Path | None = None
+    uncompiled: tuple[str, str] | None = None
 
     @property
     def comparable(self) -> bool:
@@ -147,7 +161,10 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     elsewhere: str | None = None
     if isinstance(source, LoadedCapture):
         needs = source.needs
-        program: Any = source.program
+        # a capture that runs its compiled program needs its uncompiled one only
+        # for calls autograd records: read it then (torch's deserialiser alone
+        # takes ~1.5 s to import in a fresh process)
+        program: Any = _Deferred(source) if _compiled_alone(source) else source.program
         signature, outputs = source.signature(), source.outputs()
         if signature is None:
             document = source.call_document()
@@ -164,10 +181,72 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
                                       backend_ok, ignore, object_args)
     if _mutates_argument(source):  # whatever the policy
         unusable = "mutates_argument"
-    return Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
-                  flatten_out, snap, unusable, dict(source.identities),
-                  tuple(source.ignore_attributes), document=document, folding=source.folding,
-                  assigned=None if isinstance(source, LoadedCapture) else source.assigned)
+    made = Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
+                 flatten_out, snap, unusable, dict(source.identities),
+                 tuple(source.ignore_attributes), document=document, folding=source.folding,
+                 assigned=None if isinstance(source, LoadedCapture) else source.assigned)
+    if isinstance(source, LoadedCapture) and source.compiled is not None:
+        made.compiled, made.directory = source.compiled, source.path.parent
+        made.uncompiled = source.compiled.unusable(made.directory, source.fingerprint)
+    return made
+
+
+class _Deferred:
+    """A loaded capture's program, read from its file when first needed."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: LoadedCapture) -> None:
+        self.source = source
+
+
+def _compiled_alone(source: LoadedCapture) -> bool:
+    """Whether the capture's compiled program can run without its uncompiled
+    one at hand: its record holds here and carries the program's structure,
+    and no size guard of the uncompiled program must run first (not folded)."""
+    rec = source.compiled
+    return rec is not None and source.folding is None and rec.specs is not None and \
+        len(rec.state_meta) == len(rec.state) and \
+        rec.unusable(source.path.parent, source.fingerprint) is None
+
+
+def _resolved(e: Entry) -> Any:
+    """``e``'s program, read now where it was deferred."""
+    if isinstance(e.program, _Deferred):
+        e.program = e.program.source.program
+    return e.program
+
+
+def _record_flat(e: Entry) -> Flat | None:
+    """A flat function for ``e`` from its compiled record alone, or ``None``:
+    its function reads and flattens the uncompiled program on first use."""
+    rec = e.compiled
+    if rec is None or rec.specs is None:
+        return None
+    try:
+        in_spec, out_spec = (pytree.treespec_loads(json.dumps(x)) for x in rec.specs)
+        meta = tuple((shape, getattr(torch, dtype), torch.device(device))
+                     for shape, dtype, device in rec.state_meta)
+        if not all(isinstance(m[1], torch.dtype) for m in meta):
+            return None
+    except Exception:  # a record this torch cannot read back: read the program
+        return None
+    return Flat(_uncompiled_later(e), "", tuple(rec.state), meta, in_spec, out_spec)
+
+
+def _uncompiled_later(e: Entry) -> Callable[..., Any]:
+    made: list[Flat] = []
+
+    def uncompiled(*inputs: Any) -> Any:
+        if not made:
+            flat = flatten(_resolved(e), keep_guards=False)
+            if not isinstance(flat, Flat) or e.compiled is None or \
+                    flat.state_names != tuple(e.compiled.state):
+                raise RuntimeError(f"ctxreplay: {e.label}'s program cannot run uncompiled "
+                                   f"here ({flat if isinstance(flat, str) else 'its tensors'})")
+            made.append(flat)
+        return made[0].fn(*inputs)
+    return uncompiled
 
 
 def _program_here(source: Capture, model: nn.Module | None) -> tuple[Any, str | None]:
@@ -301,21 +380,57 @@ class Programs:
         self.unflattened: dict[str, str] = {}
         #: member -> the hooks that put its weights in place around a forward
         self.held: dict[str, Held] = {}
+        #: ``id(entry)`` of the captures whose flat function is their compiled program
+        self.ahead: set[int] = set()
 
     def flat(self, e: Entry) -> Flat | None:
-        """``e``'s program flattened (once), or ``None``: ``compile`` is set, or it cannot be."""
+        """``e``'s program flattened (once) -- its compiled program in place of
+        the function where it has a usable one --, or ``None``: ``compile``
+        is set, or it cannot be flattened."""
         if self.compile is not None:
+            if e.compiled is not None and e.uncompiled is None:
+                e.uncompiled = ("compiled_overridden", "install(compile=...) compiles the "
+                                "programs itself")
             return None
         key = id(e)
+        if key not in self._flat and isinstance(e.program, _Deferred):
+            alone = _record_flat(e)
+            if alone is not None:
+                self._flat[key] = self._ahead(e, alone)
+                return self._flat[key]
         if key not in self._flat:
             try:
-                made = flatten(e.program, keep_guards=e.folding is not None)
+                made = flatten(_resolved(e), keep_guards=e.folding is not None)
             except Exception as exc:  # torch's module of another form: the general path
                 made = f"{type(exc).__name__}: {exc}"
             self._flat[key] = made if isinstance(made, Flat) else None
             if not isinstance(made, Flat):
                 self.unflattened[e.label] = made
+                if e.compiled is not None and e.uncompiled is None:
+                    e.uncompiled = ("compiled_mismatch", f"its program cannot be flattened "
+                                    f"here ({made})")
+            elif e.compiled is not None and e.uncompiled is None:
+                self._flat[key] = self._ahead(e, made)
         return self._flat[key]
+
+    def _ahead(self, e: Entry, flat: Flat) -> Flat:
+        """``flat`` running ``e``'s compiled program, or ``flat`` itself where
+        that cannot be loaded (``e.uncompiled`` then says why)."""
+        assert e.compiled is not None and e.directory is not None
+        def autograd() -> None:
+            if e.uncompiled is None:
+                e.uncompiled = ("compiled_autograd", "a call autograd records runs the "
+                                "uncompiled program (compiled programs compute no gradients)")
+
+        made = compiled_flat(flat, e.program, e.compiled, e.directory,
+                             guarded=e.folding is not None, on_autograd=autograd)
+        if isinstance(made, Flat):
+            self.ahead.add(id(e))
+            return made
+        e.uncompiled = made
+        _log.warning("install: %s runs its uncompiled program: %s (%s)", e.label, made[1],
+                     made[0])
+        return flat
 
     def fits(self, e: Entry, name: str, module: nn.Module) -> str | None:
         """Whether member ``name`` can run ``e``'s program (``None``), or why not: it is
@@ -344,10 +459,24 @@ class Programs:
                     "", _identity(module, e.ignore_attributes)):
                 built = None
                 self.unfit[where] = "identity"
+            if built is not None and id(e) in self.ahead:
+                built = self._served(where, built)
             self._built[key] = built
         if self._built[key] is not None:
             return None
         return self.unfit.get(f"{e.label}@{name}", "structure")
+
+    def _served(self, where: str, built: tuple[nn.Module | None, Bound]
+                ) -> tuple[nn.Module | None, Bound] | None:
+        """A member bound to a compiled program: its tensors must be laid out as
+        the program was compiled for (contiguous: the compiled code indexes them
+        with the strides it was built with)."""
+        if not all(t.is_contiguous() for t in built[1].first):
+            self.unfit[where] = "weights"
+            return None
+        if where not in self.compiled:
+            self.compiled.append(where)
+        return built
 
     def bound(self, e: Entry, name: str) -> tuple[Flat | None, Bound | None]:
         """``e``'s flat program (``None``: it runs as a module) and member ``name``'s
@@ -390,12 +519,14 @@ class Programs:
         """Drop every program (``remove()``)."""
         self._built.clear()
         self._flat.clear()
+        self.ahead.clear()
 
 
 def _bind_module(e: Entry, module: nn.Module) -> tuple[nn.Module, Bound]:
     """``program.module()`` with the member's tensors assigned, and those tensors."""
-    gm = bind_weights(e.program, module, e.binding)
-    sig = e.program.graph_signature
+    program = _resolved(e)
+    gm = bind_weights(program, module, e.binding)
+    sig = program.graph_signature
     return gm, Bound((*sig.parameters, *sig.buffers), None, module, _prefix(e.binding))
 
 

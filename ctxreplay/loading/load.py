@@ -24,6 +24,7 @@ from ..report.manifest import ManifestEntry, read_manifest
 from ..specs.dims import Folding
 from ..specs.signature import CallSpec, Spec
 from ..specs.specjson import call_unmatched, resolve_opaque, spec_from_json
+from .compiled import CompiledProgram
 from .detect import detect
 from .guard import GuardedCapture
 from .needs import (
@@ -69,6 +70,9 @@ class LoadedCapture:
     """Versions, device and autocast op policy it was made with."""
     merged: tuple[int, ...] = ()
     """Variants merged into this capture (``Capture.merged``)."""
+    compiled: CompiledProgram | None = attrs.field(default=None, repr=False)
+    """Its ahead-of-time compiled program (``ctxreplay compile``), beside ``path``;
+    ``None``: not compiled."""
     _cache: dict[str, Any] = attrs.field(factory=dict, repr=False, alias="cache")
 
     @property
@@ -389,7 +393,8 @@ class LoadedManifest:
 
 def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
              fidelity: str, environment: Mapping[str, Any] | None,
-             merged: tuple[int, ...] = ()) -> LoadedCapture:
+             merged: tuple[int, ...] = (),
+             compiled: CompiledProgram | None = None) -> LoadedCapture:
     env = environment
     if env is None:
         doc_env = side.document.get("environment")
@@ -397,7 +402,7 @@ def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
     return LoadedCapture(side.artifact, side, members or side.members or (side.scope,),
                          weights_from or side.weights_from or
                          (members[0] if members else side.scope),
-                         fidelity, env, merged)
+                         fidelity, env, merged, compiled)
 
 
 def _load_single(path: Path, probes: Probes) -> LoadedCapture:
@@ -447,11 +452,16 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
                                     "missing")
         unknown += side.snapshot.unknown
         merged = e.capture.get("merged", [])
+        try:
+            compiled = None if e.compiled is None else \
+                CompiledProgram.from_json(e.compiled, f"$.captures[{e.index}].compiled")
+        except ValueError as exc:
+            raise ValueError(f"{exc} (in {path})") from None
         captures.append(_capture(side, e.members, e.weights_from,
                                  combined_status(e.fidelity, e.saved),
                                  doc.environment,
                                  tuple(m for m in merged if type(m) is int)
-                                 if isinstance(merged, list) else ()))
+                                 if isinstance(merged, list) else (), compiled))
     names = tuple(sorted(set(unknown)))
     warn_unknown(names, doc.path.name)
     return LoadedManifest(doc.path, doc.ctxreplay_version, doc.environment, doc.ok,

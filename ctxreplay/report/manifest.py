@@ -304,6 +304,9 @@ class ManifestEntry:
     not_saved: str | None
     #: the capture's record (``Capture.to_json()``), validated where used
     capture: Mapping[str, Any] = attrs.field(repr=False)
+    #: its ahead-of-time compiled program's record (``ctxreplay compile``),
+    #: validated where used; ``None``: not compiled
+    compiled: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
 
     @property
     def label(self) -> str:
@@ -351,7 +354,7 @@ def _file_name(value: object, path: str) -> str | None:
 
 def _entry(value: object, i: int) -> ManifestEntry:
     where = f"$.captures[{i}]"
-    doc = read_mapping(value, where, keys=_ENTRY_KEYS, required=_ENTRY_KEYS)
+    doc = read_mapping(value, where, keys=_ENTRY_KEYS | {"compiled"}, required=_ENTRY_KEYS)
     cw = f"{where}.capture"
     cap = read_mapping(doc["capture"], cw, required={
         "scope", "variant", "members", "weights_from", "backend", "binding", "fingerprint",
@@ -382,7 +385,9 @@ def _entry(value: object, i: int) -> ManifestEntry:
         artifact=artifact, sidecar=side,
         lowered=None if doc["lowered"] is None else read_bool(doc["lowered"],
                                                               f"{where}.lowered"),
-        saved=saved, not_saved=not_saved, capture=cap)
+        saved=saved, not_saved=not_saved, capture=cap,
+        compiled=None if doc.get("compiled") is None else read_mapping(doc["compiled"],
+                                                                      f"{where}.compiled"))
 
 
 def _failure(value: object, i: int) -> tuple[str, int, str, str]:

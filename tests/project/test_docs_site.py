@@ -36,7 +36,7 @@ from ctxreplay.cache import use as cache_use
 from ctxreplay.capture import results as records
 from ctxreplay.dispatch import install as dispatch
 from ctxreplay.fidelity import verify
-from ctxreplay.loading import needs
+from ctxreplay.loading import compiled, needs
 from ctxreplay.report import explain, manifest
 
 pytest.importorskip("mkdocs")
@@ -401,6 +401,7 @@ CODES: dict[str, tuple[str, ...]] = {
     "loading-and-checking": (*needs.DIFFERENCE_KINDS, *needs.ENVIRONMENT_FIELDS),
     "dispatch-misses": dispatch.MISS_REASONS,
     "capture-cache": cache_use.NOT_STORED_REASONS,
+    "compiled-programs": compiled.COMPILED_REASONS,
 }
 
 

@@ -22,6 +22,7 @@ FACES = {
         "ArtifactError", "DistributedError", "Error", "FidelityError", "GuardError",
         "GuardWarning", "SessionError", "Warning", "WeightsError",
     },
+    "ctxreplay.compiling": {"TOLERANCES", "CompiledDir", "compile_dir"},
     "ctxreplay.report": {"CaptureExplanation", "CaptureReport", "Explanation", "FidelityError",
                          "ProbeEffect", "SavedManifest"},
     "ctxreplay.artifacts": {"ArtifactError", "ArtifactSidecar", "SavedArtifact", "load_sidecar",
