@@ -40,12 +40,15 @@ class Bound:
     ``prefix``), read now; ``holds(state)``: whether each still has the shape,
     dtype and device in ``meta`` (the program's own tensors'; ``None``: the
     member's when bound, for a program it was bound to already); ``first``:
-    the tensors read when bound.
+    the tensors read when bound; ``contiguous``: a program compiled ahead of
+    time takes them, which indexes them with the strides it was built with,
+    so each must stay contiguous (a weight swapped for a transposed view of
+    the same shape does not fit).
 
     Raises ``WeightsError`` (from the constructor) when the member lacks a
     tensor the program takes or one does not fit it."""
 
-    __slots__ = ("_guard", "first", "meta", "state")
+    __slots__ = ("_guard", "contiguous", "first", "meta", "state")
 
     def __init__(self, names: tuple[str, ...], meta: tuple[_Meta, ...] | None,
                  module: nn.Module, prefix: str) -> None:
@@ -69,6 +72,7 @@ class Bound:
         self.meta: tuple[_Meta, ...] = meta if meta is not None else \
             tuple((tuple(t.shape), t.dtype, t.device) for t in self.first)
         self._guard: Any = _guard(self.first)
+        self.contiguous = False
 
     @classmethod
     def of(cls, flat: Flat, module: nn.Module, prefix: str) -> Bound:
@@ -88,6 +92,8 @@ class Bound:
             return True
         for t, (shape, dtype, device) in zip(state, self.meta):
             if t.dtype != dtype or t.device != device or tuple(t.shape) != shape:
+                return False
+            if self.contiguous and not t.is_contiguous():
                 return False
         self._guard = _guard(state)
         return True

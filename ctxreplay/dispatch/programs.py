@@ -474,6 +474,7 @@ class Programs:
         if not all(t.is_contiguous() for t in built[1].first):
             self.unfit[where] = "weights"
             return None
+        built[1].contiguous = True  # (and on every call: ``Bound.holds``)
         if where not in self.compiled:
             self.compiled.append(where)
         return built

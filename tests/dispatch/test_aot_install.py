@@ -135,6 +135,25 @@ def test_a_replaced_weight_is_bound_again(compiled: Path) -> None:
     assert all(_err(g, w) <= TOL for g, w in zip(got, _run(twin, XS)))
 
 
+def test_a_weight_laid_out_anew_after_binding_runs_eagerly(compiled: Path) -> None:
+    # the same shape, dtype and device, but a transposed layout: the compiled
+    # code reads a weight with the strides it was built with, so the call
+    # runs eagerly (reason "weights") and equals the eager twin's
+    model = build_model()
+    twin = build_model()
+    with ctxreplay.install(model, ctxreplay.load(compiled)) as handle:
+        _run(model, XS[:1])
+        with torch.no_grad():
+            for m in (model, twin):
+                lin = m.blocks[0].mlp[0]
+                lin.weight.data = lin.weight.data.t().contiguous().t().mul(-1.0)
+        assert not model.blocks[0].mlp[0].weight.is_contiguous()
+        got = _run(model, XS[:1])
+        stats = handle.stats()
+    assert stats.reasons == {"weights": 1}, stats.reasons
+    assert _err(got[0], _run(twin, XS[:1])[0]) <= TOL
+
+
 def test_sizes_outside_the_fold_and_a_converted_model_run_eagerly(compiled: Path) -> None:
     model = build_model()
     with ctxreplay.install(model, ctxreplay.load(compiled)) as handle:
