@@ -12,7 +12,7 @@ them; the checks compare them with what the member itself assigns on the
 same inputs, and an installed call writes them (and the constants) to the
 same paths of the live call's objects, as the eager forward does.
 
-A path is the ``mutation.state_of`` one: the argument (``args[0]``,
+A path is the ``mutation.arguments_state`` one: the argument (``args[0]``,
 ``kwargs['cache']``), then attribute and item steps (``.layers``, ``[0]``).
 """
 
@@ -25,12 +25,12 @@ from typing import Any
 import attrs
 import torch
 
-from .mutation import Path, changes, state_of
+from .mutation import Path, arguments_state, changes
 
 __all__ = ["Assigned", "assigned_by", "collect", "joined", "joined_result", "read", "split",
            "write"]
 
-#: the kinds of ``state_of`` token an assignment may leave at a path
+#: the kinds of ``arguments_state`` token an assignment may leave at a path
 _ASSIGNABLE = ("tensor", "value")
 
 
@@ -68,11 +68,11 @@ def joined(path: Path) -> str:
 def assigned_by(args: tuple[Any, ...], kwargs: dict[str, Any],
                 before: dict[Path, Any]) -> Assigned | None:
     """What a run changed in ``args``/``kwargs`` since ``before`` (their
-    ``state_of`` walk, whose objects the caller kept alive), when every
+    ``arguments_state`` walk, whose objects the caller kept alive), when every
     change is an assignment of a tensor or a plain constant; ``None`` when
     nothing changed or some change is not (an append, a new object, a
     deletion): the caller leaves those to the watch, which reports them."""
-    after, held = state_of(args, kwargs)
+    after, held = arguments_state(args, kwargs)
     found = changes(before, after, limit=None)
     del held
     if not found:

@@ -12,7 +12,7 @@ the next call reads a cache that never grew.
 So capture compares the arguments the (isolated) forward receives before
 and after it runs -- the traced run and the checker's reference runs, on
 the inputs capture materialised, never on the user's objects: a
-``state_of`` walk records per path the structure a graph cannot change
+``arguments_state`` walk records per path the structure a graph cannot change
 (container lengths, attribute names, which tensor or object sits where, the
 values of plain scalars), and ``changes`` names what differs, shallowest
 first.  Tensor contents are not part of it: in-place tensor updates are the
@@ -38,7 +38,7 @@ from .isolate import forward_wrapped
 from .pystate import Reach, held_constants, reach
 
 __all__ = ["ARGUMENT_FIELD", "HELD_FIELD", "Mutation", "MutationLog", "changes",
-           "mutation_mismatches", "state_of", "watched", "with_mutations"]
+           "mutation_mismatches", "arguments_state", "watched", "with_mutations"]
 
 #: ``Mismatch.field`` (and ``level``) of a change to an argument object: a
 #: capture holding one is not ok, and ``install`` never dispatches it
@@ -112,7 +112,7 @@ def _token(value: Any) -> tuple[Token, Iterator[tuple[str, Any]] | None]:
     return ("ref", name, id(value), 0), None
 
 
-def state_of(args: tuple[Any, ...], kwargs: dict[str, Any]
+def arguments_state(args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[dict[Path, Token], list[Any]]:
     """``(path -> token, the objects seen)`` of a call's arguments, bounded;
     the caller keeps the objects alive while it compares, so no identity
@@ -191,7 +191,7 @@ class MutationLog:
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)``, noting what it changed in its arguments."""
-        before, held = state_of(args, kwargs)
+        before, held = arguments_state(args, kwargs)
         out = fn(*args, **kwargs)
         self.note(before, args, kwargs)
         del held
@@ -227,9 +227,9 @@ class MutationLog:
     def note(self, before: dict[Path, Token], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> None:
         """Note what a run changed in its arguments since ``before`` (their
-        ``state_of`` walk, whose objects the caller kept alive)."""
+        ``arguments_state`` walk, whose objects the caller kept alive)."""
         self.runs += 1
-        after, _ = state_of(args, kwargs)
+        after, _ = arguments_state(args, kwargs)
         # all of them: a program may make some (``assigned``), and a change
         # past the first few must still be seen
         for m in changes(before, after, limit=None):
@@ -252,7 +252,7 @@ def watched(module: nn.Module, watch: MutationLog) -> Iterator[None]:
         def watched_forward(*args: Any, **kwargs: Any) -> Any:
             if dynamo_compiling():
                 return orig(*args, **kwargs)
-            before, held = state_of(args, kwargs)
+            before, held = arguments_state(args, kwargs)
             out = orig(*args, **kwargs)
             watch.note(before, args, kwargs)
             del held

@@ -61,7 +61,14 @@ from ..specs.specjson import call_to_json
 from .assigned import Assigned, assigned_by, collect, joined_result
 from .checker import Checker
 from .isolate import HookedWeights, forward_alone, forward_wrapped, isolated, rng_guard
-from .mutation import ARGUMENT_FIELD, Mutation, MutationLog, state_of, watched, with_mutations
+from .mutation import (
+    ARGUMENT_FIELD,
+    Mutation,
+    MutationLog,
+    arguments_state,
+    watched,
+    with_mutations,
+)
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .reads import Reads, recorded
 from .restore import restore_state
@@ -780,7 +787,7 @@ class _Flattened(nn.Module):
         # forward assigns to the rebuilt argument objects (Dynamo would
         # graph-break on it, and then the watch reports the changes)
         walk = self._assigned is not None and not dynamo_compiling()
-        before, held = state_of(args, kwargs) if walk else ({}, [])
+        before, held = arguments_state(args, kwargs) if walk else ({}, [])
         if self._inside is None:  # no context object at all: any Dynamo traces this
             out = self.inner(*args, **kwargs)
         else:

@@ -13,7 +13,7 @@ from torch import nn
 
 import ctxreplay
 from ctxreplay.capture.assigned import assigned_by, read, write
-from ctxreplay.capture.mutation import state_of
+from ctxreplay.capture.mutation import arguments_state
 
 
 class Layer:
@@ -51,7 +51,7 @@ def _steps(model: nn.Module, cache: Cache, n: int = 3) -> list[torch.Tensor]:
 
 def test_the_assigned_paths_and_constants_of_a_run() -> None:
     cache = Cache()
-    before, held = state_of((cache,), {})
+    before, held = arguments_state((cache,), {})
     cache.layers[0].keys = torch.ones(1)
     cache.layers[0].ready = True
     found = assigned_by((cache,), {}, before)
@@ -67,7 +67,7 @@ def test_the_assigned_paths_and_constants_of_a_run() -> None:
 
 def test_an_append_is_no_assignment() -> None:
     cache = Cache()
-    before, held = state_of((cache,), {})
+    before, held = arguments_state((cache,), {})
     cache.layers.append(Layer())
     assert assigned_by((cache,), {}, before) is None
     del held
