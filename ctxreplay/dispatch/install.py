@@ -145,28 +145,61 @@ class DispatchStats:
         return sum(self.misses.values())
 
 
+class _Last:
+    """A member's last call of positional plain tensors: the context it was
+    read under, its argument count, the C-level check of its tensors
+    (``TensorGuards.check``) and what it runs (a ``Target`` or why it runs
+    eagerly)."""
+
+    __slots__ = ("check", "count", "snaps", "target")
+
+    def __init__(self, snaps: Any, count: int, check: Any, target: Any) -> None:
+        self.snaps, self.count, self.check, self.target = snaps, count, check, target
+
+
+class _Rematch:
+    """The generated rematch of one call key (``specs.rematch``), and what
+    the calls it finds equal but for their tensors' sizes and strides run,
+    by those sizes and strides."""
+
+    __slots__ = ("by_sizes", "fn")
+
+    def __init__(self, fn: Rematcher) -> None:
+        self.fn = fn
+        self.by_sizes: dict[Any, Any] = {}
+
+
+class _Near:
+    """A member's last call of any other kind (keywords, objects): the
+    context it was read under, its key's rematch and what it runs."""
+
+    __slots__ = ("by_sizes", "fn", "snaps", "target")
+
+    def __init__(self, snaps: Any, rematch: _Rematch, target: Any) -> None:
+        self.snaps, self.fn, self.by_sizes, self.target = \
+            snaps, rematch.fn, rematch.by_sizes, target
+
+
 class _Slot(Wrapper):
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
     __slots__ = ("entries", "groups", "handle", "hooked", "last", "memo", "misses", "name",
-                 "near", "reasons", "rematch", "targets", "training")
+                 "near", "programs", "reasons", "rematch", "targets", "training")
 
-    def __init__(self, handle: InstallHandle, name: str, module: nn.Module) -> None:
+    def __init__(self, handle: InstallHandle, name: str, module: nn.Module,
+                 programs: Programs) -> None:
         super().__init__(module)
         self.handle, self.name = handle, name
+        #: the programs of the handle's captures, bound per member
+        self.programs = programs
         self.training = module.training
         self.entries: list[Entry] = []
         self.groups: list[tuple[Observer, list[Entry]]] = []
         self.memo: dict[Any, Any] = {}
-        #: the last call of positional tensors: (snapshot, count, check, target or reason)
-        self.last: tuple[Any, int, Any, Target] | None = None
-        #: the last call of any other kind: (snapshot, rematch, target or
-        #: reason, and by its tensors' sizes and strides those of the calls
-        #: the rematch finds equal but for them)
-        self.near: tuple[Any, Rematcher, Any, dict[Any, Any]] | None = None
-        #: call key -> the rematch made for it and what the calls it finds equal
-        #: but for sizes run, by their sizes (``None``: it cannot have one)
-        self.rematch: dict[Any, tuple[Rematcher, dict[Any, Any]] | None] = {}
+        self.last: _Last | None = None
+        self.near: _Near | None = None
+        #: call key -> the rematch made for it (``None``: it cannot have one)
+        self.rematch: dict[Any, _Rematch | None] = {}
         self.targets: dict[int, Target] = {}
         self.misses = 0
         self.reasons: Counter[str] = Counter()
@@ -186,7 +219,7 @@ class _Slot(Wrapper):
         try:
             groups = self.groups
             if not self.handle.active:  # called outside the model: check those flags here
-                for obs in self.handle._observers:
+                for obs in self.handle.observers:
                     obs.forward_changed()
             if len(groups) == 1:
                 snaps: Any = groups[0][0]()
@@ -196,13 +229,13 @@ class _Slot(Wrapper):
             # (a truth test first: a member without inner hooks pays what it did)
             if self.hooked and (self.hooked is True or self.hooked()):
                 target = "hooks"  # a hook inside it would not run: the graph skips it
-            elif last is not None and last[0] is snaps and not kwargs and len(args) == last[1] \
-                    and last[2].check(*args):
-                target = last[3]
-            elif near is not None and near[0] is snaps and \
-                    (leaves := near[1](args, kwargs)) is not None:
+            elif last is not None and last.snaps is snaps and not kwargs \
+                    and len(args) == last.count and last.check(*args):
+                target = last.target
+            elif near is not None and near.snaps is snaps and \
+                    (leaves := near.fn(args, kwargs)) is not None:
                 if type(leaves) is list:
-                    target = near[2]
+                    target = near.target
                 else:  # (a ``Resized``: the same call but for sizes)
                     target, leaves = self._resized(near, snaps, leaves[0], args, kwargs)
             else:
@@ -248,16 +281,16 @@ class _Slot(Wrapper):
             target = self._resolve(snaps, key, args, kwargs)
         check = tensor_guard(args) if args and not kwargs else None
         if check is not None:
-            self.last = (snaps, len(args), check, target)
+            self.last = _Last(snaps, len(args), check.check, target)
             return target
         if key not in self.rematch:
             fn = rematcher(args, kwargs)
-            self.rematch[key] = None if fn is None else (fn, {})
+            self.rematch[key] = None if fn is None else _Rematch(fn)
         again = self.rematch[key]
-        self.near = None if again is None else (snaps, again[0], target, again[1])
+        self.near = None if again is None else _Near(snaps, again, target)
         return target
 
-    def _resized(self, near: tuple[Any, Rematcher, Any, dict[Any, Any]], snaps: Any,
+    def _resized(self, near: _Near, snaps: Any,
                  leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[Any, Any]:
         """What a call runs that ``near``'s rematch finds equal to its call
@@ -267,7 +300,7 @@ class _Slot(Wrapper):
         first time (no walk of the cache object, no new rematch).  With
         ``leaves``, the call's tensors, as the caller takes them back."""
         sizes = tuple([(t.shape, t.stride()) for t in leaves])
-        by_sizes = near[3]
+        by_sizes = near.by_sizes
         target = by_sizes.get(sizes)
         if target is None:
             key = (snaps, call_key(args, kwargs))
@@ -350,17 +383,17 @@ class _Slot(Wrapper):
         self.memo.clear()
         for again in self.rematch.values():
             if again is not None:
-                again[1].clear()
+                again.by_sizes.clear()
         self.targets.clear()
-        self.handle._programs.forget(self.name)
+        self.programs.forget(self.name)
 
     def _target(self, e: Entry) -> Any:
         t = self.targets.get(id(e))
         if t is None:
-            reason = self.handle._programs.fits(e, self.name, self.module)
+            reason = self.programs.fits(e, self.name, self.module)
             if reason is not None:
                 return reason
-            t = self.targets[id(e)] = Target(e, self.handle._programs, self.name)
+            t = self.targets[id(e)] = Target(e, self.programs, self.name)
         return t
 
 
@@ -379,13 +412,62 @@ class InstallHandle:
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
         self._attributes = AssignmentWatch()
-        self._observers: tuple[Observer | HookWatch, ...] = ()
+        #: what each slot reads the context with (and the hook watch)
+        self.observers: tuple[Observer | HookWatch, ...] = ()
         self._root: Root | None = None
         self._copies: list[Entries] = []
         self.active = 0  # calls of the model in progress
         """Calls of the model in progress."""
         self.removed = False
         """Whether ``remove()`` has run."""
+
+    def _attach(self, modules: dict[str, nn.Module]) -> None:
+        """A slot per member, wrapped around its forward, with what watches
+        the members: replaced tensors and assigned attributes, hooks added,
+        the numerics-only flags per model call, copies of the model."""
+        observers = self._add_slots(modules)
+        self._watch()
+        # after ``_watch``, whose registration hooks count as hooks registered
+        watch = HookWatch([s.module for s in self._slots], self._hooks_changed)
+        self.observers = (*observers.values(), watch)
+        for slot in self._slots:
+            wrap(slot)
+        if all(s.module is not self.model for s in self._slots):
+            # the members read the numerics-only flags only while no model
+            # call is in progress
+            self._root = Root(self.model, self.observers, self)
+            wrap(self._root)
+        # copies, pickles and torch.jit.script of the model are plain
+        # (``observation.copies``)
+        self._copies = [Entries(m) for m in path_modules(self.model, list(modules))]
+        for c in self._copies:
+            c.install()
+
+    def _add_slots(self, modules: dict[str, nn.Module]) -> dict[tuple[Any, ...], Observer]:
+        """A slot per member, its captures grouped by the probes their contexts
+        name, one observer per group (shared by the slots); returns the observers."""
+        observers: dict[tuple[Any, ...], Observer] = {}
+        bound: dict[int, ContextProbe[Any]] = {}  # a probe of per-model state reads model's
+        for name, module in modules.items():
+            slot = _Slot(self, name, module, self._programs)
+            slot.entries = [e for e in self._entries if name in e.members]
+            by_probes: dict[tuple[Any, ...], list[Entry]] = {}
+            for e in slot.entries:
+                probes = tuple(p for p, s in zip(e.match.probes, e.match.states)
+                               if not isinstance(p, UnknownProbe)
+                               and not isinstance(s, UnknownState))
+                key = tuple((p.name, id(p)) for p in probes)
+                if key not in observers:
+                    # the numerics-only flags (watch_forward) are checked once per
+                    # call of ``model``, as observation does: too many to read on
+                    # every block call
+                    observers[key] = Observer(
+                        tuple(bound.setdefault(id(p), p.bind(self.model)) for p in probes),
+                        per_call=False)
+                by_probes.setdefault(key, []).append(e)
+            slot.groups = [(observers[k], v) for k, v in by_probes.items()]
+            self._slots.append(slot)
+        return observers
 
     @property
     def compile(self) -> Compiler | None:
@@ -528,21 +610,7 @@ def install(model: nn.Module,
     entries = [entry(s, ignore, object_args, model) for s in sources(source)]
     modules = _members(model, entries)
     handle = InstallHandle(model, entries, compile)
-    observers = _add_slots(handle, modules, entries)
-    handle._watch()
-    # after ``_watch``, whose registration hooks count as hooks registered
-    watch = HookWatch([s.module for s in handle._slots], handle._hooks_changed)
-    handle._observers = (*observers.values(), watch)
-    for slot in handle._slots:
-        wrap(slot)
-    if all(s.module is not model for s in handle._slots):
-        # the members read the numerics-only flags only while no model call is in progress
-        handle._root = Root(model, handle._observers, handle)
-        wrap(handle._root)
-    # copies, pickles and torch.jit.script of the model are plain (``observation.copies``)
-    handle._copies = [Entries(m) for m in path_modules(model, list(modules))]
-    for c in handle._copies:
-        c.install()
+    handle._attach(modules)
     _log.info("install: %d captures bound to %d members of %s (%s)", len(entries), len(modules),
               type(model).__name__, _names(list(modules)))
     for e in entries:
@@ -565,33 +633,6 @@ def _members(model: nn.Module, entries: list[Entry]) -> dict[str, nn.Module]:
                 raise ValueError(f"install: the model has no submodule {m!r} (a member of "
                                  f"{e.label})") from None
     return modules
-
-
-def _add_slots(handle: InstallHandle, modules: dict[str, nn.Module],
-               entries: list[Entry]) -> dict[tuple[Any, ...], Observer]:
-    """A slot per member, its captures grouped by the probes their contexts
-    name, one observer per group (shared by the slots); returns the observers."""
-    observers: dict[tuple[Any, ...], Observer] = {}
-    bound: dict[int, ContextProbe[Any]] = {}  # a probe of per-model state reads model's
-    for name, module in modules.items():
-        slot = _Slot(handle, name, module)
-        slot.entries = [e for e in entries if name in e.members]
-        by_probes: dict[tuple[Any, ...], list[Entry]] = {}
-        for e in slot.entries:
-            probes = tuple(p for p, s in zip(e.match.probes, e.match.states)
-                           if not isinstance(p, UnknownProbe) and not isinstance(s, UnknownState))
-            key = tuple((p.name, id(p)) for p in probes)
-            if key not in observers:
-                # the numerics-only flags (watch_forward) are checked once per
-                # call of ``model``, as observation does: too many to read on
-                # every block call
-                observers[key] = Observer(
-                    tuple(bound.setdefault(id(p), p.bind(handle.model)) for p in probes),
-                    per_call=False)
-            by_probes.setdefault(key, []).append(e)
-        slot.groups = [(observers[k], v) for k, v in by_probes.items()]
-        handle._slots.append(slot)
-    return observers
 
 
 def _names(names: list[str], shown: int = 4) -> str:
