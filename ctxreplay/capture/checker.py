@@ -40,10 +40,11 @@ from ..specs.materialize import bind_call, inputs_for, materialize_leaves
 from ..specs.signature import Spec, TensorSpec, tensor_values
 from .assigned import Assigned, read, split
 from .hookfree import user_hooks
-from .isolate import BookkeepingError, isolated, rng_guard
+from .isolate import isolated
 from .mutation import ARGUMENT_FIELD, MutationLog
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
+from .rngguard import BookkeepingError, rng_guard
 
 __all__ = ["GUARD_FAILED", "UNOBSERVED_HINT", "Checker", "Step", "register_step",
            "unregister_step"]

@@ -34,20 +34,15 @@ the view (``reshard()`` frees the gathered storage right after) and each
 ``forward`` alone, the way observation saw the live call: without the
 hooks ``nn.Module.__call__`` runs around it at the member's own level.
 
-``rng_guard()`` puts back the global CPU (and, once initialised, CUDA)
-generator state and the state of every ``torch.Generator`` any torch call
-inside it received as ``generator=``; with ``weights=`` (a view), the
-parameters a run wrote into in place too.
+Whether a thread is inside a capture or check is ``isolating``'s job, the
+functions a copy holds are pointed at it by ``closures``, and random state
+and the live weights a run writes are put back by ``rngguard``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import threading
-import types
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -55,76 +50,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ..errors import Error
-from ..specs.storage import inner_tensors, storage_ptr, storage_ptrs
+from .closures import follow_closures, held_objects
 from .hookfree import gated_global_hooks, silence_view
+from .isolating import entered, isolating
 from .offload import weight_hooks
 from .pystate import reach
 from .sharded import fsdp_owners, fsdp_states, gathered, is_fsdp, is_fsdp_key, original_class
 
-__all__ = ["BookkeepingError", "HookedWeights", "NotIsolable", "forward_alone", "isolated",
-           "isolating", "isolating_as", "isolation_depth", "rng_guard", "unwatch", "watch"]
-
-_MAX_OBJECTS = 4096
-
-
-class _Depth(threading.local):
-    depth = 0
-
-
-_local = _Depth()
-#: open observations, told (``quiet()``) when a capture or check starts
-_watchers: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def isolating() -> bool:
-    """Whether this thread is inside ctxreplay's own capture or check of a
-    module (a ``finalize()``): calls made there are not live calls, and an
-    open session must not count them."""
-    return _local.depth > 0
-
-
-def watch(observation: Any) -> None:
-    """Have ``observation.quiet()`` called whenever a capture or check
-    starts: it drops whatever would count calls without asking
-    ``isolating()`` (a member's memo of its last variant)."""
-    _watchers.add(observation)
-
-
-def unwatch(observation: Any) -> None:
-    _watchers.discard(observation)
-
-
-@contextmanager
-def isolating_as(caller: int) -> Iterator[None]:
-    """Inside, this thread is ``isolating()`` as deep as a thread whose
-    ``isolation_depth()`` was ``caller``: a worker thread that traces for
-    a capture entered there (calls it makes are not live calls either)."""
-    before = _local.depth
-    _local.depth = before + caller
-    try:
-        yield
-    finally:
-        _local.depth = before
-
-
-def isolation_depth() -> int:
-    """How many captures or checks this thread is inside (see
-    ``isolating_as``)."""
-    return int(_local.depth)
-
-
-@contextmanager
-def _isolating() -> Iterator[None]:
-    _local.depth += 1
-    try:
-        for w in list(_watchers):
-            w.quiet()
-        yield
-    finally:
-        _local.depth -= 1
+__all__ = ["HookedWeights", "NotIsolable", "forward_alone", "isolated"]
 
 
 @contextmanager
@@ -145,7 +80,7 @@ def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
     _set_training(view, training)
     silence_view(view)  # no user hook runs in a capture or check (``hookfree``)
     try:
-        with _isolating(), gated_global_hooks(isolating):
+        with entered(), gated_global_hooks(isolating):
             yield view
     finally:
         kept.restore()
@@ -163,18 +98,6 @@ def _set_training(module: nn.Module, training: Iterable[tuple[str, bool]]) -> No
 class NotIsolable(Error, TypeError):
     """No isolated view of a module could be made: capture refuses to run
     it rather than run the user's own module."""
-
-
-class BookkeepingError(Error, RuntimeError):
-    """ctxreplay's own watch around a run failed (not the run itself): a
-    check that meets it cannot say anything of the program, and reports
-    its own failure instead of a mismatch.  Its message names the cause
-    (raised without the chain: a report names the innermost cause's type)."""
-
-    @classmethod
-    def of(cls, doing: str, exc: BaseException) -> BookkeepingError:
-        return cls(f"ctxreplay's watch of a check run failed {doing}: "
-                   f"{type(exc).__name__}: {exc}")
 
 
 class HookedWeights(NotIsolable):
@@ -258,7 +181,7 @@ def _copy_unfsdp(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
         shell.__dict__.update(copy.deepcopy(own, memo))
     if is_fsdp(module):
         view: nn.Module = memo[id(module)]
-        _follow_closures(view, memo)
+        follow_closures(view, memo)
         return view
     return _copy_tree(module, memo)
 
@@ -285,7 +208,7 @@ def _copy_tree(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     except Exception:
         pass
     empties: list[Any] = []
-    for obj in _held_objects(module):
+    for obj in held_objects(module):
         # a tensor the forward made (it has a grad_fn) refuses deepcopy: the
         # copy holds a detached copy of it instead
         if isinstance(obj, torch.Tensor):
@@ -337,16 +260,16 @@ def _deepcopy(module: nn.Module, memo: dict[int, Any], empties: list[Any]) -> nn
     ``empties`` keeps the originals alive, so no identity is reused."""
     memo.update((id(e), type(e)()) for e in empties)
     view: nn.Module = copy.deepcopy(module, memo)
-    _follow_closures(view, memo)
+    follow_closures(view, memo)
     return view
 
 
 def _uncopyable(module: nn.Module, memo: dict[int, Any]) -> list[Any]:
     """The leaf objects of the module tree (neither a module, a tensor, a
     container nor a plain object with a ``__dict__``) that ``deepcopy``
-    refuses, bounded like ``_held_objects``."""
+    refuses, bounded like ``held_objects``."""
     out: list[Any] = []
-    for obj in _held_objects(module, _synchronising):
+    for obj in held_objects(module, _synchronising):
         if _synchronising(obj):
             out.append(obj)
             continue
@@ -367,122 +290,6 @@ _SYNC_MODULES = frozenset({"threading", "_thread", "queue", "multiprocessing.syn
 
 def _synchronising(obj: Any) -> bool:
     return type(obj).__module__ in _SYNC_MODULES
-
-
-def _follow_closures(view: nn.Module, memo: dict[int, Any]) -> None:
-    """Point the functions the copy holds at the copy.
-
-    ``deepcopy`` keeps a function as it is, so a function held as an
-    attribute reaches the original's objects through its closure cells:
-    diffusers' hook registry sets an attention's ``forward`` to a partial of
-    a closure over its hook (Pyramid Attention Broadcast's hook stores each
-    output in its state), so running the copy wrote the trace's FakeTensors
-    into the user's model and the check's reference run read them back.
-    Each such function in the copy is rebuilt with cells holding the copies
-    ``memo`` made; cells holding what was not copied stay shared."""
-    seen: set[int] = set()
-    stack: list[Any] = list(view.modules())
-    budget = _MAX_OBJECTS
-    while stack and budget > 0:
-        obj = stack.pop()
-        budget -= 1
-        if id(obj) in seen or isinstance(obj, (torch.Tensor, type)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, list):
-            slots: Iterable[tuple[Any, Any]] = list(enumerate(obj))
-            table: Any = obj
-        elif isinstance(obj, dict):
-            slots, table = list(obj.items()), obj
-        else:
-            table = getattr(obj, "__dict__", None)
-            if type(table) is not dict:
-                continue
-            slots = [(k, v) for k, v in table.items() if k not in _MODULE_DICTS]
-        for key, value in slots:
-            if isinstance(value, _FUNCTIONS):
-                rebuilt = _rebound(value, memo, 3)
-                if rebuilt is not value:
-                    table[key] = rebuilt
-            elif isinstance(value, (list, dict)):
-                if value:  # an empty one holds nothing to point (a module's hook tables)
-                    stack.append(value)
-            elif not (isinstance(value, _LEAVES) or callable(value)):
-                stack.append(value)  # an object whose __dict__ is walked
-
-
-#: what ``_follow_closures`` rebuilds, and what it never walks into
-_FUNCTIONS = (types.FunctionType, functools.partial)
-_LEAVES = (torch.Tensor, type, str, bytes, int, float, bool, complex, type(None), tuple,
-           torch.dtype, torch.device)
-
-
-def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:
-    """``value`` (a function with a closure, or a partial of one) with its
-    cells pointing at ``memo``'s copies; ``value`` itself when none moves."""
-    if depth <= 0:
-        return value
-    if isinstance(value, functools.partial):
-        func = _rebound(value.func, memo, depth - 1)
-        if func is value.func:
-            return value
-        out = functools.partial(func, *value.args, **value.keywords)
-        out.__dict__.update(value.__dict__)
-        return out
-    if not isinstance(value, types.FunctionType) or not value.__closure__:
-        return value
-    cells, moved = [], False
-    for cell in value.__closure__:
-        try:
-            held = cell.cell_contents
-        except ValueError:  # an empty cell: nothing to point anywhere
-            cells.append(cell)
-            continue
-        now = _rebound(memo.get(id(held), held), memo, depth - 1)
-        moved = moved or now is not held
-        cells.append(types.CellType(now) if now is not held else cell)
-    if not moved:
-        return value
-    fn = types.FunctionType(value.__code__, value.__globals__, value.__name__,
-                            value.__defaults__, tuple(cells))
-    fn.__kwdefaults__ = value.__kwdefaults__
-    fn.__qualname__ = value.__qualname__
-    fn.__dict__.update(value.__dict__)
-    return fn
-
-
-def _held_objects(module: nn.Module, leaf: Callable[[Any], bool] = lambda obj: False
-                  ) -> Iterator[Any]:
-    """Every object reached from the ``__dict__`` of the module tree through
-    lists, tuples, sets, dicts and plain objects (but none that ``leaf``
-    holds), once each, bounded."""
-    seen: set[int] = set()
-    stack: list[Any] = list(module.modules())
-    budget = _MAX_OBJECTS
-    while stack and budget > 0:
-        obj = stack.pop()
-        budget -= 1
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        yield obj
-        if isinstance(obj, torch.Tensor) or leaf(obj):
-            continue
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-            continue
-        if isinstance(obj, dict):
-            stack.extend(obj.values())
-            continue
-        d = getattr(obj, "__dict__", None)
-        if type(d) is dict and not isinstance(obj, type) and not callable(obj):
-            stack.extend(v for k, v in d.items() if k not in _MODULE_DICTS)
-        elif isinstance(obj, nn.Module):
-            stack.extend(v for k, v in obj.__dict__.items() if k not in _MODULE_DICTS)
-
-
-# a module's parameter / buffer / submodule tables: walked through modules()
-_MODULE_DICTS = frozenset({"_parameters", "_modules"})
 
 
 # What ``nn.Module.__call__`` (``_call_impl``, torch 2.7 to 2.14) consults
@@ -574,135 +381,4 @@ def _own_call(cls: type[nn.Module], active: list[bool]) -> Callable[..., Any]:
     call.__code__ = call.__code__.replace()
     return call
 
-
-class _RunWatch(TorchFunctionMode):
-    """Remembers the state of every generator passed to a torch call, and
-    keeps a copy of each watched tensor (a parameter an isolated view shares
-    with the live module) before the first torch call that writes into its
-    storage in place.  One mode for both: each is a Python call per torch
-    call of the run."""
-
-    def __init__(self, generators: bool, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().__init__()
-        self.generators = generators
-        self.seen: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-        # by the storage of each ordinary tensor holding a weight's data:
-        # a wrapper subclass (a quantized weight, a DTensor) has none of its
-        # own, its inner tensors do
-        self.watched: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        try:
-            for name, t in tensors:
-                for _path, inner in inner_tensors(t):
-                    ptr = storage_ptr(inner) if inner.numel() else None
-                    if ptr is not None:
-                        self.watched.setdefault(ptr, []).append((name, inner))
-        except Exception as exc:
-            raise BookkeepingError.of("reading the weights' storage", exc) from None
-        self.kept: dict[tuple[str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
-            # a compiled function the forward calls: Dynamo inlines an active
-            # mode, and guarded on the per-callable table below, which its
-            # own trace fills (torch 2.9.1 failed its guard self-check with
-            # an AssertionError, so the check run did).  Writes made inside
-            # compiled code are not watched.
-            return func(*args, **kwargs)
-        if self.generators:
-            g = kwargs.get("generator")
-            if isinstance(g, torch.Generator) and id(g) not in self.seen:
-                self.seen[id(g)] = (g, g.get_state())
-        if self.watched:
-            try:
-                self._keep(func, args, kwargs)
-            except Exception as exc:
-                raise BookkeepingError.of(f"finding what {func!r} writes", exc) from None
-        return func(*args, **kwargs)
-
-    def _keep(self, func: Any, args: Any, kwargs: Any) -> None:
-        for t in _written(func, args, kwargs):
-            for ptr in storage_ptrs(t):  # none: a tensor without storage (functional)
-                for name, p in self.watched.get(ptr, ()):
-                    if (name, ptr) not in self.kept:
-                        self.kept[name, ptr] = (name, p, p.detach().clone())
-
-
-def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors a torch call writes into in place (``_write_spots``), and
-    whatever it is given as ``out=``."""
-    try:
-        spots = _SPOTS[func]
-    except (KeyError, TypeError):
-        spots = _write_spots(func)
-    target = kwargs.get("out")
-    if not spots and target is None:
-        return []
-    found = [args[i] if i < len(args) else kwargs.get(n) for i, n in spots]
-    out: list[torch.Tensor] = []
-    for t in (*found, target):
-        if isinstance(t, torch.Tensor):
-            out.append(t)
-        elif isinstance(t, (tuple, list)):
-            out += [x for x in t if isinstance(x, torch.Tensor)]
-    return out
-
-
-#: torch callable -> where its in-place targets are, read once per callable
-_SPOTS: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def _write_spots(func: Any) -> tuple[tuple[int, str], ...]:
-    """``(position, name)`` of each argument ``func`` writes into: those an
-    operator's schema marks written (``Tensor(a!)``, what a graph's
-    ``torch.ops.aten.mul_.Tensor`` shows), else -- a Python-level function
-    or method -- the first of one named in place (``mul_``, ``__iadd__``,
-    ``__setitem__``)."""
-    schema = getattr(func, "_schema", None)
-    if schema is not None:
-        spots = tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                      if a.alias_info is not None and a.alias_info.is_write)
-    else:
-        name = getattr(func, "__name__", "")
-        in_place = (name.endswith("_") and not name.endswith("__")) \
-            or name.startswith("__i") or name == "__setitem__"
-        spots = ((0, "self"),) if in_place else ()
-    with contextlib.suppress(TypeError):  # not hashable: looked at again next time
-        _SPOTS[func] = spots
-    return spots
-
-
-@contextmanager
-def rng_guard(*, watch_generators: bool = True, weights: Any = None
-              ) -> Iterator[dict[int, str]]:
-    """Random state as it was, whatever runs inside; with ``weights`` (a
-    module: an isolated view, or a program bound to one -- the live
-    module's own tensors), each of its parameters that a torch call writes
-    in place is put back as it was too, and the dict yielded then maps each
-    one's storage to its name.  A check's runs work on the live weights (a
-    copy of every weight per run would cost what the weights weigh), so a
-    forward that updates a parameter in place would otherwise change the
-    user's."""
-    cpu = torch.random.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
-    params = weights.named_parameters() if isinstance(weights, nn.Module) else ()
-    mode = _RunWatch(watch_generators, params)
-    written: dict[int, str] = {}
-    try:
-        if not (watch_generators or mode.watched):
-            yield written
-        else:
-            with mode:
-                yield written
-    finally:
-        torch.random.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        for g, state in mode.seen.values():
-            g.set_state(state)
-        with torch.no_grad():
-            for (_key, ptr), (name, p, saved) in mode.kept.items():
-                p.detach().copy_(saved)
-                written[ptr] = name
 

@@ -60,7 +60,7 @@ from ..specs.signature import (
 from ..specs.specjson import call_to_json
 from .assigned import Assigned, assigned_by, collect, joined_result
 from .checker import Checker
-from .isolate import HookedWeights, forward_alone, forward_wrapped, isolated, rng_guard
+from .isolate import HookedWeights, forward_alone, forward_wrapped, isolated
 from .mutation import (
     ARGUMENT_FIELD,
     Mutation,
@@ -73,6 +73,7 @@ from .options import CaptureOptions, MemberCall, VariantRequest
 from .reads import Reads, recorded
 from .restore import restore_state
 from .results import Capture, CaptureFailure
+from .rngguard import rng_guard
 from .worker import WorkerTimeout, run_in_worker
 
 __all__ = ["CaptureFailed", "Kin", "Source", "Tick", "capture_variant", "recapture"]

@@ -12,7 +12,7 @@ graph records is the same (it starts at the first ``forward``).
 
 The worker carries over what a thread does not inherit and a trace can
 read: the caller's ``contextvars`` (run in a copy of its context), that the
-caller is inside ctxreplay's own capture (``isolate.isolating()``: an open
+caller is inside ctxreplay's own capture (``isolating.isolating()``: an open
 session must not count the calls the trace makes), and, where CUDA is
 initialised, the caller's current CUDA device (per thread in CUDA), and
 the intra-op thread count (OpenMP's is per thread) a backend that runs the
@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import Error
-from .isolate import isolating_as, isolation_depth
+from .isolating import isolating_as, isolation_depth
 
 __all__ = ["WorkerTimeout", "run_in_worker"]
 

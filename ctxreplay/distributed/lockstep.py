@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from ..artifacts.formats import artifact_bytes, artifact_from_bytes
-from ..capture.isolate import isolated, rng_guard
+from ..capture.isolate import isolated
 from ..capture.mutation import MutationLog, mutation_mismatches
 from ..capture.results import Capture
+from ..capture.rngguard import rng_guard
 from ..core.probe import ContextProbe
 from ..fidelity.levels import checked_by
 from ..fidelity.verify import Fidelity, Mismatch, compare_values, merge_mismatches, neutral_replay

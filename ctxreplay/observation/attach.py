@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ..capture.isolate import unwatch, watch
+from ..capture.isolating import unwatch, watch
 from ..capture.options import ABSENT as REMOVED
 from ..capture.options import MemberCall, Unrestorable, VariantRequest
 from ..core.observer import Observer
@@ -161,7 +161,7 @@ class Observation:
             self.root.watch.update(m.module for m in self.members)
 
     def quiet(self) -> None:
-        """A capture or check starts (``isolate.isolating()``): drop the
+        """A capture or check starts (``isolating.isolating()``): drop the
         members' memos, whose hits count without asking."""
         for m in self.members:
             m.memo = None

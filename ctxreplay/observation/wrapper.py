@@ -40,7 +40,7 @@ from torch import nn
 from .._base.torchcaps import CAPS, tensor_guard
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import dynamo_exporting as _dynamo_exporting
-from ..capture.isolate import isolating
+from ..capture.isolating import isolating
 from ..capture.offload import weight_hooks
 from ..capture.pystate import reach
 from ..core.observer import Observer, ProbeObservationError
@@ -270,7 +270,7 @@ class _Member(Wrapper):
         if self.off or _dynamo_compiling() or _is_tracing() or isolating():
             # (``isolating()``: ctxreplay's own capture or check of a module
             # in this thread, e.g. another session's finalize(): not a live
-            # call; ``isolate.watch`` drops the memo while it runs.)
+            # call; ``isolating.watch`` drops the memo while it runs.)
             # Under torch.compile the check is a constant and orig is
             # inlined: compiled regions are not observed and get no graph
             # break.  ``mark`` runs while Dynamo traces, leaving nothing in

@@ -25,7 +25,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import ctxreplay
-from ctxreplay.capture.isolate import isolating, isolating_as
+from ctxreplay.capture.isolating import isolating, isolating_as
 from ctxreplay.capture.worker import run_in_worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

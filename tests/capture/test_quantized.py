@@ -20,8 +20,8 @@ import torch
 from quantized import KINDS, Int8Weight, QStack, stack_or_skip
 
 import ctxreplay
-import ctxreplay.capture.isolate as isolate
-from ctxreplay.capture.isolate import rng_guard
+import ctxreplay.capture.rngguard as rngguard
+from ctxreplay.capture.rngguard import rng_guard
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -86,7 +86,7 @@ def test_a_failure_of_ctxreplays_own_watch_is_its_own_reason_not_a_mismatch(
     def broken(t: torch.Tensor) -> int:
         raise RuntimeError("storage of an unknown kind")
 
-    monkeypatch.setattr(isolate, "storage_ptr", broken)
+    monkeypatch.setattr(rngguard, "storage_ptr", broken)
     with ctxreplay.capture_with(model, targets="repeated", verify="execute") as session, \
             torch.no_grad():
         model(x)

@@ -35,6 +35,7 @@ from trust_oracle import members_of, record, unreproduced
 
 import ctxreplay
 import ctxreplay.capture.isolate
+import ctxreplay.capture.rngguard
 from ctxreplay._base.torchcaps import CAPS
 from ctxreplay.backends import ExportBackend
 from ctxreplay.fidelity.verify import check_signature
@@ -852,7 +853,7 @@ def test_the_weights_guard_sees_a_bare_run() -> None:
     model = KeepsAverage().eval()
     before = model.avg.detach().clone()
     with ctxreplay.capture.isolate.isolated(model) as view, \
-            ctxreplay.capture.isolate.rng_guard(weights=view) as written, torch.no_grad():
+            ctxreplay.capture.rngguard.rng_guard(weights=view) as written, torch.no_grad():
         view(torch.rand(2, 4))
     assert torch.equal(model.avg.detach(), before)
     assert list(written.values()) == ["avg"]
