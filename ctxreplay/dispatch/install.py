@@ -184,7 +184,7 @@ class _Slot(Wrapper):
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
     __slots__ = ("entries", "groups", "handle", "hooked", "last", "memo", "misses", "name",
-                 "near", "programs", "reasons", "rematch", "targets", "training")
+                 "near", "observers", "programs", "reasons", "rematch", "targets", "training")
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module,
                  programs: Programs) -> None:
@@ -192,6 +192,9 @@ class _Slot(Wrapper):
         self.handle, self.name = handle, name
         #: the programs of the handle's captures, bound per member
         self.programs = programs
+        #: every observer of the handle (``InstallHandle._attach``): a call
+        #: made outside the model checks their numerics-only flags itself
+        self.observers: tuple[Observer | HookWatch, ...] = ()
         self.training = module.training
         self.entries: list[Entry] = []
         self.groups: list[tuple[Observer, list[Entry]]] = []
@@ -219,7 +222,7 @@ class _Slot(Wrapper):
         try:
             groups = self.groups
             if not self.handle.active:  # called outside the model: check those flags here
-                for obs in self.handle.observers:
+                for obs in self.observers:
                     obs.forward_changed()
             if len(groups) == 1:
                 snaps: Any = groups[0][0]()
@@ -412,8 +415,8 @@ class InstallHandle:
         self._owners: dict[int, _Slot] = {}
         self._hooks: list[Any] = []
         self._attributes = AssignmentWatch()
-        #: what each slot reads the context with (and the hook watch)
-        self.observers: tuple[Observer | HookWatch, ...] = ()
+        #: what the slots read the context with (and the hook watch)
+        self._observers: tuple[Observer | HookWatch, ...] = ()
         self._root: Root | None = None
         self._copies: list[Entries] = []
         self.active = 0  # calls of the model in progress
@@ -429,13 +432,14 @@ class InstallHandle:
         self._watch()
         # after ``_watch``, whose registration hooks count as hooks registered
         watch = HookWatch([s.module for s in self._slots], self._hooks_changed)
-        self.observers = (*observers.values(), watch)
+        self._observers = (*observers.values(), watch)
         for slot in self._slots:
+            slot.observers = self._observers
             wrap(slot)
         if all(s.module is not self.model for s in self._slots):
             # the members read the numerics-only flags only while no model
             # call is in progress
-            self._root = Root(self.model, self.observers, self)
+            self._root = Root(self.model, self._observers, self)
             wrap(self._root)
         # copies, pickles and torch.jit.script of the model are plain
         # (``observation.copies``)
