@@ -29,7 +29,7 @@ from ..artifacts.sidecar import ArtifactError
 from ..backends import Backend, get_backend
 from ..capture.checker import Checker
 from ..capture.options import CaptureOptions, VariantRequest
-from ..capture.results import Capture, Deferred
+from ..capture.results import Capture, Deferred, capture_of
 from ..capture.variant import CaptureFailed, Source
 from ..core.probe import ContextProbe
 from ..fidelity.levels import checked_by
@@ -338,16 +338,11 @@ def deferred_capture(entry: StoredEntry, stored: Stored, fmt: ArtifactFormat, ba
                       ambient_only=stored.ambient_only)
     fidelity = checker.run(modules)
     weights = _weights(module, _prefix(stored.binding), copy_buffers=True)
-    return Capture(
-        scope=request.scope, members=tuple(m.name for m in request.members),
-        variant=request.variant, signature=request.inputs, outputs=request.outputs,
-        graph_outputs=stored.graph_outputs, snapshot=request.snapshot, calls=request.calls,
-        backend=stored.backend, artifact=_OnDisk(fmt, entry.program, weights, entry.path),
-        fidelity=fidelity, fingerprint=stored.fingerprint, embedded=stored.embedded,
+    return capture_of(
+        request, options.ignore_attributes,
+        graph_outputs=stored.graph_outputs, backend=stored.backend,
+        artifact=_OnDisk(fmt, entry.program, weights, entry.path), fidelity=fidelity,
+        fingerprint=stored.fingerprint, embedded=stored.embedded,
         ambient_only=stored.ambient_only, binding=stored.binding, constants=stored.constants,
         attempts=(), seconds=time.perf_counter() - t0, ops=stored.ops,
-        member_calls=tuple((m.name, m.calls) for m in request.members),
-        weights_from=request.traced.name, graph_digest=stored.graph_digest,
-        op_args=stored.op_args, identities=tuple((m.name, request.identity)
-                                                 for m in request.members),
-        ignore_attributes=options.ignore_attributes, from_cache=True)
+        graph_digest=stored.graph_digest, op_args=stored.op_args, from_cache=True)

@@ -25,9 +25,10 @@ from ..specs.materialize import BINDINGS
 from ..specs.signature import CallSpec, Spec
 from ..specs.specjson import call_to_json, spec_to_json
 from .assigned import Assigned
+from .options import VariantRequest
 
 __all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure", "Deferred",
-           "Notice", "Problem"]
+           "Notice", "Problem", "capture_of"]
 
 #: every ``CaptureFailure.reason`` the package gives: a built-in backend's
 #: codes, then the engine's own (a custom backend may add its
@@ -296,6 +297,25 @@ class Capture:
             "fidelity": self.fidelity.to_json(),
             "graph": {"nodes": len(self.ops), "ops": sorted({op for op, _ in self.ops})},
         }
+
+
+def capture_of(request: VariantRequest, ignore_attributes: tuple[str, ...],
+               **graph: Any) -> Capture:
+    """The ``Capture`` of ``request``'s variant: what the request says of it
+    (scope, members and their calls, signature, live outputs, context, the
+    member whose weights the artifact holds, the members' identity digest
+    where known) beside what its graph says (``graph``: backend, artifact,
+    check, binding, summary...), however the graph was made -- traced, or
+    read from the capture cache."""
+    return Capture(
+        scope=request.scope, members=tuple(m.name for m in request.members),
+        variant=request.variant, signature=request.inputs, outputs=request.outputs,
+        snapshot=request.snapshot, calls=request.calls,
+        member_calls=tuple((m.name, m.calls) for m in request.members),
+        weights_from=request.traced.name,
+        identities=tuple((m.name, request.identity) for m in request.members
+                         if request.identity),
+        ignore_attributes=ignore_attributes, **graph)
 
 
 @attrs.frozen

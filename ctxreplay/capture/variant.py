@@ -72,7 +72,7 @@ from .mutation import (
 from .options import CaptureOptions, MemberCall, VariantRequest
 from .reads import Reads, recorded
 from .restore import restore_state
-from .results import Capture, CaptureFailure
+from .results import Capture, CaptureFailure, capture_of
 from .rngguard import rng_guard
 from .worker import WorkerTimeout, run_in_worker
 
@@ -365,21 +365,14 @@ def _record(request: VariantRequest, options: CaptureOptions, plan: _Plan, real:
     except Exception as exc:
         raise fail("bad_artifact", exc) from None
     embedded, ambient_only = contexts
-    return Capture(
-        scope=request.scope, members=tuple(m.name for m in request.members),
-        variant=request.variant, signature=request.inputs, outputs=request.outputs,
-        graph_outputs=graph_outputs, snapshot=request.snapshot, calls=request.calls,
-        backend=real.name, artifact=artifact, fidelity=fidelity, fingerprint=fingerprint,
-        embedded=embedded, ambient_only=ambient_only, binding=plan.binding,
-        constants=tuple(p for p, _ in _const_paths(request.inputs)),
+    return capture_of(
+        request, options.ignore_attributes,
+        graph_outputs=graph_outputs, backend=real.name, artifact=artifact, fidelity=fidelity,
+        fingerprint=fingerprint, embedded=embedded, ambient_only=ambient_only,
+        binding=plan.binding, constants=tuple(p for p, _ in _const_paths(request.inputs)),
         attempts=options.backend.last_attempts, seconds=time.perf_counter() - t0, ops=ops,
-        member_calls=tuple((m.name, m.calls) for m in request.members),
-        weights_from=request.traced.name, collective=collective, graph_digest=digest,
-        op_args=op_args, identities=tuple((m.name, request.identity) for m in request.members
-                                          if request.identity),
-        ignore_attributes=options.ignore_attributes, from_cache=from_cache,
-        assigned=plan.covered(),
-    )
+        collective=collective, graph_digest=digest, op_args=op_args, from_cache=from_cache,
+        assigned=plan.covered())
 
 
 def _checked(checker: Checker, plan: _Plan, modules: Mapping[str, nn.Module],
