@@ -85,7 +85,9 @@ def _fsdp_swap(module: Any, name: str, value: Any) -> bool:
     if not d or d.get("_is_fsdp_managed_module") is not True:
         return False
     old = (d.get("_parameters") or {}).get(name)
-    return isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) \
+    # (FSDP swaps parameters for parameters; a plain tensor assigned there
+    # takes nn.Module's own path, which refuses it as eager does)
+    return isinstance(value, torch.nn.Parameter) and isinstance(old, torch.Tensor) \
         and value.shape == old.shape
 
 

@@ -85,3 +85,22 @@ def test_fsdp_swapping_parameters_around_a_call_does_not_recheck_identity(
         report = session.finalize()
     assert reads[0] == 0  # 9 block calls, none rechecked
     assert report.ok and len(report.captures) == 2  # the changed eps: its own variant
+
+
+def test_a_plain_tensor_assigned_over_a_managed_parameter_is_refused_as_eager_does(
+        tmp_path: Path) -> None:
+    """The watch lets FSDP's parameter swaps through without telling anyone;
+    a plain tensor assigned over a parameter is no swap: ``nn.Module``
+    refuses it, observed or not (before, the watch wrote it in)."""
+    import ctxreplay
+
+    with cases.one_rank_group(tmp_path / "store"):
+        model = cases.fsdp_model(1, bf16=False)
+        lin = model.blocks[0].up
+        plain = torch.zeros(lin.weight.shape)
+        with pytest.raises(TypeError, match="cannot assign"):
+            lin.weight = plain  # type: ignore[assignment]
+        with ctxreplay.capture_with(model, targets="repeated"):
+            with pytest.raises(TypeError, match="cannot assign"):
+                lin.weight = plain  # type: ignore[assignment]
+        assert isinstance(lin.weight, torch.nn.Parameter)
