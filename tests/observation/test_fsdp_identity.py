@@ -100,7 +100,7 @@ def test_a_plain_tensor_assigned_over_a_managed_parameter_is_refused_as_eager_do
         plain = torch.zeros(lin.weight.shape)
         with pytest.raises(TypeError, match="cannot assign"):
             lin.weight = plain  # type: ignore[assignment]
-        with ctxreplay.capture_with(model, targets="repeated"):
-            with pytest.raises(TypeError, match="cannot assign"):
-                lin.weight = plain  # type: ignore[assignment]
+        with ctxreplay.capture_with(model, targets="repeated"), \
+                pytest.raises(TypeError, match="cannot assign"):
+            lin.weight = plain  # type: ignore[assignment]
         assert isinstance(lin.weight, torch.nn.Parameter)
