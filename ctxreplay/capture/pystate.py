@@ -35,11 +35,12 @@ import sys
 import types
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
+
+from .offload import weight_hooks
 
 __all__ = ["Reach", "held_constants", "reach"]
 
@@ -126,11 +127,16 @@ def held_constants(artifact: Any, gm: Any, before: Reach) -> list[str]:
                               if id(t) in before.tensors))
 
 
-def reach(module: nn.Module, skip: Iterable[Any] = ()) -> Reach:
+def reach(module: nn.Module) -> Reach:
     """Record the Python state ``module``'s forward can reach (see the
-    module docstring); ``skip``: objects not walked (nor what only they hold)."""
+    module docstring).  The hooks that put the tree's weights in place
+    (offloading: ``offload.weight_hooks``) are not walked: what they write
+    around every call (accelerate's ``AlignDevicesHook`` its tied-pointer
+    set) is theirs, never what the forward computes from."""
     walk = _Walk()
-    walk.seen.update(id(o) for o in skip)
+    held = weight_hooks(module)
+    if held is not None:
+        walk.seen.update(id(h) for h in held.hooks)
     for m in module.modules():
         walk.push(m, type(m).__name__, 0)
         for cls in type(m).__mro__:

@@ -70,7 +70,9 @@ class Kept:
         self.first: RetainedCall | None = None
         self.last: RetainedCall | None = None
         self.between: list[RetainedCall] = []
-        self.seen = 0  # calls that went past ``first`` into the sample, ``last`` included
+        #: ``verify="values"``: calls that went past ``first`` into the
+        #: sample, ``last`` included
+        self.seen = 0
 
     def calls(self) -> tuple[RetainedCall, ...]:
         """In call order as far as known: the first, the sample, the last."""
@@ -272,7 +274,6 @@ class Retention:
             kept.first = call
             return
         if self.sample:  # (``inputs`` made room in the pool)
-            kept.seen += 1
             kept.between.append(call)
             if pool is not None:
                 pool.slots.append((kept, call))

@@ -41,7 +41,6 @@ from .._base.torchcaps import CAPS, tensor_guard
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from .._base.torchcaps import dynamo_exporting as _dynamo_exporting
 from ..capture.isolating import isolating
-from ..capture.offload import weight_hooks
 from ..capture.pystate import reach
 from ..core.observer import Observer, ProbeObservationError
 from ..core.snapshots import ContextSnapshot
@@ -107,14 +106,6 @@ class _Tally:
         self.mark = types.FunctionType(unique, mark.__globals__, unique.co_name, None,
                                        mark.__closure__)
         self.mark._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _weight_hooks(module: nn.Module) -> list[Any]:
-    """The hooks that put ``module``'s weights in place around its forward
-    (offloading): what they write on every call (accelerate's
-    ``AlignDevicesHook`` its tied-pointer set) is theirs, not the forward's."""
-    held = weight_hooks(module)
-    return [] if held is None else held.hooks
 
 
 class _Python:
@@ -344,7 +335,7 @@ class _Member(Wrapper):
         reuse, a counter -- that no program carries: the member is stateful.
         (The first call may fill a lazy cache once; the second is a repeat.)"""
         try:
-            before = None if self.writes else reach(self.module, _weight_hooks(self.module))
+            before = None if self.writes else reach(self.module)
         except Exception:  # a walk that fails decides nothing
             before = None
         out = self._counted(mv, args, kwargs, sampled)

@@ -55,19 +55,25 @@ def gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-#: the head of a fresh-process script: the tiny Qwen2 of the generate() tests
-#: (``qwen2()``'s config, seed 0) and their prompt, built as those tests build them
-QWEN2_FRESH = textwrap.dedent("""
-    import json, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, transformers, ctxreplay
-    config = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
-""")
+def fresh_head(arch: str, low: int) -> str:
+    """The head of a fresh-process script: the tiny decoder ``arch``
+    (``"Qwen2"``, ``"Llama"``: ``qwen2()``'s and ``llama()``'s config, seed 0)
+    and a 5-token prompt of ids from ``low``, built as the tests build them."""
+    return textwrap.dedent(f"""
+        import json, sys, warnings
+        warnings.filterwarnings("ignore")
+        import torch, transformers, ctxreplay
+        config = transformers.{arch}Config(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = transformers.{arch}ForCausalLM(config).eval()
+        prompt = torch.randint({low}, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    """)
+
+
+#: the tiny Qwen2 of the generate() tests and their prompt
+QWEN2_FRESH = fresh_head("Qwen2", 0)
 
 
 def qwen2() -> nn.Module:

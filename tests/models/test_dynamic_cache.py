@@ -159,16 +159,7 @@ def test_strict_export_keeps_the_assignments_undispatched() -> None:
     assert sum(stats.reasons.values()) == sum(stats.misses.values())
 
 
-_FRESH = textwrap.dedent("""
-    import json, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, transformers, ctxreplay
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+_FRESH = real_models.fresh_head("Llama", 1) + textwrap.dedent("""
     def generate():
         with torch.inference_mode():
             return model.generate(prompt, attention_mask=torch.ones(1, 5, dtype=torch.long),
