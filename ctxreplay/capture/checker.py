@@ -46,7 +46,7 @@ from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 from .rngguard import BookkeepingError, rng_guard
 
-__all__ = ["GUARD_FAILED", "UNOBSERVED_HINT", "Checker", "Step", "register_step",
+__all__ = ["GUARD_FAILED", "UNOBSERVED_HINT", "Checker", "Program", "Step", "register_step",
            "unregister_step"]
 
 #: what an execution mismatch says when a graph's own input guard refused
@@ -58,30 +58,50 @@ GUARD_FAILED = "Guard failed"
 UNOBSERVED_HINT = UNOBSERVED
 
 
+@attrs.frozen(eq=False)
+class Program:
+    """The artifact a ``Checker`` runs, and how it is called.
+
+    ``graph_outputs``: the output specs its graph gives (``None``: not known,
+    as for a graph run at sizes other than its trace's).  ``binding`` and
+    ``flatten_out``: how it takes its inputs and gives its outputs (see
+    ``capture.trace``).  ``carried``: probes the artifact carries itself (for
+    hints); ``ambient_only``: the non-neutral states it needs around it.
+    ``assigned``: what the forward assigns to its argument objects -- the
+    program returns those tensors after its outputs.  ``artifact`` is
+    ``None`` for a program checked only by its output metadata."""
+
+    backend: Backend
+    artifact: Any
+    graph_outputs: Spec | None
+    binding: str
+    flatten_out: bool
+    carried: tuple[str, ...] = ()
+    ambient_only: tuple[str, ...] = ()
+    assigned: Assigned | None = None
+
+
 class Checker:
     """Checks one artifact against every member call it stands for.
 
     ``traced`` is the (isolated) module the artifact was traced from: its
     tensors identify which of the artifact's tensors are weights, so the
-    artifact can run with another member's.  ``carried``: probes the
-    artifact carries itself (for hints)."""
+    artifact can run with another member's.  ``neutral_probes``: probes
+    whose neutral state every run starts from, beside the snapshot's own."""
 
-    def __init__(self, request: VariantRequest, options: CaptureOptions, backend: Backend,
-                 artifact: Any, traced: nn.Module, graph_outputs: Spec | None, *,
-                 binding: str, flatten_out: bool, carried: tuple[str, ...],
-                 baseline: tuple[ContextProbe[Any], ...],
-                 ambient_only: tuple[str, ...] = (),
-                 assigned: Assigned | None = None) -> None:
+    def __init__(self, request: VariantRequest, options: CaptureOptions, program: Program,
+                 traced: nn.Module, neutral_probes: tuple[ContextProbe[Any], ...] = ()) -> None:
         self.request, self.options = request, options
-        self.backend, self.artifact, self.traced = backend, artifact, traced
-        self.graph_outputs, self.carried, self.baseline = graph_outputs, carried, baseline
-        self.binding, self.flatten_out = binding, flatten_out
+        self.backend, self.artifact, self.traced = program.backend, program.artifact, traced
+        self.graph_outputs, self.carried = program.graph_outputs, program.carried
+        self.neutral_probes = neutral_probes
+        self.binding, self.flatten_out = program.binding, program.flatten_out
         self.applied = () if options.replay == "off" else request.snapshot.names
-        self.hint = hint_for(request.snapshot, carried)
-        self.ambient_only = ambient_only
+        self.hint = hint_for(request.snapshot, program.carried)
+        self.ambient_only = program.ambient_only
         #: what the forward assigns to its argument objects: the program
         #: returns the tensors after its outputs
-        self.assigned = assigned
+        self.assigned = program.assigned
         #: the values the member's last reference run left at those paths
         self._left: list[Any] = []
         self.needs: tuple[str, ...] = ()  # what _call re-establishes beyond the neutral state
@@ -390,7 +410,7 @@ class Checker:
         try:
             args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=_clone(leaves))
             with rng_guard(weights=program), \
-                    neutral_replay(self.request.snapshot, self.baseline, full=True):
+                    neutral_replay(self.request.snapshot, self.neutral_probes, full=True):
                 again, _ = split(program(*args, **kwargs), self.assigned, self.flatten_out)
             replayed_differs = bool(compare_values(live, again, "values"))
         except Exception:  # cannot run that way: say what is known
@@ -430,7 +450,7 @@ class Checker:
         the live parameters it wrote in place are put back (``self.wrote``)."""
         args, kwargs = inputs_for(self.request.inputs, self.binding, leaves=leaves)
         with rng_guard(weights=program) as self.wrote, \
-                neutral_replay(self.request.snapshot, self.baseline, needs=self.needs):
+                neutral_replay(self.request.snapshot, self.neutral_probes, needs=self.needs):
             return program(*args, **kwargs)
 
     def _eager(self, view: nn.Module, leaves: tuple[torch.Tensor, ...]) -> Any:
@@ -438,7 +458,7 @@ class Checker:
         parameters it wrote in place are put back (``self.wrote``)."""
         args, kwargs = bind_call(self.request.inputs, _taker(leaves))
         with rng_guard(weights=view) as self.wrote, \
-                neutral_replay(self.request.snapshot, self.baseline, full=True):
+                neutral_replay(self.request.snapshot, self.neutral_probes, full=True):
             # ``forward`` alone, as observation saw the live call: the hooks
             # ``nn.Module.__call__`` runs at the member's own level ran
             # around it (``isolate.forward_alone``), those of its

@@ -3,7 +3,7 @@ that differ in tensor sizes only, captured as one graph with dynamic sizes.
 
 A family (``families``) is the variants whose requests agree on everything
 but sizes: scope, identity, context, training flags, and the size-free key
-of inputs and outputs (``specs.dims.size_free``).  ``fold_family`` traces
+of inputs and outputs (``specs.dims.size_free``).  ``FamilyFold`` traces
 one of them with the dimensions that vary marked ``Dim.AUTO`` -- torch.export
 then decides itself how they relate and where the forward needs a fixed
 size (a branch on a size narrows the symbol's range, a ``%`` becomes a guard
@@ -46,20 +46,16 @@ from ..specs.signature import CallSpec
 from .checker import GUARD_FAILED, Checker
 from .mutation import with_mutations
 from .options import CaptureOptions, VariantRequest
+from .reads import Reads
 from .results import Capture
 
-__all__ = ["MAX_FOLDS", "FoldRun", "Trial", "families", "fold_family", "folds", "not_folding",
+__all__ = ["MAX_FOLDS", "FamilyFold", "Trial", "families", "folds", "not_folding",
            "rules_from_json", "rules_of", "rules_to_json"]
 
 #: graphs tried per family before the rest are captured one by one
 MAX_FOLDS = 3
 #: a symbol's upper bound where the graph sets none
 UNBOUNDED = 2**62
-
-#: ``(request, dynamic dims, after) -> Capture`` (``capture_variant``'s
-#: ``dims`` and ``after``), or ``CaptureFailed``
-FoldRun = Callable[[VariantRequest, Mapping[int, tuple[int, ...]], Any], Capture]
-
 
 def folds(options: CaptureOptions) -> bool:
     """Whether a session folds: asked for, a backend that traces dynamic
@@ -226,13 +222,22 @@ def rules_from_json(doc: Any) -> _Rules:
 
 @attrs.define
 class Trial:
-    """One fold being tried: the graph's rules and each variant's check."""
+    """One fold being tried: the example traced with ``dims`` dynamic, the
+    variants its graph may take, the graph's rules and each variant's check.
+
+    ``others``: the variants of other member identities among ``pending``,
+    each with the (submodule path, attribute) pairs its identity differs in
+    from the example's (``None``: not comparable); the graph runs at their
+    sizes only where the trace, recorded in ``reads``, read none of them."""
 
     example: VariantRequest
     pending: list[VariantRequest]
     options: CaptureOptions
+    dims: Mapping[int, tuple[int, ...]] = attrs.Factory(dict)
     rules: _Rules | None = None
     checked: dict[int, Fidelity] = attrs.Factory(dict)
+    others: Mapping[int, frozenset[tuple[str, str]] | None] | None = None
+    reads: Reads | None = None
 
     def reset(self) -> None:
         """Forget a trial's results (a cache hit that did not pass)."""
@@ -245,9 +250,12 @@ class Trial:
 
     def __call__(self, artifact: Any, checker_for: Callable[[VariantRequest], Checker],
                  modules: Mapping[str, nn.Module]) -> None:
-        """Run as ``capture_variant``'s ``after``: the graph at the sizes of
-        every variant whose rules it meets (the example too, unless the
-        session's own check already ran it)."""
+        """Run as the capture's check ends, its view alive: the graph at the
+        sizes of every variant whose rules it meets (the example too, unless
+        the session's own check already ran it)."""
+        if self.others is not None:
+            # a list of its own: the fold's stays whole
+            self.pending = [r for r in self.pending if self._may_serve(r)]
         self.rules = rules_of(artifact, self.example.inputs)
         if self.rules is None:
             return
@@ -268,6 +276,16 @@ class Trial:
                 continue
             self.checked[r.variant] = with_mutations(fid, checker.watch.found)
 
+    def _may_serve(self, r: VariantRequest) -> bool:
+        """Whether the graph may run for ``r``: of the example's identity, or
+        of one differing only in plain attributes the trace never read
+        (another ``forward`` set on a submodule runs other code)."""
+        if r.identity_number == self.example.identity_number:
+            return True
+        changed = None if self.others is None else self.others.get(id(r))
+        return changed is not None and all(n != "forward" for _, n in changed) \
+            and self.reads is not None and self.reads.untouched(changed)
+
 
 def _refused(fid: Fidelity) -> bool:
     """Every mismatch is the graph refusing the sizes before it ran
@@ -277,29 +295,42 @@ def _refused(fid: Fidelity) -> bool:
                               and m.captured == GUARD_FAILED for m in fid.mismatches)
 
 
-def fold_family(family: Sequence[VariantRequest], options: CaptureOptions,
-                run: FoldRun) -> tuple[list[Capture], list[VariantRequest]]:
-    """``(folded captures, the variants left to capture one by one)``."""
-    pending, alone = _foldable(family)
-    if not varying_dims([r.inputs for r in family]):  # nothing but sizes may differ
-        return [], list(family)
-    made: list[Capture] = []
-    for _ in range(MAX_FOLDS):
-        if len(pending) < 2:
-            break
-        example = _example(pending)
-        trial = Trial(example, pending, options)
-        dims = varying_dims([r.inputs for r in pending])
-        try:
-            capture = run(example, dims, trial)
-        except Exception:  # (CaptureFailed) the variants are captured one by one
-            break
-        taken = _taken(trial, capture, pending)
-        if taken is None:  # a size the graph mis-computes: no fold of these
-            break
-        made.append(_folded(capture, taken, trial))
-        pending = [r for r in pending if all(r is not t for t in taken)]
-    return made, [*pending, *alone]
+class FamilyFold:
+    """Folding one family: its trials one after the other, each the capture
+    of an example with the family's varying dimensions dynamic, which the
+    caller makes (``Ask(trial.example, fold=trial)``) and hands back to
+    ``took``.  ``made``: the folded captures kept so far; ``rest()``: the
+    variants left to capture one by one."""
+
+    def __init__(self, family: Sequence[VariantRequest], options: CaptureOptions) -> None:
+        self.options = options
+        self.pending, self.alone = _foldable(family)
+        if not varying_dims([r.inputs for r in family]):  # nothing but sizes may differ
+            self.pending, self.alone = [], list(family)
+        self.made: list[Capture] = []
+        self._tries = 0
+        self._over = False
+
+    def next(self) -> Trial | None:
+        """The next trial, or ``None`` when the family is done."""
+        if self._over or self._tries >= MAX_FOLDS or len(self.pending) < 2:
+            return None
+        self._tries += 1
+        return Trial(_example(self.pending), self.pending, self.options,
+                     varying_dims([r.inputs for r in self.pending]))
+
+    def took(self, trial: Trial, capture: Capture | None) -> None:
+        """What ``trial``'s capture gave (``None``: it failed, and the rest
+        are captured one by one)."""
+        taken = None if capture is None else _taken(trial, capture, self.pending)
+        if capture is None or taken is None:  # a size the graph mis-computes: no fold
+            self._over = True
+            return
+        self.made.append(_folded(capture, taken, trial))
+        self.pending = [r for r in self.pending if all(r is not t for t in taken)]
+
+    def rest(self) -> list[VariantRequest]:
+        return [*self.pending, *self.alone]
 
 
 def _taken(trial: Trial, capture: Capture,

@@ -28,8 +28,8 @@ from ..observation.attach import Observation
 from ..observation.targets import resolve_targets
 from ..observation.variants import Scope, VariantView
 from ..report.capture_report import CaptureReport, FidelityError
-from .baseline import Baseline
 from .pipeline import Finalizing, ProgressCallback, run_finalize
+from .safetynet import SafetyNet
 
 __all__ = ["CaptureSession", "SessionError", "capture_with"]
 
@@ -158,7 +158,7 @@ class CaptureSession:
         # thread abandoned after ``capture_timeout`` did to the ambient state,
         # each variant starts from -- and the caller gets back -- the state
         # finalize() began with.  It also runs when a KeyboardInterrupt passes.
-        net = Baseline()
+        net = SafetyNet()
         try:
             report = run_finalize(self._job, exchange, net, explain=explain, progress=progress)
         except BaseException:

@@ -162,7 +162,7 @@ def test_without_the_safety_net_the_same_session_leaks(monkeypatch: pytest.Monke
         def restore(self) -> dict[str, str]:
             return {}
 
-    monkeypatch.setattr(ctxreplay.engine.session, "Baseline", NoNet)
+    monkeypatch.setattr(ctxreplay.engine.session, "SafetyNet", NoNet)
     changes = _oracle()
     model, xs = _workload()
     probes = [*ctxreplay.probes.default_probes(), ForgetfulProbe()]

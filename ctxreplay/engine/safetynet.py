@@ -4,7 +4,7 @@ was when ``finalize()`` began.
 Every replay restores what it found -- when the probe is right.  A probe
 whose replay forgets to restore, a backend that flips a global flag, or a
 capture thread abandoned after ``capture_timeout`` (still inside its replay)
-would otherwise leave the caller's process changed.  ``Baseline`` observes
+would otherwise leave the caller's process changed.  ``SafetyNet`` observes
 the default probes before the captures and, after each one, puts back any
 state that differs, through the probe's own ``replay``.
 """
@@ -21,7 +21,7 @@ from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
 from ..core.snapshots import describe_state
 
-__all__ = ["Baseline"]
+__all__ = ["SafetyNet"]
 
 
 # Replays entered to put a leaked state back.  They are not exited while the
@@ -44,7 +44,7 @@ def _release_held() -> None:
             cm.__exit__(None, None, None)
 
 
-class Baseline:
+class SafetyNet:
     """The states of the default probes now; ``restore()`` re-establishes them.
 
     Only the default probes: they are cheap to observe, have no side effects
