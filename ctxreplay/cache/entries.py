@@ -30,7 +30,7 @@ from ..capture.failed import CaptureFailed
 from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, Deferred, capture_of
 from ..capture.variant import capture_variant
-from ..specs.signature import Spec, is_native
+from ..specs.signature import Spec
 from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
 from .keys import KEY_SCHEMA
 from .store import CacheDir, StoredEntry
@@ -115,7 +115,7 @@ def read_entry(store: CacheDir, entry: StoredEntry, request: VariantRequest
     except Exception as exc:
         store.discard(entry.key, f"unreadable ({type(exc).__name__})")
         return None
-    if stored.binding != _binding(request):
+    if stored.binding != request.binding:
         store.discard(entry.key, "for another calling convention of the variant")
         return None
     return EntryRead(entry, stored, fmt, backend)
@@ -191,7 +191,7 @@ def _stored(capture: Capture, request: VariantRequest, options: CaptureOptions,
     pinned = tuple(p.name for p in request.snapshot.probes
                    if options.pin_factories and p.pinnable)
     return Stored(fmt.name if fmt else "", capture.backend, capture.binding,
-                  _flatten_out(request), capture.graph_outputs, capture.embedded,
+                  request.flatten_out, capture.graph_outputs, capture.embedded,
                   capture.ambient_only, capture.embedded + pinned, capture.constants,
                   capture.ops, capture.op_args, capture.graph_digest, capture.fingerprint,
                   options.verify)
@@ -205,16 +205,6 @@ def _about(capture: Capture, module: nn.Module, options: CaptureOptions) -> dict
             "class": type(module).__qualname__, "inputs": call_to_json(capture.signature),
             "backend": capture.backend, "replay": options.replay, "verify": options.verify,
             "torch": str(torch.__version__), "nodes": len(capture.ops)}
-
-
-def _flatten_out(request: VariantRequest) -> bool:
-    return not (request.outputs is None or is_native(request.outputs))
-
-
-def _binding(request: VariantRequest) -> str:
-    """How capture binds the variant's call (as ``capture.variant`` does)."""
-    return "native" if request.inputs.is_pytree_native() and not _flatten_out(request) \
-        else "flattened"
 
 
 def _weights(module: nn.Module, prefix: str, *, copy_buffers: bool) -> dict[str, Any]:

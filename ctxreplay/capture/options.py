@@ -17,7 +17,7 @@ from ..core.probe import ContextProbe
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
 from ..fidelity.levels import level
-from ..specs.signature import CallSpec, Spec
+from ..specs.signature import CallSpec, Spec, is_native
 
 __all__ = ["ABSENT", "REPLAY_MODES", "RETAIN_BYTES", "WATCH_MODES", "CaptureOptions",
            "MemberCall", "RetainedCall", "Unrestorable", "VariantRequest"]
@@ -160,6 +160,20 @@ class VariantRequest:
     @property
     def calls(self) -> int:
         return sum(m.calls for m in self.members)
+
+    @property
+    def flatten_out(self) -> bool:
+        """Whether its graph returns the tensor leaves of its output: an
+        output torch's pytree does not know cannot be returned whole."""
+        return not (self.outputs is None or is_native(self.outputs))
+
+    @property
+    def binding(self) -> str:
+        """How its call is bound: ``"native"`` (the module's own arguments)
+        where torch's pytree knows its inputs and outputs, else
+        ``"flattened"`` (the call's tensor leaves, positionally)."""
+        return "native" if self.inputs.is_pytree_native() and not self.flatten_out \
+            else "flattened"
 
     def with_snapshot(self, snapshot: ContextSnapshot) -> VariantRequest:
         return attrs.evolve(self, snapshot=snapshot)

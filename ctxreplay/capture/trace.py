@@ -27,7 +27,7 @@ from ..core.probe import ContextProbe
 from ..fidelity.verify import neutral_replay
 from ..specs.dims import concrete
 from ..specs.materialize import inputs_for, materialize_leaves
-from ..specs.signature import CallSpec, SeqSpec, Spec, call_tensors, is_native, tensor_values
+from ..specs.signature import CallSpec, SeqSpec, Spec, call_tensors, tensor_values
 from .assigned import Assigned, assigned_by, collect, joined_result
 from .failed import CaptureFailed
 from .isolate import forward_alone, forward_wrapped
@@ -95,12 +95,9 @@ class TracePlan:
             embed = options.replay == "embedded" and backend.records_embedded and embeds
             factory, around, embedded, ambient = snap.replay_parts(embedded=embed)
             inside = factory if embedded else None
-        outputs_native = request.outputs is None or is_native(request.outputs)
-        binding = "native" if request.inputs.is_pytree_native() and outputs_native \
-            else "flattened"
         faults: list[BaseException] = []
         return cls(None if inside is None else _guard_inside(inside, faults), around,
-                   embedded, ambient, binding, not outputs_native, faults,
+                   embedded, ambient, request.binding, request.flatten_out, faults,
                    watch=MutationLog(ignore=options.ignore_attributes), dims=dims or {})
 
 
