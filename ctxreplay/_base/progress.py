@@ -11,7 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SHOW_AFTER", "Progress", "counted"]
+import attrs
+
+__all__ = ["SHOW_AFTER", "Progress", "Steps", "counted"]
 
 _log = logging.getLogger("ctxreplay")
 _QUIET_BELOW = 4  # a job of a few items says nothing ...
@@ -24,21 +26,30 @@ def counted(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+@attrs.frozen
+class Steps:
+    """The bar's own count, where it counts finer steps than the items:
+    ``total`` in all, ``done`` already."""
+
+    total: int
+    done: int
+
+
 class Progress:
     """``step(label)`` after each item; ``close()`` at the end.
 
     ``task`` names the job (``finalize``), ``verb`` what each step did
     (``captured``), ``unit`` what the bar counts (``variant``): a log line
     reads ``finalize: captured 3/8 (blocks.0#2)``, the bar ``ctxreplay
-    finalize``.  The bar may count finer steps than the items (``steps``
-    in all, ``steps_done`` already; ``advance`` moves it between items).
+    finalize``.  The bar may count finer steps than the items (``steps``:
+    its own count; ``advance`` moves it between items).
     A job of fewer than four items shows itself only once it has run
     ``show_after`` seconds (default ``SHOW_AFTER``)."""
 
     def __init__(self, total: int, done: int,
                  callback: Callable[[int, int, str], None] | None, *,
-                 task: str, verb: str, unit: str, steps: int | None = None,
-                 steps_done: int | None = None, show_after: float | None = None) -> None:
+                 task: str, verb: str, unit: str, steps: Steps | None = None,
+                 show_after: float | None = None) -> None:
         self.total, self.done, self.callback = total, done, callback
         self.task, self.verb = task, verb
         self.start = time.monotonic()
@@ -52,8 +63,8 @@ class Progress:
                 pass
             else:
                 # ``delay``: tqdm draws nothing before that many seconds
-                self.bar = tqdm(total=total if steps is None else steps,
-                                initial=done if steps_done is None else steps_done,
+                self.bar = tqdm(total=total if steps is None else steps.total,
+                                initial=done if steps is None else steps.done,
                                 desc=f"ctxreplay {task}", unit=unit, leave=False,
                                 delay=0 if self.many else self.show_after)
 

@@ -145,16 +145,35 @@ class DispatchStats:
         return sum(self.misses.values())
 
 
+class _Route:
+    """What the calls of one key run: a capture's program (``target``), or
+    ``None`` and why they run eagerly (``reason``, a code of ``MISS_REASONS``)."""
+
+    __slots__ = ("reason", "target")
+
+    def __init__(self, target: Target | None, reason: str = "") -> None:
+        self.target, self.reason = target, reason
+
+
+#: the routes a call takes without a look-up (one object each: no allocation per call)
+_EAGER = {r: _Route(None, r) for r in MISS_REASONS}
+
+
+def _eager(reason: str) -> _Route:
+    """The route of calls that run eagerly for ``reason``."""
+    route = _EAGER.get(reason)
+    return route if route is not None else _Route(None, reason)
+
+
 class _Last:
     """A member's last call of positional plain tensors: the context it was
     read under, its argument count, the C-level check of its tensors
-    (``TensorGuards.check``) and what it runs (a ``Target`` or why it runs
-    eagerly)."""
+    (``TensorGuards.check``) and its route."""
 
-    __slots__ = ("check", "count", "snaps", "target")
+    __slots__ = ("check", "count", "route", "snaps")
 
-    def __init__(self, snaps: Any, count: int, check: Any, target: Any) -> None:
-        self.snaps, self.count, self.check, self.target = snaps, count, check, target
+    def __init__(self, snaps: Any, count: int, check: Any, route: _Route) -> None:
+        self.snaps, self.count, self.check, self.route = snaps, count, check, route
 
 
 class _Rematch:
@@ -166,25 +185,25 @@ class _Rematch:
 
     def __init__(self, fn: Rematcher) -> None:
         self.fn = fn
-        self.by_sizes: dict[Any, Any] = {}
+        self.by_sizes: dict[Any, _Route] = {}
 
 
 class _Near:
     """A member's last call of any other kind (keywords, objects): the
-    context it was read under, its key's rematch and what it runs."""
+    context it was read under, its key's rematch and its route."""
 
-    __slots__ = ("by_sizes", "fn", "snaps", "target")
+    __slots__ = ("by_sizes", "fn", "route", "snaps")
 
-    def __init__(self, snaps: Any, rematch: _Rematch, target: Any) -> None:
-        self.snaps, self.fn, self.by_sizes, self.target = \
-            snaps, rematch.fn, rematch.by_sizes, target
+    def __init__(self, snaps: Any, rematch: _Rematch, route: _Route) -> None:
+        self.snaps, self.fn, self.by_sizes, self.route = \
+            snaps, rematch.fn, rematch.by_sizes, route
 
 
 class _Slot(Wrapper):
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
     __slots__ = ("entries", "groups", "handle", "hooked", "last", "memo", "misses", "name",
-                 "near", "observers", "programs", "reasons", "rematch", "targets", "training")
+                 "near", "observers", "programs", "reasons", "rematch", "routes", "training")
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module,
                  programs: Programs) -> None:
@@ -198,12 +217,13 @@ class _Slot(Wrapper):
         self.training = module.training
         self.entries: list[Entry] = []
         self.groups: list[tuple[Observer, list[Entry]]] = []
-        self.memo: dict[Any, Any] = {}
+        self.memo: dict[Any, _Route] = {}
         self.last: _Last | None = None
         self.near: _Near | None = None
         #: call key -> the rematch made for it (``None``: it cannot have one)
         self.rematch: dict[Any, _Rematch | None] = {}
-        self.targets: dict[int, Target] = {}
+        #: id of an entry -> the route to its program for this member
+        self.routes: dict[int, _Route] = {}
         self.misses = 0
         self.reasons: Counter[str] = Counter()
         #: what the user hooks inside the member (a submodule's, a global one) ask
@@ -217,7 +237,7 @@ class _Slot(Wrapper):
             self.misses += 1
             self.reasons["training"] += 1
             return self.orig(*args, **kwargs)
-        target: Any
+        route: _Route
         leaves: Any = None
         try:
             groups = self.groups
@@ -231,72 +251,72 @@ class _Slot(Wrapper):
             last, near = self.last, self.near
             # (a truth test first: a member without inner hooks pays what it did)
             if self.hooked and (self.hooked is True or self.hooked()):
-                target = "hooks"  # a hook inside it would not run: the graph skips it
+                route = _EAGER["hooks"]  # a hook inside it would not run: the graph skips it
             elif last is not None and last.snaps is snaps and not kwargs \
                     and len(args) == last.count and last.check(*args):
-                target = last.target
+                route = last.route
             elif near is not None and near.snaps is snaps and \
                     (leaves := near.fn(args, kwargs)) is not None:
                 if type(leaves) is list:
-                    target = near.target
+                    route = near.route
                 else:  # (a ``Resized``: the same call but for sizes)
-                    target, leaves = self._resized(near, snaps, leaves[0], args, kwargs)
+                    route, leaves = self._resized(near, snaps, leaves[0], args, kwargs)
             else:
-                target = self._keyed(snaps, args, kwargs)
+                route = self._keyed(snaps, args, kwargs)
         except TransformedError:  # a live call under vmap / grad: no graph takes it
-            target = "transformed"
+            route = _EAGER["transformed"]
         except NotRealError:  # a tracer's stand-ins: not a live call
             return self.orig(*args, **kwargs)
         except Exception:  # dispatch must never break the forward
-            target = "observe_error"
+            route = _EAGER["observe_error"]
         skip: set[int] | None = None
-        while type(target) is Target:
+        while (target := route.target) is not None:
             if target.failed:
-                target = "compile_failed"
+                route = _EAGER["compile_failed"]
                 break
             out = target.run(args, kwargs, leaves)
             if out is UNFIT:
-                target = "weights"
+                route = _EAGER["weights"]
                 break
             if out is REFUSED:  # its graph's own guard: another capture may take it
                 skip = {id(target.entry)} if skip is None else skip | {id(target.entry)}
-                target = self._refused(args, kwargs, skip)
+                route = self._refused(args, kwargs, skip)
                 leaves = None
                 continue
             if target.failed:
-                target = "compile_failed"
+                route = _EAGER["compile_failed"]
                 break
             target.entry.hits += 1
             return out
         self.misses += 1
-        self.reasons[target] += 1
+        self.reasons[route.reason] += 1
         return self.orig(*args, **kwargs)
 
-    def _keyed(self, snaps: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """What a call runs (a ``Target``, or why it runs eagerly), by its full key.
+    def _keyed(self, snaps: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
+        """What a call runs (its route), by its full key.
         The next call of the same key is answered without it: for positional
         plain tensors by a check of those tensors (``last``), for any other
         call by a generated rematch (``near``: keywords, objects) -- a miss
         as cheaply as a hit."""
         key = (snaps, call_key(args, kwargs))
-        target = self.memo.get(key)
-        if target is None:
-            target = self._resolve(snaps, key, args, kwargs)
+        route = self.memo.get(key)
+        if route is None:
+            route = self._resolve(snaps, key, args, kwargs)
         check = tensor_guard(args) if args and not kwargs else None
         if check is not None:
-            self.last = _Last(snaps, len(args), check.check, target)
-            return target
+            self.last = _Last(snaps, len(args), check.check, route)
+            return route
         if key not in self.rematch:
             fn = rematcher(args, kwargs)
             self.rematch[key] = None if fn is None else _Rematch(fn)
         again = self.rematch[key]
-        self.near = None if again is None else _Near(snaps, again, target)
-        return target
+        self.near = None if again is None else _Near(snaps, again, route)
+        return route
 
     def _resized(self, near: _Near, snaps: Any,
                  leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> tuple[Any, Any]:
-        """What a call runs that ``near``'s rematch finds equal to its call
+                 ) -> tuple[_Route, Any]:
+        """What a call runs (its route) that ``near``'s rematch finds equal to its call
         but for its tensors' sizes and strides (a cache one token longer):
         its key is that of any earlier such call with those sizes and
         strides, so it is looked up by them, and keyed in full only the
@@ -304,27 +324,28 @@ class _Slot(Wrapper):
         ``leaves``, the call's tensors, as the caller takes them back."""
         sizes = tuple([(t.shape, t.stride()) for t in leaves])
         by_sizes = near.by_sizes
-        target = by_sizes.get(sizes)
-        if target is None:
+        route = by_sizes.get(sizes)
+        if route is None:
             key = (snaps, call_key(args, kwargs))
-            target = self.memo.get(key)
-            if target is None:
-                target = self._resolve(snaps, key, args, kwargs)
+            route = self.memo.get(key)
+            if route is None:
+                route = self._resolve(snaps, key, args, kwargs)
             if len(by_sizes) >= _MEMO_LIMIT:
                 by_sizes.clear()
-            by_sizes[sizes] = target
-        return target, leaves
+            by_sizes[sizes] = route
+        return route, leaves
 
     def _resolve(self, snaps: Any, key: Any, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], skip: set[int] | frozenset[int] = frozenset()) -> Any:
-        """What calls of ``key`` run: a ``Target``, or why they run eagerly
-        (``skip``: captures whose graph refused these sizes)."""
+                 kwargs: dict[str, Any], skip: set[int] | frozenset[int] = frozenset()
+                 ) -> _Route:
+        """What calls of ``key`` run: a capture's program, or why they run
+        eagerly (``skip``: captures whose graph refused these sizes)."""
         call = Call(call_spec(args, kwargs))
         per_group = (snaps,) if len(self.groups) == 1 else snaps
         # the most telling reason wins: a capture that matches but cannot be
         # used here, then one of another context, then none of this signature
         reason = "signature"
-        found: Any = None
+        found: _Route | None = None
         for (_obs, entries), snap in zip(self.groups, per_group):
             for e in entries:
                 if id(e) in skip:
@@ -339,21 +360,22 @@ class _Slot(Wrapper):
                     if reason == "signature":
                         reason = "context"
                     continue
-                found = self._target(e)
-                if type(found) is Target:
+                route = self._target(e)
+                if route.target is not None:
+                    found = route
                     break
-                reason = found
-                found = None
+                reason = route.reason
             if found is not None:
                 break
-        result = found if found is not None else reason
+        result = found if found is not None else _eager(reason)
         if len(self.memo) >= _MEMO_LIMIT:
             self.memo.clear()
             self.rematch.clear()
         self.memo[key] = result
         return result
 
-    def _refused(self, args: tuple[Any, ...], kwargs: dict[str, Any], skip: set[int]) -> Any:
+    def _refused(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 skip: set[int]) -> _Route:
         """A folded graph's guard refused this call's sizes: the next capture
         that takes them (a fold of the other side of a branch), remembered
         for calls of these sizes; else ``size_guard`` (the call runs eagerly)."""
@@ -364,9 +386,9 @@ class _Slot(Wrapper):
             key = (snaps, call_key(args, kwargs))
             found = self._resolve(snaps, key, args, kwargs, skip)
         except Exception:  # only a second look: the call runs eagerly
-            return "size_guard"
-        if type(found) is not Target:
-            found = "size_guard"
+            return _EAGER["size_guard"]
+        if found.target is None:
+            found = _EAGER["size_guard"]
             self.memo[key] = found
         return found
 
@@ -375,7 +397,7 @@ class _Slot(Wrapper):
         self.memo.clear()
         self.rematch.clear()
         self.last = self.near = None
-        self.targets.clear()
+        self.routes.clear()
 
     def invalidate(self) -> None:
         """The member's tensors, submodules or attributes were replaced: bind
@@ -387,17 +409,19 @@ class _Slot(Wrapper):
         for again in self.rematch.values():
             if again is not None:
                 again.by_sizes.clear()
-        self.targets.clear()
+        self.routes.clear()
         self.programs.forget(self.name)
 
-    def _target(self, e: Entry) -> Any:
-        t = self.targets.get(id(e))
-        if t is None:
+    def _target(self, e: Entry) -> _Route:
+        """The route to ``e``'s program for this member, made once; or why
+        the member cannot run it."""
+        route = self.routes.get(id(e))
+        if route is None:
             reason = self.programs.fits(e, self.name, self.module)
             if reason is not None:
-                return reason
-            t = self.targets[id(e)] = Target(e, self.programs, self.name)
-        return t
+                return _eager(reason)
+            route = self.routes[id(e)] = _Route(Target(e, self.programs, self.name))
+        return route
 
 
 class InstallHandle:

@@ -177,8 +177,9 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     snap = needs.snapshot.without(*ignore)
     binding = source.binding
     flatten_out = binding == "flattened" and outputs is not None and not is_native(outputs)
-    unusable = elsewhere or _unusable(needs, snap, signature, document, outputs, flatten_out,
-                                      backend_ok, ignore, object_args)
+    form = _CallForm(signature, document, outputs, flatten_out)
+    unusable = elsewhere or _unusable(needs, snap, form, backend_ok=backend_ok, ignore=ignore,
+                                      object_args=object_args)
     if _mutates_argument(source):  # whatever the policy
         unusable = "mutates_argument"
     made = Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
@@ -309,9 +310,36 @@ def _mutates_argument(source: Capture | LoadedCapture) -> bool:
     return any(m.field == ARGUMENT_FIELD for m in source.fidelity.mismatches)
 
 
-def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
-              document: Any, outputs: Spec | None, flatten_out: bool, backend_ok: bool,
+@attrs.frozen
+class _CallForm:
+    """How dispatch rebuilds a capture's call: its input signature -- or, for
+    a loaded capture whose document does not rebuild it, that document,
+    which keys every part of it -- and its outputs' structure, which a
+    program that returns them flattened (``flatten_out``) needs."""
+
+    signature: CallSpec | None
+    document: Any
+    outputs: Spec | None
+    flatten_out: bool
+
+    @property
+    def rebuildable(self) -> bool:
+        """Whether a call and its outputs can be rebuilt from the capture."""
+        return (self.signature is not None or self.document is not None) and \
+            not (self.flatten_out and self.outputs is None)
+
+    def holds_objects(self) -> bool:
+        """Whether the call's arguments hold Python objects (a KV cache, a dataclass)."""
+        if self.signature is not None:
+            return any(_has_objects(s) for _, s in self.signature.items())
+        return any(holds_objects(s) for s in [*self.document["args"],
+                                              *(v for _, v in self.document["kwargs"])])
+
+
+def _unusable(needs: Needs, snap: ContextSnapshot, form: _CallForm, *, backend_ok: bool,
               ignore: tuple[str, ...], object_args: str) -> str | None:
+    """Why the capture cannot be used in this process at all (a reason code),
+    or ``None``."""
     if not backend_ok:
         return "backend_not_dispatchable"
     static = static_differences(needs, ignore)
@@ -322,18 +350,11 @@ def _unusable(needs: Needs, snap: ContextSnapshot, signature: CallSpec | None,
         return "unknown_probe"
     if any(isinstance(s, Unresolved) for s in snap.states):
         return "live_state"
-    if (signature is None and document is None) or (flatten_out and outputs is None):
+    if not form.rebuildable:
         return "not_rebuildable"
-    if object_args != "dispatch" and _holds_objects(signature, document):
+    if object_args != "dispatch" and form.holds_objects():
         return "object_arguments"
     return None
-
-
-def _holds_objects(signature: CallSpec | None, document: Any) -> bool:
-    if signature is not None:
-        return any(_has_objects(s) for _, s in signature.items())
-    return any(holds_objects(s) for s in [*document["args"],
-                                          *(v for _, v in document["kwargs"])])
 
 
 def _identity(module: nn.Module, ignore: tuple[str, ...]) -> str:

@@ -295,11 +295,11 @@ class RankGroup:
 
     def check_collectives(self, captures: list[Capture], mine: Mapping[str, Capture],
                           modules: Mapping[str, nn.Module],
-                          baseline: tuple[ContextProbe[Any], ...],
+                          neutral_probes: tuple[ContextProbe[Any], ...],
                           verify: str) -> list[Capture]:
         if not level(verify).executes:
             return captures
-        checked = run_collective_checks(self, captures, mine, modules, baseline, verify)
+        checked = run_collective_checks(self, captures, mine, modules, neutral_probes, verify)
         return [attrs.evolve(c, fidelity=checked[(c.scope, c.variant)])
                 if (c.scope, c.variant) in checked else c for c in captures]
 
@@ -380,7 +380,7 @@ class Exchange(Protocol):
 
     def check_collectives(self, captures: list[Capture], mine: Mapping[str, Capture],
                           modules: Mapping[str, nn.Module],
-                          baseline: tuple[ContextProbe[Any], ...],
+                          neutral_probes: tuple[ContextProbe[Any], ...],
                           verify: str) -> list[Capture]:
         """Captures whose graphs hold collectives, verified on every rank together."""
 
@@ -426,7 +426,7 @@ class Alone:
 
     def check_collectives(self, captures: list[Capture], mine: Mapping[str, Capture],
                           modules: Mapping[str, nn.Module],
-                          baseline: tuple[ContextProbe[Any], ...],
+                          neutral_probes: tuple[ContextProbe[Any], ...],
                           verify: str) -> list[Capture]:
         return captures  # a graph that holds collectives needs a group
 

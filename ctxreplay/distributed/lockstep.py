@@ -44,7 +44,7 @@ class LockstepGroup(Protocol):
 
 def run_collective_checks(coll: LockstepGroup, captures: list[Capture],
                           local: Mapping[str, Capture], modules: Mapping[str, nn.Module],
-                          baseline: tuple[ContextProbe[Any], ...], level: str
+                          neutral_probes: tuple[ContextProbe[Any], ...], level: str
                           ) -> dict[tuple[str, int], Fidelity]:
     """For every capture whose graph holds collectives (in report order), run
     it on every rank at once: the owner sends the program, each rank runs it
@@ -62,7 +62,7 @@ def run_collective_checks(coll: LockstepGroup, captures: list[Capture],
             except Exception:
                 payload = None
         payload = coll.broadcast(payload, c.rank)
-        found = _run_here(c, payload, modules, baseline)
+        found = _run_here(c, payload, modules, neutral_probes)
         every = coll.gather(found)
         merged = merge_mismatches(m for ms in every for m in ms)
         checked = checked_by(level)
@@ -75,7 +75,7 @@ def run_collective_checks(coll: LockstepGroup, captures: list[Capture],
 
 
 def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module],
-              baseline: tuple[ContextProbe[Any], ...]) -> list[Mismatch]:
+              neutral_probes: tuple[ContextProbe[Any], ...]) -> list[Mismatch]:
     if payload is None:
         return [Mismatch("out", "execution", "ran on every rank", "program not sent",
                          "execute")]
@@ -97,11 +97,11 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
                 gm.load_state_dict(state, strict=False, assign=True)
                 if missing:  # it would run with the capturing rank's tensors
                     raise _Unbound(f"{name} has no tensor {missing[0]!r} the program takes")
-                runs.append(_call(gm, c, leaves, baseline, full=False))
-                runs.append(_eager(view, c, leaves, baseline, watch))
+                runs.append(_call(gm, c, leaves, neutral_probes, full=False))
+                runs.append(_eager(view, c, leaves, neutral_probes, watch))
         else:  # the same collectives, in the same order, as the other ranks
-            runs.append(_call(gm, c, leaves, baseline, full=False))
-            runs.append(_call(gm, c, leaves, baseline, full=False))
+            runs.append(_call(gm, c, leaves, neutral_probes, full=False))
+            runs.append(_call(gm, c, leaves, neutral_probes, full=False))
     except _Unbound as exc:
         return [Mismatch("out", "execution", "member weights", f"not bound: {exc}", "execute")]
     except Exception as exc:
@@ -118,24 +118,24 @@ class _Unbound(Exception):
 
 
 def _call(gm: Callable[..., Any], c: Capture, leaves: tuple[torch.Tensor, ...],
-          baseline: tuple[ContextProbe[Any], ...], *, full: bool) -> Any:
+          neutral_probes: tuple[ContextProbe[Any], ...], *, full: bool) -> Any:
     args, kwargs = inputs_for(c.signature, c.binding,
                               leaves=tuple(t.clone() for t in leaves))
     # the random state, the generators it reaches and the live weights it
     # writes in place are put back, as in a check on one rank
-    with rng_guard(weights=gm), neutral_replay(c.snapshot, baseline, full=full):
+    with rng_guard(weights=gm), neutral_replay(c.snapshot, neutral_probes, full=full):
         return gm(*args, **kwargs)
 
 
 def _eager(view: nn.Module, c: Capture, leaves: tuple[torch.Tensor, ...],
-           baseline: tuple[ContextProbe[Any], ...], watch: MutationLog) -> Any:
+           neutral_probes: tuple[ContextProbe[Any], ...], watch: MutationLog) -> Any:
     it = iter(tuple(t.clone() for t in leaves))
     args, kwargs = bind_call(c.signature, lambda _s: next(it))
     try:
-        replay = neutral_replay(c.snapshot, baseline, full=True)
+        replay = neutral_replay(c.snapshot, neutral_probes, full=True)
         replay.__enter__()
     except Exception:  # a live state this rank never held: its neutral state
-        replay = neutral_replay(c.snapshot, baseline)
+        replay = neutral_replay(c.snapshot, neutral_probes)
         replay.__enter__()
     try:
         # forward alone, as the live call was observed: the member's own

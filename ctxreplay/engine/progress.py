@@ -33,8 +33,9 @@ class FinalizeProgress(progress.Progress):
                  callback: Callable[[int, int, str], None] | None) -> None:
         self.steps = dict(steps)
         super().__init__(len(steps), len(done & steps.keys()), callback, task="finalize",
-                         verb="captured", unit="step", steps=sum(self.steps.values()),
-                         steps_done=sum(self.steps[w] for w in done if w in self.steps))
+                         verb="captured", unit="step",
+                         steps=progress.Steps(sum(self.steps.values()),
+                                              sum(self.steps[w] for w in done if w in self.steps)))
         self.ticks: dict[Where, int] = {}
         self.graphs = self.served = 0
         self.drawn = self.bar is not None

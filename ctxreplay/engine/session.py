@@ -24,7 +24,7 @@ from ..distributed.exchange import Alone, Exchange, RankGroup, active_group
 from ..errors import Error
 from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
 from ..fidelity.levels import level
-from ..observation.attach import Observation
+from ..observation.attach import Observation, ObservationSettings
 from ..observation.targets import resolve_targets
 from ..observation.variants import Scope, VariantView
 from ..report.capture_report import CaptureReport, FidelityError
@@ -58,11 +58,12 @@ class CaptureSession:
         self._observer = Observer(options.probes, per_call=options.watch == "call")
         self._observation = Observation(
             module, resolve_targets(module, targets), observer=self._observer,
-            max_variants=options.max_variants, max_scopes=options.max_scopes,
-            profile=options.profile_ranges,
-            retain_bytes=options.retain_bytes if level(options.verify).retains else None,
-            ignore=options.ignore_attributes, fold=folds(options),
-            sample=level(options.verify).samples)
+            settings=ObservationSettings(
+                max_variants=options.max_variants, max_scopes=options.max_scopes,
+                profile=options.profile_ranges,
+                retain_bytes=options.retain_bytes if level(options.verify).retains else None,
+                ignore=options.ignore_attributes, fold=folds(options),
+                sample=level(options.verify).samples))
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None

@@ -223,11 +223,11 @@ def hint_for(snapshot: ContextSnapshot, carried: Iterable[str]) -> str | None:
 
 
 @contextmanager
-def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[Any]] = (),
-                   *, full: bool = False, only_neutral: bool = False,
-                   needs: Iterable[str] = ()) -> Iterator[None]:
+def neutral_replay(snapshot: ContextSnapshot,
+                   neutral_probes: Iterable[ContextProbe[Any]] = (), *, full: bool = False,
+                   only_neutral: bool = False, needs: Iterable[str] = ()) -> Iterator[None]:
     """The state a fresh process has -- every probe of ``snapshot`` and of
-    ``baseline`` at its ``neutral_state()`` (a probe that does not know it is
+    ``neutral_probes`` at its ``neutral_state()`` (a probe that does not know it is
     left as it is) -- plus, from ``snapshot``, what no artifact can carry:
     the part of each probe's replay that must surround the captured callable
     (``split_replay``'s *around*: inference mode, a framework's live
@@ -242,7 +242,7 @@ def neutral_replay(snapshot: ContextSnapshot, baseline: Iterable[ContextProbe[An
     which a loaded capture's guard requires to hold where it runs.
     Restores exactly on exit."""
     needed = set(needs)
-    probes: dict[str, ContextProbe[Any]] = {p.name: p for p in baseline}
+    probes: dict[str, ContextProbe[Any]] = {p.name: p for p in neutral_probes}
     probes.update(zip(snapshot.names, snapshot.probes))
     with ExitStack() as stack:
         for name in sorted(probes):

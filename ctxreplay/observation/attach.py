@@ -10,6 +10,7 @@ import threading
 import types
 from typing import Any
 
+import attrs
 from torch import nn
 
 from ..capture.isolating import unwatch, watch
@@ -32,7 +33,7 @@ from .watch import AssignmentWatch
 from .wrapper import TRACED, _Member, _Shared
 from .wrapping import ForwardWatch, Root, Wrapper, let_go, reaches, unwrap, wrap
 
-__all__ = ["Observation"]
+__all__ = ["Observation", "ObservationSettings"]
 
 
 def _compiled_entry_points(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
@@ -56,15 +57,37 @@ def _unrecorded(name: str) -> Unrestorable:
     return Unrestorable("not recorded")
 
 
+@attrs.frozen
+class ObservationSettings:
+    """What a session asks of its observation (``capture_with``'s options as
+    observation reads them): the bounds of its bookkeeping, the attributes
+    left out of member identities, whether calls run in profiler ranges,
+    and what it keeps of each variant's calls."""
+
+    #: variants kept per structure (``fold``: variants that differ in sizes
+    #: only, and members that differ in plain attributes only, count once)
+    max_variants: int
+    #: structures kept
+    max_scopes: int
+    profile: bool
+    #: bytes of live calls kept for the value checks (``None``: none kept)
+    retain_bytes: int | None
+    ignore: tuple[str, ...]
+    fold: bool
+    #: the calls kept are a sample chosen before each call runs (the others
+    #: stay on the fast path), not candidates taken from every call
+    sample: bool
+
+
 class Observation:
     """Every member of one session, attached; ``detach()`` restores exactly."""
 
     def __init__(self, root: nn.Module, targets: list[tuple[str, nn.Module]], *,
-                 observer: Observer, max_variants: int, max_scopes: int, profile: bool,
-                 retain_bytes: int | None, ignore: tuple[str, ...],
-                 fold: bool = False, sample: bool = False) -> None:
-        self.shared = _Shared(observer, max_variants=max_variants, profile=profile,
-                              retain_bytes=retain_bytes, fold=fold, sample=sample)
+                 observer: Observer, settings: ObservationSettings) -> None:
+        self.shared = _Shared(observer, max_variants=settings.max_variants,
+                              profile=settings.profile, retain_bytes=settings.retain_bytes,
+                              fold=settings.fold, sample=settings.sample)
+        ignore, max_scopes = settings.ignore, settings.max_scopes
         self.scopes: list[Scope] = []
         self.dropped_scopes: list[str] = []
         self.members: list[_Member] = []
