@@ -167,7 +167,7 @@ class CaptureCache:
             warnings.warn(f"capture cache {self.store.root}: {capture.scope}#{capture.variant} "
                           f"is not stored: {why}; later runs trace it again", CacheWarning,
                           stacklevel=2)
-        return attrs.evolve(capture, not_cached=code)
+        return capture.evolve(not_cached=code)
 
 
 def read_entry(cache: CaptureCache, entry: StoredEntry, request: VariantRequest
@@ -197,7 +197,7 @@ def run_entry(cache: CaptureCache, entry: StoredEntry, stored: Stored, fmt: Arti
     except CaptureFailed as failed:
         cache.store.discard(entry.key, f"not usable ({failed.failure.reason})")
         return None
-    return attrs.evolve(capture, graph_digest=stored.graph_digest,
+    return capture.evolve(graph_digest=stored.graph_digest,
                         fingerprint=stored.fingerprint)
 
 
