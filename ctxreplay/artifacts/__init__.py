@@ -3,7 +3,8 @@ built in, others registered) with its metadata-only sidecar, checked against the
 live call, and the sidecar read back strictly.
 
 The records a saved file hands back are importable from here: ``SavedArtifact``
-(``Capture.save``), ``ArtifactSidecar`` and ``load_sidecar``, ``ArtifactError``;
+(``Capture.save``), ``ArtifactSidecar`` and ``load_sidecar``, ``ArtifactError``,
+``ProgramMeta`` (what every document of a capture records of its program);
 and the seam a new artifact format plugs into: ``ArtifactFormat``,
 ``register_format``, ``unregister_format``, ``get_format``,
 ``available_formats``, ``UnknownFormatError``.
@@ -18,9 +19,10 @@ from .formats import (
     register_format,
     unregister_format,
 )
+from .program import ProgramMeta
 from .saving import SavedArtifact
 from .sidecar import ArtifactError, ArtifactSidecar, load_sidecar
 
-__all__ = ["ArtifactError", "ArtifactFormat", "ArtifactSidecar", "SavedArtifact",
+__all__ = ["ArtifactError", "ArtifactFormat", "ArtifactSidecar", "ProgramMeta", "SavedArtifact",
            "UnknownFormatError", "available_formats", "get_format", "load_sidecar",
            "register_format", "unregister_format"]

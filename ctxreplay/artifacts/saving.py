@@ -32,30 +32,28 @@ from ..specs.specjson import (
     spec_to_json,
 )
 from .formats import ArtifactFormat, format_for
+from .program import BRIEF_KEYS, ProgramMeta, program_json
 from .sidecar import SIDECAR_SCHEMA, ArtifactError, sidecar_path
 
 __all__ = ["SavableCapture", "SavedArtifact", "artifact_inputs", "collector_paused",
            "save_capture", "sidecar_json"]
 
 class SavableCapture(Protocol):
-    """What saving needs of a capture (``ctxreplay.Capture`` has it all)."""
+    """What saving needs of a capture (``ctxreplay.Capture`` has it all): its
+    program's metadata (``meta``, written through its codec), the artifact,
+    the context and signatures, the check.  ``sidecar_json`` also writes
+    what a capture has of ``members``, ``weights_from``, ``identities``,
+    ``ignore_attributes``, ``calls``, ``checked``, ``folding`` and
+    ``assigned``."""
 
     @property
     def scope(self) -> str: ...
     @property
     def variant(self) -> int: ...
     @property
-    def backend(self) -> str: ...
+    def meta(self) -> ProgramMeta: ...
     @property
     def artifact(self) -> Any: ...
-    @property
-    def binding(self) -> str: ...
-    @property
-    def fingerprint(self) -> str: ...
-    @property
-    def embedded(self) -> tuple[str, ...]: ...
-    @property
-    def ambient_only(self) -> tuple[str, ...]: ...
     @property
     def snapshot(self) -> ContextSnapshot: ...
     @property
@@ -113,7 +111,7 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
     if fmt is None:
         raise ArtifactError(
             f"Capture.save: {capture.scope}#{capture.variant} was captured by the "
-            f"{capture.backend!r} backend, whose artifact {why}", "backend_not_savable")
+            f"{capture.meta.backend!r} backend, whose artifact {why}", "backend_not_savable")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"Capture.save: no directory {str(target.parent)!r}")
     result: tuple[bool, Any, Fidelity] | None = None
@@ -180,7 +178,7 @@ def collector_paused() -> Iterator[None]:
 
 def artifact_inputs(capture: SavableCapture) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Fresh inputs in the form the capture's artifact takes them."""
-    return inputs_for(capture.signature, capture.binding)
+    return inputs_for(capture.signature, capture.meta.binding)
 
 
 def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path, written: Any,
@@ -225,9 +223,9 @@ def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path, wri
     hint = None
     if found and live_context:
         hint = "in the live call's context (where install runs it)"
-    elif found and capture.ambient_only:
-        with_needs = not _run_saved(capture, module, capture.ambient_only)
-        hint = "not carried by the artifact: " + ", ".join(capture.ambient_only)
+    elif found and capture.meta.ambient_only:
+        with_needs = not _run_saved(capture, module, capture.meta.ambient_only)
+        hint = "not carried by the artifact: " + ", ".join(capture.meta.ambient_only)
     return Fidelity("saved", not found, tuple(Mismatch.of(m, "saved", hint) for m in found),
                     ("saved",), ok_with_needs=with_needs)
 
@@ -284,12 +282,8 @@ def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
         "variant": capture.variant,
         "calls": getattr(capture, "calls", None),
         "checked": getattr(capture, "checked", None),
-        "backend": capture.backend,
-        "binding": capture.binding,
-        "fingerprint": capture.fingerprint,
+        **program_json(capture.meta, BRIEF_KEYS),
         "lowered": lowered,
-        "embedded": list(capture.embedded),
-        "ambient_only": list(capture.ambient_only),
         "snapshot": capture.snapshot.to_json(),
         "context": capture.snapshot.describe(),
         "inputs": {**call_to_json(capture.signature), "leaves": leaves},

@@ -33,6 +33,7 @@ from ..specs.materialize import fresh_draws, materialize
 from ..specs.signature import CallSpec, SeqSpec, Spec, TensorSpec, spec_of
 from ..specs.specjson import resolve_opaque, spec_from_json, tensor_from_json
 from .formats import get_format
+from .program import BRIEF_KEYS, ProgramMeta
 from .pt2 import Pt2Format
 
 __all__ = ["ARTIFACT_ERRORS", "SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar",
@@ -89,20 +90,14 @@ class ArtifactSidecar:
     """The capture's variant table."""
     variant: int
     """The capture's variant number."""
-    backend: str
-    """The backend that captured it."""
-    binding: str
-    """How the program takes its inputs: ``native`` or ``flattened``."""
-    fingerprint: str
-    """The capture's fingerprint."""
+    meta: ProgramMeta
+    """What the sidecar records of the program (``Capture.meta``'s codec; a
+    sidecar holds its ``BRIEF_KEYS``: backend, binding, fingerprint,
+    embedded, ambient_only -- the rest reads as not known)."""
     torch_version: str
     """The torch version the file was written with."""
     lowered: bool
     """Whether the saved program was lowered to explicit casts."""
-    embedded: tuple[str, ...]
-    """Probes whose state the program carries itself."""
-    ambient_only: tuple[str, ...]
-    """Probes whose non-neutral state must be re-established around the program."""
     snapshot: ContextSnapshot
     """The context the capture was replayed under (states that JSON cannot carry are unresolved)."""
     inputs: tuple[tuple[str, TensorSpec], ...]
@@ -128,6 +123,31 @@ class ArtifactSidecar:
     format: str = Pt2Format.name
     """The name of the artifact's format (``ctxreplay.artifacts.get_format``); a sidecar
     written before formats were recorded describes a ``.pt2``."""
+
+    @property
+    def backend(self) -> str:
+        """The backend that captured it."""
+        return self.meta.backend
+
+    @property
+    def binding(self) -> str:
+        """How the program takes its inputs: ``native`` or ``flattened``."""
+        return self.meta.binding
+
+    @property
+    def fingerprint(self) -> str:
+        """The capture's fingerprint."""
+        return self.meta.fingerprint
+
+    @property
+    def embedded(self) -> tuple[str, ...]:
+        """Probes whose state the program carries itself."""
+        return self.meta.embedded
+
+    @property
+    def ambient_only(self) -> tuple[str, ...]:
+        """Probes whose non-neutral state must be re-established around the program."""
+        return self.meta.ambient_only
 
     def load_program(self) -> Any:
         """The artifact beside this sidecar, read by its format (for a ``.pt2``,
@@ -183,8 +203,8 @@ def _buildable(node: _Node) -> Spec:
     return resolve_opaque(node, _NotRebuildable)
 
 
-_SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", "backend", "binding",
-                 "fingerprint", "lowered", "embedded", "ambient_only", "snapshot", "context",
+_SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", *BRIEF_KEYS,
+                 "lowered", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
                  "environment", "members", "weights_from", "identities", "ignore_attributes",
                  "format", "calls", "checked", "dynamic", "assigned"}
@@ -261,13 +281,9 @@ def read_sidecar(path: str | os.PathLike[str],
         artifact=side.parent / name,
         scope=read_str(doc["scope"], "$.scope", max_len=4096),
         variant=read_int(doc["variant"], "$.variant", lo=0),
-        backend=read_str(doc["backend"], "$.backend"),
-        binding=read_str(doc["binding"], "$.binding", choices={"native", "flattened"}),
-        fingerprint=read_str(doc["fingerprint"], "$.fingerprint"),
+        meta=ProgramMeta.from_json(doc, "$"),
         torch_version=read_str(doc.get("torch", "?"), "$.torch"),
         lowered=read_bool(doc.get("lowered", False), "$.lowered"),
-        embedded=_read_names(doc["embedded"], "$.embedded"),
-        ambient_only=_read_names(doc["ambient_only"], "$.ambient_only"),
         snapshot=snap,
         inputs=tuple(leaves),
         outputs=outputs,

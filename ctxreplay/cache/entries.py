@@ -31,59 +31,12 @@ from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, Deferred, capture_of
 from ..capture.variant import capture_variant
 from ..specs.signature import Spec
-from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
 from .keys import KEY_SCHEMA
 from .store import CacheDir, StoredEntry
+from .stored import Stored
 
 __all__ = ["NOT_STORED_REASONS", "EntryRead", "Stored", "deferred_capture", "fill_record",
            "program_source", "read_entry", "run_entry"]
-
-
-@attrs.frozen
-class Stored:
-    """What an entry's record says of its capture (metadata only)."""
-
-    format: str
-    backend: str
-    binding: str
-    flatten_out: bool
-    graph_outputs: Spec | None
-    embedded: tuple[str, ...]
-    ambient_only: tuple[str, ...]
-    carried: tuple[str, ...]
-    constants: tuple[str, ...]
-    ops: tuple[tuple[str, str | None], ...]
-    op_args: tuple[str, ...]
-    graph_digest: str
-    fingerprint: str
-    verify: str
-
-    @classmethod
-    def read(cls, doc: Mapping[str, Any]) -> Stored:
-        c = doc["capture"]
-        outputs = c["graph_outputs"]
-        return cls(str(c["format"]), str(c["backend"]), str(c["binding"]),
-                   bool(c["flatten_out"]),
-                   None if outputs is None else resolve_opaque(spec_from_json(outputs)),
-                   _names(c["embedded"]), _names(c["ambient_only"]), _names(c["carried"]),
-                   _names(c["constants"]), tuple((str(o), None if d is None else str(d))
-                                                 for o, d in c["ops"]),
-                   _names(c["op_args"]), str(c["graph_digest"]), str(c["fingerprint"]),
-                   str(doc["about"]["verify"]))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "backend": self.backend, "binding": self.binding,
-                "flatten_out": self.flatten_out,
-                "graph_outputs": None if self.graph_outputs is None
-                else spec_to_json(self.graph_outputs),
-                "embedded": list(self.embedded), "ambient_only": list(self.ambient_only),
-                "carried": list(self.carried), "constants": list(self.constants),
-                "ops": [list(o) for o in self.ops], "op_args": list(self.op_args),
-                "graph_digest": self.graph_digest, "fingerprint": self.fingerprint}
-
-
-def _names(value: Any) -> tuple[str, ...]:
-    return tuple(str(v) for v in value)
 
 
 @attrs.frozen(eq=False)
@@ -131,8 +84,7 @@ def run_entry(store: CacheDir, read: EntryRead, ask: Ask, tracing: Tracing) -> C
     except CaptureFailed as failed:
         store.discard(read.entry.key, f"not usable ({failed.failure.reason})")
         return None
-    return attrs.evolve(capture, graph_digest=stored.graph_digest,
-                        fingerprint=stored.fingerprint)
+    return capture.evolve(graph_digest=stored.graph_digest, fingerprint=stored.fingerprint)
 
 
 #: why the cache did not keep a capture that passed its check, as
@@ -190,11 +142,8 @@ def _stored(capture: Capture, request: VariantRequest, options: CaptureOptions,
             fmt: ArtifactFormat | None) -> Stored:
     pinned = tuple(p.name for p in request.snapshot.probes
                    if options.pin_factories and p.pinnable)
-    return Stored(fmt.name if fmt else "", capture.backend, capture.binding,
-                  request.flatten_out, capture.graph_outputs, capture.embedded,
-                  capture.ambient_only, capture.embedded + pinned, capture.constants,
-                  capture.ops, capture.op_args, capture.graph_digest, capture.fingerprint,
-                  options.verify)
+    return Stored(fmt.name if fmt else "", request.flatten_out, capture.embedded + pinned,
+                  options.verify, capture.meta)
 
 
 def _about(capture: Capture, module: nn.Module, options: CaptureOptions) -> dict[str, Any]:

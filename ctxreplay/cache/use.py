@@ -165,4 +165,4 @@ class CaptureCache:
             warnings.warn(f"capture cache {self.store.root}: {capture.scope}#{capture.variant} "
                           f"is not stored: {why}; later runs trace it again", CacheWarning,
                           stacklevel=2)
-        return attrs.evolve(capture, not_cached=code)
+        return capture.evolve(not_cached=code)

@@ -369,7 +369,7 @@ def _folded(capture: Capture, taken: Sequence[VariantRequest], trial: Trial) -> 
     fid = attrs.evolve(capture.fidelity, checked=done, members=len(calls),
                        by_value=sum(f.by_value for f in checks))
     identities = tuple(dict.fromkeys(i for r in taken for i in _identities(r)))
-    return attrs.evolve(capture, members=tuple(calls), member_calls=tuple(calls.items()),
+    return capture.evolve(members=tuple(calls), member_calls=tuple(calls.items()),
                         calls=sum(r.calls for r in taken), fidelity=fid,
                         folding=rules.folding(ranges, len(taken)) if len(taken) > 1 else None,
                         folded=tuple(r.variant for r in taken if r is not trial.example),

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from ..backends.passes import graph_code
@@ -62,7 +61,7 @@ def _merged(group: list[Capture]) -> Capture:
                    merge_mismatches(m for c in group for m in c.fidelity.mismatches),
                    first.fidelity.checked, sum(c.fidelity.members for c in group),
                    by_value=sum(c.fidelity.by_value for c in group))
-    return attrs.evolve(first, members=members,
+    return first.evolve(members=members,
                         member_calls=tuple(mc for c in group for mc in c.member_calls),
                         calls=sum(c.calls for c in group), fidelity=fid,
                         merged=tuple(c.variant for c in group[1:]),

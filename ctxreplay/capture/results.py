@@ -9,26 +9,28 @@ this one, never the reverse.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from ..artifacts import saving as _artifact
+from ..artifacts.program import ProgramMeta
 from ..artifacts.saving import SavedArtifact
 from ..backends.base import BACKEND_REASONS
 from ..core.probe import CONTRACT_RULES
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.verify import Fidelity
 from ..specs.dims import Folding
-from ..specs.materialize import BINDINGS
 from ..specs.signature import CallSpec, Spec
 from ..specs.specjson import call_to_json, spec_to_json
 from .assigned import Assigned
+from .details import CacheDetails, DistributedDetails, FoldDetails
 from .options import VariantRequest
 
 __all__ = ["FAILURE_REASONS", "NOTICES", "PROBLEMS", "Capture", "CaptureFailure", "Deferred",
-           "Notice", "Problem", "capture_of"]
+           "Notice", "Problem", "capture_of", "make_capture"]
 
 #: every ``CaptureFailure.reason`` the package gives: a built-in backend's
 #: codes, then the engine's own (a custom backend may add its
@@ -76,7 +78,14 @@ class Capture:
     -- run it for another member with that member's weights (see
     ``ctxreplay.install``).  ``embedded`` probes are carried by the
     artifact itself; ``ambient_only`` ones must be re-established around it
-    wherever it runs."""
+    wherever it runs.
+
+    The record is a core and four parts: ``meta``, what every document of
+    the capture records of its program (backend, binding, fingerprint, ops,
+    ...); ``distributed``, ``caching`` and ``fold``, the details only some
+    captures have.  Each of their fields also reads under its own name
+    (``capture.backend``, ``capture.rank``); ``evolve`` changes any of them
+    by that name."""
 
     # (Each field's docstring is the string after it: the API page shows it.)
     scope: str
@@ -91,42 +100,24 @@ class Capture:
     and ``requires_grad`` of every tensor argument, Python scalars by value."""
     outputs: Spec | None
     """The specs of what the live call returned (``None``: not known)."""
-    graph_outputs: Spec | None
-    """The specs the captured graph's metadata gives for its outputs."""
     snapshot: ContextSnapshot
     """The ambient state the variant ran under, one state per probe."""
     calls: int
     """Live calls this capture stands for, over all its members."""
-    backend: str
-    """The backend that produced the artifact (``"export"``, ``"dynamo"``,
-    ``"symbolic"`` or a custom backend's name)."""
+    meta: ProgramMeta
+    """What every document of this capture (report, manifest, sidecar, the
+    capture cache's record) records of its program, written and read by one
+    codec (:class:`ctxreplay.artifacts.ProgramMeta`)."""
     _artifact: Any = attrs.field(repr=False, alias="artifact")
     # the field behind ``artifact``: a capture the capture cache answered
     # holds a ``Deferred`` here until its program is first used
     fidelity: Fidelity
     """How it was checked against the live calls, and what disagreed."""
-    fingerprint: str
-    """A digest of ops, input signature, context and backend: equal
-    fingerprints, the same capture."""
-    embedded: tuple[str, ...]
-    """Probes whose state the artifact carries itself (embedded replay)."""
-    ambient_only: tuple[str, ...]
-    """Probes with a non-neutral state the artifact does not carry: whoever
-    runs it must re-establish these (``snapshot.replay()`` does)."""
-    binding: str = attrs.field(validator=attrs.validators.in_(BINDINGS))
-    """How the artifact takes its inputs: ``"native"`` (the module's own
-    arguments) or ``"flattened"`` (the call's tensor leaves, positionally)."""
-    constants: tuple[str, ...]
-    """Argument paths bound into the graph as constants (objects torch's
-    pytree does not know, such as a KV cache)."""
     attempts: tuple[tuple[str, str, str], ...]
     """``(backend, reason code, exception type)`` of each backend that failed
     before the one that succeeded (``backend="auto"``)."""
     seconds: float
     """Wall time of this capture, check included."""
-    ops: tuple[tuple[str, str | None], ...] = attrs.field(repr=False, default=())
-    """``(op, result dtype)`` of every call node of the graph, subgraphs
-    included."""
     member_calls: tuple[tuple[str, int], ...] = ()
     """``(member, calls)``: each member's share of ``calls``."""
     weights_from: str = ""
@@ -135,20 +126,6 @@ class Capture:
     merged: tuple[int, ...] = ()
     """Variants of other member identities whose graphs turned out identical
     to this one's, merged into this record (their members are listed here)."""
-    rank: int | None = None
-    """In a distributed finalize: the rank that captured it (and holds the
-    artifact); ``None`` in a single process."""
-    observed_on: tuple[int, ...] = ()
-    """In a distributed finalize: the ranks that observed it."""
-    rank_calls: tuple[tuple[int, int], ...] = ()
-    """In a distributed finalize: ``(rank, calls)`` for each observing rank."""
-    collective: bool = False
-    """Its graph holds collectives: executing it waits for the other ranks."""
-    graph_digest: str = ""
-    """A digest of the graph's code (nested graphs and constants included):
-    equal digests, equal computation for the same inputs and weights."""
-    op_args: tuple[str, ...] = attrs.field(repr=False, default=())
-    """Per op of ``ops``, a digest of its non-tensor arguments."""
     identities: tuple[tuple[str, str], ...] = ()
     """``(member, digest)``: each member's identity (class, shapes,
     ``training``, plain attributes) when it ran the variant -- what
@@ -156,30 +133,99 @@ class Capture:
     ignore_attributes: tuple[str, ...] = ()
     """Attributes left out of the members' identities (``capture_with(...,
     ignore_attributes=...)``)."""
-    from_cache: bool = False
-    """It came from the capture cache (``capture_with(..., cache=...)``):
-    loaded instead of traced, and checked at the session's verify level."""
     assigned: Assigned | None = None
     """What its forward assigns to its argument objects (a ``DynamicCache``
     layer's new ``keys``), which the program returns after its outputs and
     ``install`` writes to the live call's objects; ``None``: nothing."""
-    not_cached: str = ""
-    """Why the capture cache could not keep it, a code of
-    ``cache.use.NOT_STORED_REASONS`` (its program could not be serialised:
-    ``not_serialisable``), warned once as a ``CacheWarning``; ``""``: kept, or no cache."""
-    folding: Folding | None = None
-    """For a graph traced with dynamic sizes (size variants folded into one
-    capture): its dynamic dimensions, the rule each follows and the range
-    every symbol was verified over; ``None`` for a graph of fixed sizes."""
-    folded: tuple[int, ...] = ()
-    """Variants of the same member identity and context that differ from
-    this one in sizes only, folded into this capture (verified by value at
-    each of their sizes)."""
-    _shared: tuple[str, bytes] | None = attrs.field(default=None, repr=False, alias="shared")
-    # in a distributed report, on a rank that did not capture it: ``(format
-    # name, the program without its weights)`` as the capturing rank
-    # serialised it (``ArtifactFormat.program_bytes``), which ``install``
-    # rebuilds with the member's own weights; never in JSON
+    distributed: DistributedDetails = attrs.field(factory=DistributedDetails)
+    """Its ranks in a distributed finalize (``rank``, ``observed_on``,
+    ``rank_calls``, ``collective``, ``shared``); empty in a single process."""
+    caching: CacheDetails = attrs.field(factory=CacheDetails)
+    """What the capture cache did with it (``from_cache``, ``not_cached``)."""
+    fold: FoldDetails = attrs.field(factory=FoldDetails)
+    """The size variants its graph was folded over (``folding``, ``folded``)."""
+
+    # -- the program's metadata, by name -------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """The backend that produced the artifact (``"export"``, ``"dynamo"``,
+        ``"symbolic"`` or a custom backend's name)."""
+        return self.meta.backend
+
+    @property
+    def binding(self) -> str:
+        """How the artifact takes its inputs: ``"native"`` (the module's own
+        arguments) or ``"flattened"`` (the call's tensor leaves, positionally)."""
+        return self.meta.binding
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of ops, input signature, context and backend: equal
+        fingerprints, the same capture."""
+        return self.meta.fingerprint
+
+    @property
+    def embedded(self) -> tuple[str, ...]:
+        """Probes whose state the artifact carries itself (embedded replay)."""
+        return self.meta.embedded
+
+    @property
+    def ambient_only(self) -> tuple[str, ...]:
+        """Probes with a non-neutral state the artifact does not carry: whoever
+        runs it must re-establish these (``snapshot.replay()`` does)."""
+        return self.meta.ambient_only
+
+    @property
+    def graph_outputs(self) -> Spec | None:
+        """The specs the captured graph's metadata gives for its outputs."""
+        return self.meta.graph_outputs
+
+    @property
+    def constants(self) -> tuple[str, ...]:
+        """Argument paths bound into the graph as constants (objects torch's
+        pytree does not know, such as a KV cache)."""
+        return self.meta.constants
+
+    @property
+    def ops(self) -> tuple[tuple[str, str | None], ...]:
+        """``(op, result dtype)`` of every call node of the graph, subgraphs
+        included."""
+        return self.meta.ops
+
+    @property
+    def op_args(self) -> tuple[str, ...]:
+        """Per op of ``ops``, a digest of its non-tensor arguments."""
+        return self.meta.op_args
+
+    @property
+    def graph_digest(self) -> str:
+        """A digest of the graph's code (nested graphs and constants included):
+        equal digests, equal computation for the same inputs and weights."""
+        return self.meta.graph_digest
+
+    # -- the details some captures have, by name ------------------------------------
+
+    @property
+    def rank(self) -> int | None:
+        """In a distributed finalize: the rank that captured it (and holds the
+        artifact); ``None`` in a single process."""
+        return self.distributed.rank
+
+    @property
+    def observed_on(self) -> tuple[int, ...]:
+        """In a distributed finalize: the ranks that observed it."""
+        return self.distributed.observed_on
+
+    @property
+    def rank_calls(self) -> tuple[tuple[int, int], ...]:
+        """In a distributed finalize: ``(rank, calls)`` for each observing rank."""
+        return self.distributed.rank_calls
+
+    @property
+    def collective(self) -> bool:
+        """Its graph holds collectives: executing it waits for the other ranks."""
+        return self.distributed.collective
 
     @property
     def shared(self) -> tuple[str, bytes] | None:
@@ -188,7 +234,37 @@ class Capture:
         what ``install`` rebuilds with each member's own weights; ``None``
         where the program could not be sent (not a ``torch.export``
         program) or this rank holds the artifact itself."""
-        return self._shared
+        return self.distributed.shared
+
+    @property
+    def from_cache(self) -> bool:
+        """It came from the capture cache (``capture_with(..., cache=...)``):
+        loaded instead of traced, and checked at the session's verify level."""
+        return self.caching.from_cache
+
+    @property
+    def not_cached(self) -> str:
+        """Why the capture cache could not keep it, a code of
+        ``cache.use.NOT_STORED_REASONS`` (its program could not be serialised:
+        ``not_serialisable``), warned once as a ``CacheWarning``; ``""``: kept,
+        or no cache."""
+        return self.caching.not_cached
+
+    @property
+    def folding(self) -> Folding | None:
+        """For a graph traced with dynamic sizes (size variants folded into one
+        capture): its dynamic dimensions, the rule each follows and the range
+        every symbol was verified over; ``None`` for a graph of fixed sizes."""
+        return self.fold.folding
+
+    @property
+    def folded(self) -> tuple[int, ...]:
+        """Variants of the same member identity and context that differ from
+        this one in sizes only, folded into this capture (verified by value at
+        each of their sizes)."""
+        return self.fold.folded
+
+    # -- derived ---------------------------------------------------------------------
 
     @property
     def artifact(self) -> Any:
@@ -228,6 +304,13 @@ class Capture:
         return (f"{words}; folded: {self.folding.sizes} sizes, each run, "
                 + "; ".join(self.folding.describe()))
 
+    def evolve(self, **changes: Any) -> Capture:
+        """A copy with ``changes``, each given by its name on the record --
+        a field of the core (``calls=3``) or of a part (``rank=0``,
+        ``folding=...``, ``not_cached="collective"``), which goes into that
+        part.  An unknown name raises ``TypeError`` listing the names."""
+        return attrs.evolve(self, **_routed(changes, self))
+
     def save(self, path: str | Path, *, verify: bool = True) -> SavedArtifact:
         """Write the artifact in its artifact format, and a metadata-only
         sidecar ``<path>.json`` (snapshot, signatures and the format's name;
@@ -259,7 +342,9 @@ class Capture:
         return _artifact.save_capture(self, path, verify=verify)
 
     def to_json(self) -> dict[str, Any]:
-        """Metadata only."""
+        """Metadata only: the program's fields as ``meta``'s codec writes them,
+        its op list summarised under ``graph``."""
+        program = self.meta.to_json()
         return {
             "scope": self.scope,
             "members": list(self.members),
@@ -275,23 +360,22 @@ class Capture:
             "observed_on": list(self.observed_on),
             "rank_calls": [list(r) for r in self.rank_calls],
             "collective": self.collective,
-            "graph_digest": self.graph_digest,
+            "graph_digest": program["graph_digest"],
             "identities": [list(i) for i in self.identities],
             "ignore_attributes": list(self.ignore_attributes),
-            "backend": self.backend,
-            "binding": self.binding,
-            "constants": list(self.constants),
-            "embedded": list(self.embedded),
-            "ambient_only": list(self.ambient_only),
+            "backend": program["backend"],
+            "binding": program["binding"],
+            "constants": program["constants"],
+            "embedded": program["embedded"],
+            "ambient_only": program["ambient_only"],
             "attempts": [list(a) for a in self.attempts],
-            "fingerprint": self.fingerprint,
+            "fingerprint": program["fingerprint"],
             "seconds": round(self.seconds, 6),
             "from_cache": self.from_cache,
             "assigned": None if self.assigned is None else self.assigned.to_json(),
             "inputs": call_to_json(self.signature),
             "outputs": None if self.outputs is None else spec_to_json(self.outputs),
-            "graph_outputs": None if self.graph_outputs is None
-            else spec_to_json(self.graph_outputs),
+            "graph_outputs": program["graph_outputs"],
             "snapshot": self.snapshot.to_json(),
             "context": self.snapshot.describe(),
             "fidelity": self.fidelity.to_json(),
@@ -306,8 +390,10 @@ def capture_of(request: VariantRequest, ignore_attributes: tuple[str, ...],
     member whose weights the artifact holds, the members' identity digest
     where known) beside what its graph says (``graph``: backend, artifact,
     check, binding, summary...), however the graph was made -- traced, or
-    read from the capture cache."""
-    return Capture(
+    read from the capture cache.  ``graph`` gives each field by its name on
+    the record (``backend=...``, ``from_cache=True``), or a part whole
+    (``meta=...``)."""
+    return make_capture(
         scope=request.scope, members=tuple(m.name for m in request.members),
         variant=request.variant, signature=request.inputs, outputs=request.outputs,
         snapshot=request.snapshot, calls=request.calls,
@@ -316,6 +402,45 @@ def capture_of(request: VariantRequest, ignore_attributes: tuple[str, ...],
         identities=tuple((m.name, request.identity) for m in request.members
                          if request.identity),
         ignore_attributes=ignore_attributes, **graph)
+
+
+def make_capture(**fields: Any) -> Capture:
+    """A ``Capture`` of ``fields``, each given by its name on the record: a
+    field of the core, or of a part (``backend``, ``rank``, ``folding``...),
+    which goes into that part (a part given whole is kept as given)."""
+    return Capture(**_routed(fields, None))
+
+
+#: the parts of a Capture, by attribute: their fields read under their own names
+_PARTS: dict[str, type] = {"meta": ProgramMeta, "distributed": DistributedDetails,
+                           "caching": CacheDetails, "fold": FoldDetails}
+_PART_OF = {f.name: part for part, cls in _PARTS.items() for f in attrs.fields(cls)}
+_CORE = {f.alias or f.name for f in attrs.fields(Capture)}
+
+
+def _routed(fields: Mapping[str, Any], base: Capture | None) -> dict[str, Any]:
+    """``fields`` as ``Capture`` takes them: each part's fields gathered into
+    that part (``base``'s part with them changed, or a new one).  Raises
+    ``TypeError`` naming an unknown field, or a part given both whole and by
+    its fields."""
+    out: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for name, value in fields.items():
+        part = _PART_OF.get(name)
+        if part is not None:
+            parts.setdefault(part, {})[name] = value
+        elif name in _CORE:
+            out[name] = value
+        else:
+            raise TypeError(f"Capture: no field {name!r}; the fields are "
+                            f"{sorted(_CORE | set(_PART_OF))}")
+    for part, given in parts.items():
+        if part in out:
+            raise TypeError(f"Capture: {part!r} given whole and by its fields "
+                            f"{sorted(given)}; give one")
+        out[part] = _PARTS[part](**given) if base is None \
+            else attrs.evolve(getattr(base, part), **given)
+    return out
 
 
 @attrs.frozen

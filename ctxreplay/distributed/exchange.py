@@ -268,8 +268,8 @@ class RankGroup:
             for r, n in plan.rank_calls[k]:
                 per_rank[r] = per_rank.get(r, 0) + n
         members = tuple(calls.items())
-        return attrs.evolve(
-            result, variant=variant, rank=self.ranks[self.rank],
+        return result.evolve(
+            variant=variant, rank=self.ranks[self.rank],
             folded=tuple(plan.variant[k] for k in folded),
             observed_on=tuple(self.ranks[r] for r in sorted(per_rank)),
             rank_calls=tuple((self.ranks[r], n) for r, n in sorted(per_rank.items())),

@@ -28,7 +28,8 @@ def to_wire(c: Capture) -> dict[str, Any]:
     and states."""
     fields = {f.alias or f.name: getattr(c, f.name) for f in attrs.fields(Capture)}
     fields["artifact"] = None
-    fields["shared"] = c.shared if c.artifact is None else shared_program(c.artifact)
+    fields["distributed"] = attrs.evolve(
+        c.distributed, shared=c.shared if c.artifact is None else shared_program(c.artifact))
     snap = fields.pop("snapshot")
     fields["snapshot_names"], fields["snapshot_states"] = snap.names, snap.states
     return fields

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 from torch import nn
 
+from ..artifacts.program import ProgramMeta
 from ..artifacts.sidecar import ArtifactError, ArtifactSidecar, read_sidecar, warn_unknown
 from ..capture.mutation import ARGUMENT_FIELD
 from ..core.snapshots import ContextSnapshot, Unresolved
@@ -91,9 +92,15 @@ class LoadedCapture:
         return f"{self.scope}#{self.variant}"
 
     @property
+    def meta(self) -> ProgramMeta:
+        """What its sidecar records of the program (``Capture.meta``'s codec:
+        backend, binding, fingerprint, embedded, ambient_only)."""
+        return self.sidecar.meta
+
+    @property
     def binding(self) -> str:
         """How the program takes its inputs: ``native`` or ``flattened``."""
-        return self.sidecar.binding
+        return self.sidecar.meta.binding
 
     @property
     def folding(self) -> Folding | None:
@@ -104,7 +111,7 @@ class LoadedCapture:
     @property
     def fingerprint(self) -> str:
         """The capture's fingerprint."""
-        return self.sidecar.fingerprint
+        return self.sidecar.meta.fingerprint
 
     @property
     def snapshot(self) -> ContextSnapshot:
@@ -114,13 +121,13 @@ class LoadedCapture:
     @property
     def embedded(self) -> tuple[str, ...]:
         """Probes whose state the program carries itself."""
-        return self.sidecar.embedded
+        return self.sidecar.meta.embedded
 
     @property
     def ambient_only(self) -> tuple[str, ...]:
         """Probes whose non-neutral state must be re-established around each call (``check()`` says
         whether it holds; ``replay()`` establishes it)."""
-        return self.sidecar.ambient_only
+        return self.sidecar.meta.ambient_only
 
     @property
     def identities(self) -> tuple[tuple[str, str], ...]:

@@ -30,6 +30,7 @@ from .._base.jsonread import loads, read_bool, read_int, read_list, read_mapping
 from .._base.progress import Progress
 from .._base.version import __version__
 from ..artifacts.formats import format_for
+from ..artifacts.program import BRIEF_KEYS, ProgramMeta
 from ..artifacts.saving import SavedArtifact
 from ..artifacts.sidecar import ArtifactError, sidecar_path
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
@@ -289,11 +290,9 @@ class ManifestEntry:
     variant: int
     members: tuple[str, ...]
     weights_from: str
-    backend: str
-    binding: str
-    fingerprint: str
-    embedded: tuple[str, ...]
-    ambient_only: tuple[str, ...]
+    #: what the record says of the program (``Capture.meta``'s codec; outputs
+    #: JSON does not rebuild whole read as not known)
+    meta: ProgramMeta
     #: ``Fidelity.status`` of the live check
     fidelity: str
     artifact: str | None
@@ -311,6 +310,26 @@ class ManifestEntry:
     @property
     def label(self) -> str:
         return f"{self.scope}#{self.variant}"
+
+    @property
+    def backend(self) -> str:
+        return self.meta.backend
+
+    @property
+    def binding(self) -> str:
+        return self.meta.binding
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta.fingerprint
+
+    @property
+    def embedded(self) -> tuple[str, ...]:
+        return self.meta.embedded
+
+    @property
+    def ambient_only(self) -> tuple[str, ...]:
+        return self.meta.ambient_only
 
 
 @attrs.frozen
@@ -357,8 +376,8 @@ def _entry(value: object, i: int) -> ManifestEntry:
     doc = read_mapping(value, where, keys=_ENTRY_KEYS | {"compiled"}, required=_ENTRY_KEYS)
     cw = f"{where}.capture"
     cap = read_mapping(doc["capture"], cw, required={
-        "scope", "variant", "members", "weights_from", "backend", "binding", "fingerprint",
-        "embedded", "ambient_only", "fidelity", "snapshot", "inputs", "outputs"})
+        "scope", "variant", "members", "weights_from", *BRIEF_KEYS, "fidelity", "snapshot",
+        "inputs", "outputs"})
     artifact = _file_name(doc["artifact"], f"{where}.artifact")
     side = _file_name(doc["sidecar"], f"{where}.sidecar")
     not_saved = None if doc["not_saved"] is None else read_str(doc["not_saved"],
@@ -376,11 +395,7 @@ def _entry(value: object, i: int) -> ManifestEntry:
         variant=read_int(cap["variant"], f"{cw}.variant", lo=0),
         members=_names(cap["members"], f"{cw}.members"),
         weights_from=read_str(cap["weights_from"], f"{cw}.weights_from", max_len=4096),
-        backend=read_str(cap["backend"], f"{cw}.backend"),
-        binding=read_str(cap["binding"], f"{cw}.binding", choices={"native", "flattened"}),
-        fingerprint=read_str(cap["fingerprint"], f"{cw}.fingerprint"),
-        embedded=_names(cap["embedded"], f"{cw}.embedded"),
-        ambient_only=_names(cap["ambient_only"], f"{cw}.ambient_only"),
+        meta=ProgramMeta.from_json(cap, cw, rebuild_outputs=False),
         fidelity=fidelity_status(cap["fidelity"], f"{cw}.fidelity"),
         artifact=artifact, sidecar=side,
         lowered=None if doc["lowered"] is None else read_bool(doc["lowered"],

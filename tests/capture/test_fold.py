@@ -135,7 +135,7 @@ def test_the_small_sides_graph_past_its_guard_miscomputes_and_the_oracle_says_so
         assert differs((member(x),), (gm(x),)) is not None
         with pytest.raises(AssertionError):  # as torch makes it, it refuses
             small.artifact.module()(x)
-    widened = attrs.evolve(small, folding=attrs.evolve(
+    widened = small.evolve(folding=attrs.evolve(
         small.folding, ranges=(SymbolRange(small.folding.ranges[0].name, 4, 12),)))
     at_ten = next(c for c in calls if c.args[0].shape[1] == 10)
     assert replay_failure(small, at_ten) is not None  # not claimed: shapes refused

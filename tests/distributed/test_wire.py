@@ -10,7 +10,6 @@ is refused with its own reason.
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import torch
 from torch import nn
@@ -46,7 +45,7 @@ class Stack(nn.Module):
 def _received(report: ctxreplay.CaptureReport) -> list[ctxreplay.Capture]:
     """The report's captures as another rank receives them."""
     probes = {n: get_probe(n) for n in report.probes}
-    return [from_wire(portable(to_wire(attrs.evolve(c, rank=0))), probes)
+    return [from_wire(portable(to_wire(c.evolve(rank=0))), probes)
             for c in report.captures]
 
 
@@ -88,7 +87,7 @@ def test_a_capture_whose_graph_did_not_come_is_refused_as_not_on_this_rank(
         captured: tuple[Stack, torch.Tensor, list[torch.Tensor], ctxreplay.CaptureReport]
 ) -> None:
     model, x, eager, report = captured
-    received = [attrs.evolve(c, shared=None) for c in _received(report)]
+    received = [c.evolve(shared=None) for c in _received(report)]
     with ctxreplay.install(model, received) as handle:
         installed = _calls(model, x)
     stats = handle.stats()
