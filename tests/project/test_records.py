@@ -34,6 +34,25 @@ def test_no_record_holds_more_than_24_fields(cls: type) -> None:
     assert too_many(cls) is None
 
 
+def _package_records() -> list[type]:
+    """Every attrs class defined in the package, each module imported."""
+    import importlib
+    import pkgutil
+
+    out: list[type] = []
+    for info in pkgutil.walk_packages(ctxreplay.__path__, "ctxreplay."):
+        module = importlib.import_module(info.name)
+        out += [v for v in vars(module).values() if isinstance(v, type) and attrs.has(v)
+                and v.__module__ == module.__name__]
+    return out
+
+
+def test_no_record_anywhere_in_the_package_holds_more_than_24_fields() -> None:
+    records = _package_records()
+    assert ctxreplay.Capture in records and len(records) > 50  # the walk found them
+    assert [why for cls in records if (why := too_many(cls))] == []
+
+
 def test_the_count_catches_a_wide_record() -> None:
     wide = attrs.make_class("Wide", [f"f{i}" for i in range(MAX_FIELDS + 1)])
     assert too_many(wide) == f"Wide holds {MAX_FIELDS + 1} fields (at most {MAX_FIELDS})"
