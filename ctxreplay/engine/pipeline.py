@@ -53,12 +53,14 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: SafetyNet, *, explain
                           for k, r in zip(keys, requests)])
     mine = [(k, r) for k, r in zip(keys, requests) if plan.owner[k] == exchange.rank]
     modules = obs.member_modules()
+    neutral = _neutral_probes()
     todo = {(r.scope, r.variant) for _, r in mine} - job.done.keys()
     bar = FinalizeProgress(_steps(everything, options),
                            {(r.scope, r.variant) for r in everything} - todo, progress)
     def work() -> tuple[list[Result], tuple[Any, ...] | None]:
         # explaining recaptures: it gathers FSDP parameters as capture does
-        results = _capture_mine(job, mine, plan, exchange, net, bar)
+        tracing = Tracing(modules, options, neutral, defer_collectives=len(exchange.ranks) > 1)
+        results = _capture_mine(job, mine, plan, exchange, RankCapture(job, tracing, net, bar))
         if not explain or job.interrupted:
             return results, None
         made = [c for c in results if isinstance(c, Capture)]
@@ -75,7 +77,7 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: SafetyNet, *, explain
     order = _plan_order(plan)
     shared = sorted((c for r in every for c in r.captures), key=order)
     shared = exchange.check_collectives(shared, {f"{c.scope}#{c.variant}": c for c in captures},
-                                        modules, _neutral_probes(), options.verify)
+                                        modules, neutral, options.verify)
     job.release()  # before the counts: what a probe's clear() raises is counted
     errors = exchange.gather(dict(obs.shared.errors))
     every = [attrs.evolve(r, errors=e) for r, e in zip(every, errors)]
@@ -93,17 +95,14 @@ def _steps(requests: Sequence[VariantRequest], options: CaptureOptions
 
 
 def _capture_mine(job: Finalizing, mine: list[tuple[str, VariantRequest]], plan: Plan,
-                  exchange: Exchange, net: SafetyNet, bar: FinalizeProgress) -> list[Result]:
-    """This rank's variants captured (``engine.capturing``), each relabelled
-    as the merged report names it."""
+                  exchange: Exchange, rank: RankCapture) -> list[Result]:
+    """This rank's variants captured by ``rank`` (through the session's
+    cache, if any), each relabelled as the merged report names it."""
     keys = {id(r): k for k, r in mine}
     local = {(r.scope, r.variant): k for k, r in mine}
-    labels = {(r.scope, r.variant): f"{r.scope}#{plan.variant[k]}" for k, r in mine}
-    options = job.options
-    tracing = Tracing(job.observation.member_modules(), options, _neutral_probes(),
-                      defer_collectives=len(exchange.ranks) > 1)
-    cache = None if options.cache is None else CaptureCache.at(options.cache)
-    rank = RankCapture(job, tracing, net, bar, cache, labels)
+    rank.labels = {(r.scope, r.variant): f"{r.scope}#{plan.variant[k]}" for k, r in mine}
+    if job.options.cache is not None:
+        rank.cache = CaptureCache.at(job.options.cache)
     return [exchange.relabel(r, keys[id(request)], plan, _folded_keys(r, local))
             for request, r in rank.run([r for _, r in mine])]
 
