@@ -22,7 +22,8 @@ from ..specs.materialize import BINDINGS
 from ..specs.signature import Spec
 from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
 
-__all__ = ["BRIEF_KEYS", "PROGRAM_KEYS", "ProgramMeta", "program_json"]
+__all__ = ["BRIEF_KEYS", "PROGRAM_KEYS", "BriefFields", "ProgramFields", "ProgramMeta",
+           "program_json"]
 
 #: the fields every document of a capture holds (a sidecar holds these only)
 BRIEF_KEYS = ("backend", "binding", "fingerprint", "embedded", "ambient_only")
@@ -156,3 +157,77 @@ def _read_outputs(value: object, path: str, rebuild: bool) -> Spec | None:
     except ValueError:
         return None
 
+
+class BriefFields:
+    """The fields every document of a capture holds of its program
+    (``BRIEF_KEYS``), read under their own names from the record's ``meta``."""
+
+    __slots__ = ()
+
+    @property
+    def meta(self) -> ProgramMeta:
+        """What the record holds of the program."""
+        raise NotImplementedError
+
+    @property
+    def backend(self) -> str:
+        """The backend that produced the artifact (``"export"``, ``"dynamo"``,
+        ``"symbolic"`` or a custom backend's name)."""
+        return self.meta.backend
+
+    @property
+    def binding(self) -> str:
+        """How the artifact takes its inputs: ``"native"`` (the module's own
+        arguments) or ``"flattened"`` (the call's tensor leaves, positionally)."""
+        return self.meta.binding
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of ops, input signature, context and backend: equal
+        fingerprints, the same capture."""
+        return self.meta.fingerprint
+
+    @property
+    def embedded(self) -> tuple[str, ...]:
+        """Probes whose state the artifact carries itself (embedded replay)."""
+        return self.meta.embedded
+
+    @property
+    def ambient_only(self) -> tuple[str, ...]:
+        """Probes with a non-neutral state the artifact does not carry: whoever
+        runs it must re-establish these (``snapshot.replay()`` does)."""
+        return self.meta.ambient_only
+
+
+class ProgramFields(BriefFields):
+    """Every field of the record's ``meta``, read under its own name."""
+
+    __slots__ = ()
+
+    @property
+    def graph_outputs(self) -> Spec | None:
+        """The specs the captured graph's metadata gives for its outputs."""
+        return self.meta.graph_outputs
+
+    @property
+    def constants(self) -> tuple[str, ...]:
+        """Argument paths bound into the graph as constants (objects torch's
+        pytree does not know, such as a KV cache)."""
+        return self.meta.constants
+
+    @property
+    def ops(self) -> tuple[tuple[str, str | None], ...]:
+        """``(op, result dtype)`` of every call node of the graph, subgraphs
+        included."""
+        return self.meta.ops
+
+    @property
+    def op_args(self) -> tuple[str, ...]:
+        """Per op of ``ops``, a digest of its non-tensor arguments."""
+        return self.meta.op_args
+
+    @property
+    def graph_digest(self) -> str:
+        """A digest of the graph's code (nested graphs and constants included):
+        equal digests, equal computation for the same inputs and weights."""
+        return self.meta.graph_digest

@@ -33,7 +33,7 @@ from ..specs.materialize import fresh_draws, materialize
 from ..specs.signature import CallSpec, SeqSpec, Spec, TensorSpec, spec_of
 from ..specs.specjson import resolve_opaque, spec_from_json, tensor_from_json
 from .formats import get_format
-from .program import BRIEF_KEYS, ProgramMeta
+from .program import BRIEF_KEYS, BriefFields, ProgramMeta
 from .pt2 import Pt2Format
 
 __all__ = ["ARTIFACT_ERRORS", "SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar",
@@ -72,7 +72,7 @@ _Node = Any  # Spec | Opaque, nested
 
 
 @attrs.frozen(eq=False)
-class ArtifactSidecar:
+class ArtifactSidecar(BriefFields):
     """A sidecar read back by :func:`load_sidecar`.
 
     ``snapshot`` is the context the capture was replayed under (replay it
@@ -123,31 +123,6 @@ class ArtifactSidecar:
     format: str = Pt2Format.name
     """The name of the artifact's format (``ctxreplay.artifacts.get_format``); a sidecar
     written before formats were recorded describes a ``.pt2``."""
-
-    @property
-    def backend(self) -> str:
-        """The backend that captured it."""
-        return self.meta.backend
-
-    @property
-    def binding(self) -> str:
-        """How the program takes its inputs: ``native`` or ``flattened``."""
-        return self.meta.binding
-
-    @property
-    def fingerprint(self) -> str:
-        """The capture's fingerprint."""
-        return self.meta.fingerprint
-
-    @property
-    def embedded(self) -> tuple[str, ...]:
-        """Probes whose state the program carries itself."""
-        return self.meta.embedded
-
-    @property
-    def ambient_only(self) -> tuple[str, ...]:
-        """Probes whose non-neutral state must be re-established around the program."""
-        return self.meta.ambient_only
 
     def load_program(self) -> Any:
         """The artifact beside this sidecar, read by its format (for a ``.pt2``,

@@ -13,8 +13,7 @@ from typing import Any
 import attrs
 
 from .._base.jsonread import read_bool, read_list, read_mapping, read_str
-from ..artifacts.program import PROGRAM_KEYS, ProgramMeta
-from ..specs.signature import Spec
+from ..artifacts.program import PROGRAM_KEYS, ProgramFields, ProgramMeta
 
 __all__ = ["Stored"]
 
@@ -23,7 +22,7 @@ _OWN_KEYS = ("format", "flatten_out", "carried")
 
 
 @attrs.frozen
-class Stored:
+class Stored(ProgramFields):
     """An entry's record of its capture (metadata only)."""
 
     format: str
@@ -59,44 +58,3 @@ class Stored:
         its ``about``)."""
         return {"format": self.format, "flatten_out": self.flatten_out,
                 "carried": list(self.carried), **self.meta.to_json()}
-
-    # the program's fields by name, as the cache's readers use them
-    @property
-    def backend(self) -> str:
-        return self.meta.backend
-
-    @property
-    def binding(self) -> str:
-        return self.meta.binding
-
-    @property
-    def fingerprint(self) -> str:
-        return self.meta.fingerprint
-
-    @property
-    def embedded(self) -> tuple[str, ...]:
-        return self.meta.embedded
-
-    @property
-    def ambient_only(self) -> tuple[str, ...]:
-        return self.meta.ambient_only
-
-    @property
-    def graph_outputs(self) -> Spec | None:
-        return self.meta.graph_outputs
-
-    @property
-    def constants(self) -> tuple[str, ...]:
-        return self.meta.constants
-
-    @property
-    def ops(self) -> tuple[tuple[str, str | None], ...]:
-        return self.meta.ops
-
-    @property
-    def op_args(self) -> tuple[str, ...]:
-        return self.meta.op_args
-
-    @property
-    def graph_digest(self) -> str:
-        return self.meta.graph_digest

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from ..artifacts import saving as _artifact
-from ..artifacts.program import ProgramMeta
+from ..artifacts.program import ProgramFields, ProgramMeta
 from ..artifacts.saving import SavedArtifact
 from ..backends.base import BACKEND_REASONS
 from ..core.probe import CONTRACT_RULES
@@ -70,7 +70,7 @@ class Deferred:
 
 
 @attrs.frozen(eq=False)
-class Capture:
+class Capture(ProgramFields):
     """One captured variant and the live calls it stands for.
 
     ``members`` are the blocks that ran it (``member_calls`` their call
@@ -144,65 +144,6 @@ class Capture:
     """What the capture cache did with it (``from_cache``, ``not_cached``)."""
     fold: FoldDetails = attrs.field(factory=FoldDetails)
     """The size variants its graph was folded over (``folding``, ``folded``)."""
-
-    # -- the program's metadata, by name -------------------------------------------
-
-    @property
-    def backend(self) -> str:
-        """The backend that produced the artifact (``"export"``, ``"dynamo"``,
-        ``"symbolic"`` or a custom backend's name)."""
-        return self.meta.backend
-
-    @property
-    def binding(self) -> str:
-        """How the artifact takes its inputs: ``"native"`` (the module's own
-        arguments) or ``"flattened"`` (the call's tensor leaves, positionally)."""
-        return self.meta.binding
-
-    @property
-    def fingerprint(self) -> str:
-        """A digest of ops, input signature, context and backend: equal
-        fingerprints, the same capture."""
-        return self.meta.fingerprint
-
-    @property
-    def embedded(self) -> tuple[str, ...]:
-        """Probes whose state the artifact carries itself (embedded replay)."""
-        return self.meta.embedded
-
-    @property
-    def ambient_only(self) -> tuple[str, ...]:
-        """Probes with a non-neutral state the artifact does not carry: whoever
-        runs it must re-establish these (``snapshot.replay()`` does)."""
-        return self.meta.ambient_only
-
-    @property
-    def graph_outputs(self) -> Spec | None:
-        """The specs the captured graph's metadata gives for its outputs."""
-        return self.meta.graph_outputs
-
-    @property
-    def constants(self) -> tuple[str, ...]:
-        """Argument paths bound into the graph as constants (objects torch's
-        pytree does not know, such as a KV cache)."""
-        return self.meta.constants
-
-    @property
-    def ops(self) -> tuple[tuple[str, str | None], ...]:
-        """``(op, result dtype)`` of every call node of the graph, subgraphs
-        included."""
-        return self.meta.ops
-
-    @property
-    def op_args(self) -> tuple[str, ...]:
-        """Per op of ``ops``, a digest of its non-tensor arguments."""
-        return self.meta.op_args
-
-    @property
-    def graph_digest(self) -> str:
-        """A digest of the graph's code (nested graphs and constants included):
-        equal digests, equal computation for the same inputs and weights."""
-        return self.meta.graph_digest
 
     # -- the details some captures have, by name ------------------------------------
 

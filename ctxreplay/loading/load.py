@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from ..artifacts.program import ProgramMeta
+from ..artifacts.program import BriefFields, ProgramMeta
 from ..artifacts.sidecar import ArtifactError, ArtifactSidecar, read_sidecar, warn_unknown
 from ..capture.mutation import ARGUMENT_FIELD
 from ..core.snapshots import ContextSnapshot, Unresolved
@@ -45,7 +45,7 @@ _log = logging.getLogger("ctxreplay")
 __all__ = ["LoadedCapture", "LoadedManifest", "load"]
 
 @attrs.frozen(eq=False)
-class LoadedCapture:
+class LoadedCapture(BriefFields):
     """One saved capture, opened by :func:`ctxreplay.load`.
 
     Its program holds the weights of ``weights_from`` -- the first member
@@ -98,30 +98,15 @@ class LoadedCapture:
         return self.sidecar.meta
 
     @property
-    def binding(self) -> str:
-        """How the program takes its inputs: ``native`` or ``flattened``."""
-        return self.sidecar.meta.binding
-
-    @property
     def folding(self) -> Folding | None:
         """The dynamic sizes of a folded capture and the ranges it was
         verified over (``Capture.folding``); ``None`` for fixed sizes."""
         return self.sidecar.folding
 
     @property
-    def fingerprint(self) -> str:
-        """The capture's fingerprint."""
-        return self.sidecar.meta.fingerprint
-
-    @property
     def snapshot(self) -> ContextSnapshot:
         """The context of the live call (unknown probes as opaque states)."""
         return self.sidecar.snapshot
-
-    @property
-    def embedded(self) -> tuple[str, ...]:
-        """Probes whose state the program carries itself."""
-        return self.sidecar.meta.embedded
 
     @property
     def ambient_only(self) -> tuple[str, ...]:

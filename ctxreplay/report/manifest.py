@@ -30,7 +30,7 @@ from .._base.jsonread import loads, read_bool, read_int, read_list, read_mapping
 from .._base.progress import Progress
 from .._base.version import __version__
 from ..artifacts.formats import format_for
-from ..artifacts.program import BRIEF_KEYS, ProgramMeta
+from ..artifacts.program import BRIEF_KEYS, BriefFields, ProgramMeta
 from ..artifacts.saving import SavedArtifact
 from ..artifacts.sidecar import ArtifactError, sidecar_path
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
@@ -282,7 +282,7 @@ def write_manifest(path: Path, doc: Mapping[str, Any]) -> None:
 # -- reading ----------------------------------------------------------------------
 
 @attrs.frozen
-class ManifestEntry:
+class ManifestEntry(BriefFields):
     """One capture as the manifest records it."""
 
     index: int
@@ -310,27 +310,6 @@ class ManifestEntry:
     @property
     def label(self) -> str:
         return f"{self.scope}#{self.variant}"
-
-    @property
-    def backend(self) -> str:
-        return self.meta.backend
-
-    @property
-    def binding(self) -> str:
-        return self.meta.binding
-
-    @property
-    def fingerprint(self) -> str:
-        return self.meta.fingerprint
-
-    @property
-    def embedded(self) -> tuple[str, ...]:
-        return self.meta.embedded
-
-    @property
-    def ambient_only(self) -> tuple[str, ...]:
-        return self.meta.ambient_only
-
 
 @attrs.frozen
 class ManifestDoc:

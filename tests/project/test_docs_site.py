@@ -314,8 +314,9 @@ def test_every_object_on_the_api_page_is_described(site: Path) -> None:
 
 def _public_members(cls: type) -> set[str]:
     names = {f.name for f in attrs.fields(cls) if not f.name.startswith("_")}
-    names |= {n for n, v in vars(cls).items() if not n.startswith("_")
-              and (isinstance(v, (property, classmethod, staticmethod)) or callable(v))}
+    for klass in cls.__mro__[:-1]:  # what it inherits is its public face too
+        names |= {n for n, v in vars(klass).items() if not n.startswith("_")
+                  and (isinstance(v, (property, classmethod, staticmethod)) or callable(v))}
     return names
 
 
