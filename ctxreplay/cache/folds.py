@@ -24,7 +24,6 @@ from ..capture.asking import Tracing
 from ..capture.checker import Checker
 from ..capture.fold import Trial, rules_from_json, rules_to_json
 from ..capture.options import VariantRequest
-from ..capture.results import Capture
 from ..specs.signature import Spec
 from ..specs.specjson import call_to_json, resolve_opaque, spec_from_json, spec_to_json
 from .entries import EntryRead
@@ -83,7 +82,7 @@ class FoldEntry:
     def reset(self) -> None:
         self.trial.reset()
 
-    def record(self, capture: Capture) -> dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         """The entry's ``fold`` field: the rules, and what each size's live
         outputs were (a later signature-level hit compares against them)."""
         trial = self.trial

@@ -50,7 +50,7 @@ class _Kind(Protocol):
     def deferred(self, read: EntryRead, tracing: Tracing) -> None: ...
     def agreed(self) -> bool: ...
     def reset(self) -> None: ...
-    def record(self, capture: Capture) -> dict[str, Any]: ...
+    def record(self) -> dict[str, Any]: ...
 
 
 class _Plain:
@@ -73,7 +73,7 @@ class _Plain:
     def reset(self) -> None:
         pass
 
-    def record(self, capture: Capture) -> dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         return {}
 
 
@@ -147,7 +147,7 @@ class CaptureCache:
         if not capture.fidelity.ok or not kind.agreed():
             return capture
         try:
-            extra = kind.record(capture)
+            extra = kind.record()
         except Exception as exc:  # what cannot be written back faithfully is not kept
             return self.kept(capture, ("not_serialisable", "its size rules cannot be "
                                                            f"written: {type(exc).__name__}"))

@@ -15,7 +15,6 @@ import attrs
 from torch import nn
 
 from ..backends import Backend, get_backend
-from ..capture.fold import folds
 from ..capture.options import RETAIN_BYTES, CaptureOptions
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
@@ -23,8 +22,7 @@ from ..core.registry import resolve_probes
 from ..distributed.exchange import Alone, Exchange, RankGroup, active_group
 from ..errors import Error
 from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
-from ..fidelity.levels import level
-from ..observation.attach import Observation, ObservationSettings
+from ..observation.attach import Observation
 from ..observation.targets import resolve_targets
 from ..observation.variants import Scope, VariantView
 from ..report.capture_report import CaptureReport, FidelityError
@@ -57,13 +55,7 @@ class CaptureSession:
         """Every setting of the session, validated (``capture_with``'s arguments)."""
         self._observer = Observer(options.probes, per_call=options.watch == "call")
         self._observation = Observation(
-            module, resolve_targets(module, targets), observer=self._observer,
-            settings=ObservationSettings(
-                max_variants=options.max_variants, max_scopes=options.max_scopes,
-                profile=options.profile_ranges,
-                retain_bytes=options.retain_bytes if level(options.verify).retains else None,
-                ignore=options.ignore_attributes, fold=folds(options),
-                sample=level(options.verify).samples))
+            module, resolve_targets(module, targets), observer=self._observer, options=options)
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None

@@ -10,13 +10,14 @@ import threading
 import types
 from typing import Any
 
-import attrs
 from torch import nn
 
+from ..capture.fold import folds
 from ..capture.isolating import unwatch, watch
 from ..capture.options import ABSENT as REMOVED
-from ..capture.options import MemberCall, Unrestorable, VariantRequest
+from ..capture.options import CaptureOptions, MemberCall, Unrestorable, VariantRequest
 from ..core.observer import Observer
+from ..fidelity.levels import level
 from .copies import Entries, path_modules
 from .modules import ABSENT, CompiledCounter, before_ctxreplay
 from .targets import (
@@ -33,7 +34,7 @@ from .watch import AssignmentWatch
 from .wrapper import TRACED, _Member, _Shared
 from .wrapping import ForwardWatch, Root, Wrapper, let_go, reaches, unwrap, wrap
 
-__all__ = ["Observation", "ObservationSettings"]
+__all__ = ["Observation"]
 
 
 def _compiled_entry_points(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
@@ -57,37 +58,19 @@ def _unrecorded(name: str) -> Unrestorable:
     return Unrestorable("not recorded")
 
 
-@attrs.frozen
-class ObservationSettings:
-    """What a session asks of its observation (``capture_with``'s options as
-    observation reads them): the bounds of its bookkeeping, the attributes
-    left out of member identities, whether calls run in profiler ranges,
-    and what it keeps of each variant's calls."""
-
-    #: variants kept per structure (``fold``: variants that differ in sizes
-    #: only, and members that differ in plain attributes only, count once)
-    max_variants: int
-    #: structures kept
-    max_scopes: int
-    profile: bool
-    #: bytes of live calls kept for the value checks (``None``: none kept)
-    retain_bytes: int | None
-    ignore: tuple[str, ...]
-    fold: bool
-    #: the calls kept are a sample chosen before each call runs (the others
-    #: stay on the fast path), not candidates taken from every call
-    sample: bool
-
-
 class Observation:
     """Every member of one session, attached; ``detach()`` restores exactly."""
 
     def __init__(self, root: nn.Module, targets: list[tuple[str, nn.Module]], *,
-                 observer: Observer, settings: ObservationSettings) -> None:
-        self.shared = _Shared(observer, max_variants=settings.max_variants,
-                              profile=settings.profile, retain_bytes=settings.retain_bytes,
-                              fold=settings.fold, sample=settings.sample)
-        ignore, max_scopes = settings.ignore, settings.max_scopes
+                 observer: Observer, options: CaptureOptions) -> None:
+        checks = level(options.verify)
+        # calls are kept for the value checks only at a level that runs them;
+        # a sampling level chooses them before each call runs
+        self.shared = _Shared(observer, max_variants=options.max_variants,
+                              profile=options.profile_ranges,
+                              retain_bytes=options.retain_bytes if checks.retains else None,
+                              fold=folds(options), sample=checks.samples)
+        ignore, max_scopes = options.ignore_attributes, options.max_scopes
         self.scopes: list[Scope] = []
         self.dropped_scopes: list[str] = []
         self.members: list[_Member] = []

@@ -34,11 +34,14 @@ def test_the_json_of_a_capture_is_what_it_was_before_the_split(
     before = old_json("capture.json")
     now = json.loads(json.dumps(capture.to_json()))
     assert list(now) == list(before)  # the same keys, in the same order
-    torch_then = old_json("saved/manifest.json")["environment"]["torch"]
-    if torch_then != str(torch.__version__):  # digests and op names follow torch
-        pytest.skip(f"the old files were written with torch {torch_then}")
-    assert {k: v for k, v in now.items() if k != "seconds"} == \
-        {k: v for k, v in before.items() if k != "seconds"}
+    varies = {"seconds"}
+    if old_json("saved/manifest.json")["environment"]["torch"] != str(torch.__version__):
+        # another torch release traces other op names, so other digests, and
+        # its probes may know other states: the rest must still be equal
+        varies |= {"fingerprint", "graph_digest", "graph", "graph_outputs", "snapshot",
+                   "context"}
+    assert {k: v for k, v in now.items() if k not in varies} == \
+        {k: v for k, v in before.items() if k not in varies}
 
 
 def test_every_field_of_a_part_reads_under_its_own_name(capture: ctxreplay.Capture) -> None:
