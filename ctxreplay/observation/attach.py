@@ -64,8 +64,7 @@ class Observation:
     def __init__(self, root: nn.Module, targets: list[tuple[str, nn.Module]], *,
                  observer: Observer, options: CaptureOptions) -> None:
         checks = level(options.verify)
-        # calls are kept for the value checks only at a level that runs them;
-        # a sampling level chooses them before each call runs
+        # calls are kept only at a level that checks values (sampled: chosen before each call)
         self.shared = _Shared(observer, max_variants=options.max_variants,
                               profile=options.profile_ranges,
                               retain_bytes=options.retain_bytes if checks.retains else None,
