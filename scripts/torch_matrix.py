@@ -4,9 +4,9 @@
 For every version X given on the command line:
 
 1. ``make setup VENV=.venv-torch-X TORCH_SPEC=torch==X EXTRAS=test,models``
-   and ``TORCH_EXTRA=torchvision==<its pair>`` (the Makefile's own setup, so a
-   matrix venv is built exactly like ``.venv``; a venv whose stamp is current
-   is not touched);
+   and ``TORCH_EXTRA=<the releases paired with it>`` (torchvision, torchao; the
+   Makefile's own setup, so a matrix venv is built exactly like ``.venv``; a
+   venv whose stamp is current is not touched);
 2. ``make pytest ...`` -- the very pytest command ``make test`` runs -- with
    ``--junitxml`` into ``matrix-logs/X/junit.xml``;
 3. ``make demo ...`` (``ctxreplay demo``), keeping its exit code;
@@ -60,17 +60,21 @@ def broken_probe_site(where: Path) -> Path:
         "[ctxreplay.probes]\nmoved_probe = moved_probe_pkg_gone.probes:MovedProbe\n")
     return where
 
-#: the torchvision release built against each torch release, installed beside
-#: it so that tests/models/test_models.py's torchvision test runs.  None for 2.13.0:
-#: this machine's 2.13.0 is the CPU build from local disk, and no PyPI
-#: torchvision loads beside a CPU-only torch wheel (a platform limit the test
-#: skips with that reason).  A release not listed gets no torchvision.
-PAIRED_TORCHVISION: dict[str, str | None] = {
-    "2.7.0": "0.22.0",
-    "2.9.1": "0.24.1",
-    "2.11.0": "0.26.0",
-    "2.13.0": None,
-    "2.14.1": "0.29.1",
+#: the releases installed beside each torch release (the Makefile's TORCH_EXTRA):
+#: torchvision, built against it, so that tests/models/test_models.py's torchvision
+#: test runs; torchao where its newest release needs a newer torch (torchao 0.18
+#: imports ``torch.nn.functional.ScalingType``, which torch 2.7 lacks, and
+#: transformers imports torchao when it is installed: every model test would fail
+#: at import).  No torchvision for 2.13.0: this machine's 2.13.0 is the CPU build
+#: from local disk, and no PyPI torchvision loads beside a CPU-only torch wheel (a
+#: platform limit the test skips with that reason).  A release not listed gets
+#: neither.
+PAIRED: dict[str, tuple[str, ...]] = {
+    "2.7.0": ("torchvision==0.22.0", "torchao==0.12.0"),
+    "2.9.1": ("torchvision==0.24.1",),
+    "2.11.0": ("torchvision==0.26.0",),
+    "2.13.0": (),
+    "2.14.1": ("torchvision==0.29.1",),
 }
 
 
@@ -146,9 +150,9 @@ def run_version(version: str, make: str, logs: Path, min_free_gb: float,
     if broken is not None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(broken), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    tv = PAIRED_TORCHVISION.get(version)
-    if tv is not None:
-        common.append(f"TORCH_EXTRA=torchvision=={tv}")
+    paired = PAIRED.get(version, ())
+    if paired:
+        common.append("TORCH_EXTRA=" + " ".join(paired))
     free = shutil.disk_usage(ROOT).free / 2**30
     if not (ROOT / venv).exists() and free < min_free_gb:
         r.note = f"not built: {free:.1f} GB free < {min_free_gb} GB"

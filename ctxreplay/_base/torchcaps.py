@@ -34,7 +34,7 @@ __all__ = ["AUTOCAST_DEVICE_TYPES", "CAPS", "SDP_GETTERS", "TENSOR_GUARDED_GETTE
            "GlobalStateGuard", "TensorGuards",
            "TorchCaps", "autocast_enter", "autocast_exit", "autocast_resolved",
            "dynamo_compiling", "dynamo_exporting", "guards_fn_body", "is_autocast_available",
-           "parse_version", "tensor_guard"]
+           "aoti_package_loader", "parse_version", "tensor_guard"]
 
 #: the device types whose autocast state ctxreplay may observe, where
 #: ``torch.amp.is_autocast_available`` says this torch has it
@@ -270,6 +270,13 @@ class TorchCaps:
     #: look non-neutral (listed as ambient-only), never the reverse.  From
     #: the version: the current order may already have been changed.
     sdp_default_priority: tuple[str, ...]
+
+    # -- AOTInductor ---------------------------------------------------------
+    #: ``torch._C._aoti.AOTIModelPackageLoader`` takes ``(path, model_name,
+    #: run_single_threaded, num_runners, device_index)``; before (2.7.0) only
+    #: the first three, and the package loads onto the device it was compiled
+    #: for.  Detected from the pybind constructor's signature (its docstring).
+    aoti_loader_takes_device: bool
 
     # -- autocast ------------------------------------------------------------
     #: ``torch._C._is_any_autocast_enabled`` exists (the probe's fast path)
@@ -605,6 +612,14 @@ def _op_overload_calls_op() -> bool:
         return False
 
 
+def _aoti_loader_takes_device() -> bool:
+    try:
+        doc = torch._C._aoti.AOTIModelPackageLoader.__init__.__doc__ or ""
+    except Exception:  # a build without AOTInductor
+        return False
+    return "arg4" in doc
+
+
 def _detect() -> TorchCaps:
     v = parse_version(str(torch.__version__))
     guard_cls = _global_state_guard()
@@ -639,6 +654,7 @@ def _detect() -> TorchCaps:
         sdp_getters=frozenset(n for n in SDP_GETTERS if hasattr(torch._C, n)),
         sdp_default_priority=("flash", "mem_efficient", "math", "cudnn",
                               "math" if v < (2, 9) else "overrideable"),
+        aoti_loader_takes_device=_aoti_loader_takes_device(),
         is_any_autocast_enabled=hasattr(torch._C, "_is_any_autocast_enabled"),
         autocast_inlinable=_autocast_inlinable(),
     )
@@ -657,6 +673,17 @@ dynamo_compiling: Callable[[], bool] = getattr(
 #: clean against every torch's stubs (2.7's lack the module)
 GlobalStateGuard: Any = _global_state_guard()
 TensorGuards: Any = _tensor_guards_cls()
+
+
+def aoti_package_loader(path: str, device: str) -> Any:
+    """An ``AOTIModelPackageLoader`` of the AOTInductor package at ``path``
+    (model ``"model"``, one runner), onto ``device``'s index where this torch
+    takes one; raises what torch raises for a package it cannot open."""
+    cls: Any = torch._C._aoti.AOTIModelPackageLoader
+    if not CAPS.aoti_loader_takes_device:
+        return cls(path, "model", False)
+    d = torch.device(device)
+    return cls(path, "model", False, 1, -1 if d.type == "cpu" else (d.index or 0))
 
 
 def tensor_guard(args: tuple[Any, ...]) -> Any:

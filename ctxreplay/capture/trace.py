@@ -304,6 +304,19 @@ def _swapped_forward(module: nn.Module,
         yield
 
 
+class _Sink:
+    """Where a trace leaves what the forward assigned.  Held by the module as
+    an object pytree takes for a leaf, never as the list itself: torch 2.7's
+    export snapshots a module's own attributes with pytree before the trace
+    and compares them after, and a list that changed length fails that
+    comparison (``Node arity mismatch``)."""
+
+    __slots__ = ("found",)
+
+    def __init__(self, found: list[Assigned]) -> None:
+        self.found = found
+
+
 class _Flattened(nn.Module):
     """Takes the tensor leaves of a call whose arguments torch's pytree does
     not know (dataclasses, a framework's metadata objects), rebuilds the
@@ -318,7 +331,7 @@ class _Flattened(nn.Module):
         self._inputs = inputs
         self._inside = inside
         self._flatten_out = flatten_out
-        self._assigned = assigned
+        self._assigned = None if assigned is None else _Sink(assigned)
 
     def forward(self, *leaves: torch.Tensor) -> Any:
         args, kwargs = inputs_for(self._inputs, "native", leaves=leaves)
@@ -344,9 +357,9 @@ class _Flattened(nn.Module):
         # it twice: left to the watch, which reports it
         shared = {id(t) for t in (*leaves, *tensor_values(out))}
         if found is None or any(id(t) in shared for t in tensors):
-            self._assigned[:] = []
+            self._assigned.found[:] = []
             return out
-        self._assigned[:] = [found]
+        self._assigned.found[:] = [found]
         return joined_result(out, tensors, self._flatten_out)
 
 

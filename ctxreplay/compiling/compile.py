@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from .._base.environment import compiled_environment
 from .._base.progress import Progress, counted
+from .._base.torchcaps import aoti_package_loader
 from ..dispatch.flat import Flat, flatten
 from ..loading.compiled import CompiledProgram, OutputError
 from ..loading.load import LoadedCapture, LoadedManifest, load
@@ -184,8 +185,7 @@ def _check(cap: LoadedCapture, flat: Flat, package: Path, state: list[torch.Tens
     each output's worst error.  ``call``: the example call's leaves, and the
     positions of those the package takes (its tensors)."""
     leaves, taken = call
-    loader = torch._C._aoti.AOTIModelPackageLoader(
-        str(package), "model", False, 1, -1 if device == "cpu" else 0)
+    loader = aoti_package_loader(str(package), device)
     specs = [s for _, s in cap.sidecar.inputs]
     tensors = [leaves[i] for i in taken]
     points = [(describe(specs), tensors)]

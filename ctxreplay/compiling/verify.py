@@ -104,11 +104,22 @@ def compute_tolerance(program: Any) -> float:
         if not isinstance(graph, torch.fx.Graph):
             continue
         for node in graph.nodes:
+            found.update(_region_dtype(node))
             val = node.meta.get("val")
             for v in val if isinstance(val, (list, tuple)) else (val,):
                 if isinstance(v, torch.Tensor):
                     found.add(v.dtype)
     return max((TOLERANCES.get(d, 0.0) for d in found), default=0.0)
+
+
+def _region_dtype(node: torch.fx.Node) -> tuple[torch.dtype, ...]:
+    """The dtype an enabled autocast region computes in, from its
+    ``wrap_with_autocast(device, dtype, enabled, cache, body, ...)`` call:
+    torch 2.7 leaves the body's nodes without their values (``meta["val"]``)."""
+    if node.op != "call_function" or getattr(node.target, "__name__", "") != "wrap_with_autocast":
+        return ()
+    dtype = node.args[1] if len(node.args) > 2 else None
+    return (dtype,) if isinstance(dtype, torch.dtype) and node.args[2] else ()
 
 
 def compare(got: Sequence[Any], want: Sequence[Any], floor: float = 0.0,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._base.torchcaps import guards_fn_body
+from .._base.torchcaps import aoti_package_loader, guards_fn_body
 from ..loading.compiled import CompiledProgram
 from .flat import Flat
 
@@ -43,9 +43,7 @@ def compiled_flat(flat: Flat, program: Any, record: CompiledProgram, directory: 
         return "compiled_mismatch", "it takes other member tensors than the capture's program"
     device = str(record.environment.get("device") or "cpu")
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(
-            str(directory / record.package), "model", False, 1,
-            torch.device(device).index or 0 if device != "cpu" else -1)
+        loader = aoti_package_loader(str(directory / record.package), device)
     except Exception as exc:  # a package this torch cannot open
         return "compiled_load_failed", f"{type(exc).__name__}: {str(exc)[:300]}"
     try:

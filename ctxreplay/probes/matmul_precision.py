@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from .._base.jsonread import read_bool, read_mapping, read_str
+from .._base.jsonread import key_path, read_bool, read_mapping, read_str
 from ..core.probe import ContextProbe, applying
 from ..core.registry import register_probe
 
@@ -43,6 +43,12 @@ _FLAG_NAMES = (
 # Legacy getters that raise once the per-backend API has set a state they
 # cannot express; their value is then recorded as None.
 _MAY_RAISE = frozenset({"cuda_matmul_tf32", "cudnn_tf32"})
+# The split-K part of the cuBLAS reduced-precision settings, a field of its own
+# where the getters return ``(allow_reduced_precision, allow_splitk)`` (torch
+# 2.9 on).  Before, there is no such setting and cuBLAS may always split K:
+# what the newer default (True) means.
+_SPLIT_K = frozenset({"cuda_fp16_reduced_precision_split_k",
+                      "cuda_bf16_reduced_precision_split_k"})
 
 _get_fp32 = getattr(torch._C, "_get_fp32_precision_getter", None)
 _set_fp32 = getattr(torch._C, "_set_fp32_precision_setter", None)
@@ -296,6 +302,21 @@ class MatmulPrecisionProbe(ContextProbe[MatmulPrecisionState]):
         return prec + (f" [{', '.join(changed)}]" if changed else "")
 
 
+def _without_absent_split_k(data: Any, path: str) -> dict[str, Any]:
+    """The document's flags, less the split-K fields of a newer torch that
+    this one lacks -- accepted only at the value this torch always has."""
+    absent = _SPLIT_K - set(_FIELD_NAMES)
+    flags = dict(read_mapping(data, path, keys=set(_FIELD_NAMES) | absent))
+    for f in sorted(absent & set(flags)):
+        if read_bool(flags.pop(f), f"{path}.{f}") is not True:
+            raise ValueError(
+                f"{path}.{f}: false, written by a torch whose cuBLAS reduced-precision "
+                f"setting has a split-K part; torch {torch.__version__} has no such "
+                "setting and always lets cuBLAS split K, so this context cannot be "
+                "re-established here")
+    return flags
+
+
 def _decode(data: Any, path: str) -> MatmulPrecisionState:
     doc = read_mapping(data, path, keys={"float32_matmul_precision", "flags", "fp32_precision"},
                        required={"float32_matmul_precision", "flags"})
@@ -306,7 +327,7 @@ def _decode(data: Any, path: str) -> MatmulPrecisionState:
     if prec is None and not _PAIRS:
         raise ValueError(f"{where}: null (unavailable) only arises with torch's per-backend "
                          "fp32_precision API, which this torch does not have")
-    flags = read_mapping(doc["flags"], f"{path}.flags", keys=set(_FIELD_NAMES))
+    flags = _without_absent_split_k(doc["flags"], f"{path}.flags")
     # Flags this torch lacks were refused above; flags it has but the
     # document lacks keep their current value on replay.
     current = dict(_observe().flags)
@@ -332,6 +353,9 @@ def _decode_pairs(doc: Mapping[str, Any], path: str) -> tuple[tuple[str, str], .
     if "fp32_precision" not in doc:
         return None if _PAIRS else ()
     where = f"{path}.fp32_precision"
+    if not _PAIRS:
+        _check_legacy_expresses(doc, where)
+        return ()
     given = read_mapping(doc["fp32_precision"], where, keys=set(_PAIR_KEYS))
     out = []
     for k in _PAIR_KEYS:
@@ -339,6 +363,29 @@ def _decode_pairs(doc: Mapping[str, Any], path: str) -> tuple[tuple[str, str], .
             raise ValueError(f"{where}[{k!r}]: missing required field")
         out.append((k, read_str(given[k], f"{where}[{k!r}]", choices=set(_names_for(k)))))
     return tuple(out)
+
+
+def _check_legacy_expresses(doc: Mapping[str, Any], where: str) -> None:
+    """A document written by a torch with the per-backend API, read on one
+    without it: accepted where every pair inherits or says what the legacy
+    flags beside it say (cuBLAS and cuDNN TF32) -- the legacy fields then
+    hold the whole state; refused where a pair holds what this torch cannot
+    set (mkldnn's bf16, say)."""
+    given = read_mapping(doc["fp32_precision"], where)
+    flags = doc.get("flags") if isinstance(doc.get("flags"), Mapping) else {}
+    implied = {"cuda.matmul": flags.get("cuda_matmul_tf32"),
+               "cuda.conv": flags.get("cudnn_tf32"), "cuda.rnn": flags.get("cudnn_tf32")}
+    for k, v in given.items():
+        value = read_str(v, key_path(where, k))
+        if value in ("none", "default"):
+            continue
+        if k in implied and implied[k] is not None and (value == "tf32") == implied[k] \
+                and value in ("tf32", "ieee"):
+            continue
+        raise ValueError(
+            f"{key_path(where, k)}: {value!r}, written by a torch with the per-backend "
+            f"fp32_precision settings; torch {torch.__version__} has only the legacy "
+            "ones, which cannot express it, so this context cannot be re-established here")
 
 
 def _check_consistent(state: MatmulPrecisionState, path: str) -> None:

@@ -46,6 +46,8 @@ def _flag_functions() -> tuple[tuple[str, Callable[[], bool], Callable[[bool], N
 
 _FLAGS = _flag_functions()
 _NAMES = tuple(n for n, _, _ in _FLAGS)
+#: backends a document from another torch may name that this one lacks
+_ABSENT = frozenset(_CANDIDATES) - set(_NAMES)
 _GET = {n: g for n, g, _ in _FLAGS}
 _SET = {n: s for n, _, s in _FLAGS}
 _get_priority = getattr(torch._C, "_get_sdp_priority_order", None)
@@ -84,6 +86,21 @@ def _priority_names() -> tuple[str, ...] | None:
     if _get_priority is None:
         return None
     return tuple(_BACKEND_OF.get(int(i), f"#{int(i)}") for i in _get_priority())
+
+
+def _without_absent_backends(data: Any, path: str) -> dict[str, Any]:
+    """The document's flags, less backends of another torch that this one
+    lacks (FA3 before 2.9): a backend this torch does not have is never
+    chosen, what a disabled one means; enabled, the call may have run it."""
+    given = dict(read_mapping(data, path, keys=set(_NAMES) | _ABSENT,
+                              required=set(_NAMES)))
+    for n in sorted(_ABSENT & set(given)):
+        if read_bool(given.pop(n), f"{path}.{n}"):
+            raise ValueError(
+                f"{path}.{n}: true, written by a torch with the {n} attention backend; "
+                f"torch {torch.__version__} has no such backend, so a call that may "
+                "have run it cannot be re-established here")
+    return given
 
 
 def _watched_names() -> tuple[str, ...]:
@@ -235,8 +252,7 @@ class SdpaBackendProbe(ContextProbe[SdpaBackendState]):
         optional |= {"math_fp16_bf16_reduction"} if _get_reduction is not None else set()
         doc = read_mapping(data, path, keys={"flags", *optional},
                            required={"flags", *optional})
-        given = read_mapping(doc["flags"], f"{path}.flags", keys=set(_NAMES),
-                             required=set(_NAMES))
+        given = _without_absent_backends(doc["flags"], f"{path}.flags")
         flags = tuple((n, read_bool(given[n], f"{path}.flags.{n}")) for n in _NAMES)
         priority = None
         if "priority" in doc:

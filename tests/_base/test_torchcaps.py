@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -502,6 +503,22 @@ def test_cublas_reduced_precision_pair() -> None:
         else:
             set_(before)
     assert get() == before
+
+
+def test_aoti_loader_takes_device(tmp_path: Path) -> None:
+    """The form :func:`aoti_package_loader` picks is the one the constructor
+    takes (a missing package: torch's own error), the other its arity error."""
+    from ctxreplay._base.torchcaps import aoti_package_loader
+
+    cls = torch._C._aoti.AOTIModelPackageLoader
+    missing = str(tmp_path / "missing.pt2")
+    with pytest.raises(Exception) as picked:
+        aoti_package_loader(missing, "cpu")
+    assert not isinstance(picked.value, TypeError), picked.value
+    other = (missing, "model", False) if CAPS.aoti_loader_takes_device \
+        else (missing, "model", False, 1, -1)
+    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+        cls(*other)
 
 
 def test_sdp_getters() -> None:

@@ -29,6 +29,9 @@ class Outer(nn.Module):
         self.inner = Inner()
         self.layer_idx = 7
         self.mode = mode
+        # set here, reassigned by the forward: torch 2.7's export fails on a
+        # forward that adds an attribute the module did not have
+        self.note = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "vars":

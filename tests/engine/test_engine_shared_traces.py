@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from capability import needs_size_guards
 from engine_models import CountingExport
 from torch import nn
 from trust_oracle import members_of, record, unreproduced
@@ -210,6 +211,7 @@ def _folded_live(kind: type[nn.Module], monkeypatch: pytest.MonkeyPatch
     return session.finalize(), calls, len(exports)
 
 
+@needs_size_guards
 def test_one_fold_serves_every_layers_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     report, calls, exports = _folded_live(Layer, monkeypatch)
     assert exports == 1  # a fold per layer before
@@ -220,6 +222,7 @@ def test_one_fold_serves_every_layers_sizes(monkeypatch: pytest.MonkeyPatch) -> 
     assert unreproduced(report, calls) == []
 
 
+@needs_size_guards
 def test_a_fold_that_read_the_index_serves_no_other_layer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     report, calls, exports = _folded_live(Scaled, monkeypatch)

@@ -112,7 +112,9 @@ def quantized_stack(kind: str, *, depth: int = 3, dim: int = 16, seed: int = 0) 
     if kind == "torchao":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-        quantize_(model, Int8WeightOnlyConfig())
+        # torchao's default also sets inductor options and the process's float32
+        # matmul precision to "high" (set_inductor_config): not the weights' business
+        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
         return model
     raise ValueError(f"quantized_stack: kind must be 'int8' or 'torchao', got {kind!r}")
 
