@@ -372,7 +372,8 @@ def _check_legacy_expresses(doc: Mapping[str, Any], where: str) -> None:
     hold the whole state; refused where a pair holds what this torch cannot
     set (mkldnn's bf16, say)."""
     given = read_mapping(doc["fp32_precision"], where)
-    flags = doc.get("flags") if isinstance(doc.get("flags"), Mapping) else {}
+    raw = doc.get("flags")
+    flags: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
     implied = {"cuda.matmul": flags.get("cuda_matmul_tf32"),
                "cuda.conv": flags.get("cudnn_tf32"), "cuda.rnn": flags.get("cudnn_tf32")}
     for k, v in given.items():
