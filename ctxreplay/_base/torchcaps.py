@@ -178,6 +178,14 @@ class TorchCaps:
     #: Node arity mismatch``.  From the version (2.9.1 raises, 2.11.0 traces;
     #: measured).
     export_traces_growing_containers: bool
+    #: non-strict ``torch.export`` traces a module whose parameters are
+    #: DTensors (tensor parallel's ``ColwiseParallel`` / ``RowwiseParallel``).
+    #: On 2.7.0 ``F.linear`` on a DTensor weight fails inside export's
+    #: ``__torch_function__`` (``_export/non_strict_utils.py``: "Unable to cast
+    #: NotImplemented to Tensor"); 2.13.0 and 2.14.1 trace it (measured).  From
+    #: the version: 2.9 is taken to trace (not measured -- a wrong guess there
+    #: fails the export with torch's own error, never serves a wrong graph).
+    export_traces_dtensor: bool
     #: the module ``ExportedProgram.module()`` makes runs the size guards of
     #: the trace on every call (a ``_guards_fn`` submodule; ``module()`` takes
     #: ``check_guards``): a program traced with dynamic sizes then refuses a
@@ -642,6 +650,7 @@ def _detect() -> TorchCaps:
         fx_pytree_codegen=_fx_pytree_codegen(),
         op_overload_calls_op=_op_overload_calls_op(),
         export_traces_growing_containers=v >= (2, 11),
+        export_traces_dtensor=v >= (2, 9),
         dynamo_traces_contextmanager=v >= (2, 7),
         dynamo_traces_instance_forward=v >= (2, 10),
         dynamo_traces_exitstack=v >= (2, 11),

@@ -50,6 +50,7 @@ class ExportBackend(Backend):
 
     def capture(self, module: torch.nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
+        _refuse_untraceable_dtensors(module)
         with dtensor.traceable(module):  # a tensor-parallel module builds DTensors
             ep = dtensor.desugared(torch.export.export(module, args, kwargs or None,
                                                        strict=self.strict))
@@ -57,6 +58,7 @@ class ExportBackend(Backend):
 
     def capture_dynamic(self, module: torch.nn.Module, args: tuple[Any, ...],
                         kwargs: dict[str, Any], dynamic_shapes: Any) -> Any:
+        _refuse_untraceable_dtensors(module)
         with dtensor.traceable(module):
             ep = dtensor.desugared(torch.export.export(module, args, kwargs or None,
                                                        strict=self.strict,
@@ -106,6 +108,13 @@ class DynamoBackend(Backend):
 
     def run(self, artifact: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return artifact(*args, **kwargs)
+
+
+def _refuse_untraceable_dtensors(module: torch.nn.Module) -> None:
+    if not CAPS.export_traces_dtensor and dtensor.holds_dtensors(module.parameters()):
+        raise NotImplementedError(
+            f"torch {torch.__version__}'s torch.export cannot trace a module with DTensor "
+            "parameters (tensor parallel); torch 2.9 or later can")
 
 
 def refuse_fake_tensors(gm: torch.fx.GraphModule) -> None:

@@ -748,3 +748,35 @@ def test_autocast_inlinable(outer: torch.dtype | None, args: tuple[Any, ...]) ->
             _torchcaps.autocast_exit("cpu", found)
         after_inlined = _what_runs()
     assert (by_torch == inlined and after_torch == after_inlined) == CAPS.autocast_inlinable
+
+
+_DTENSOR_EXPORT = '''
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+parallelize_module(m, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+from ctxreplay.backends.dtensor import traceable
+try:
+    with traceable(m):
+        torch.export.export(m, (torch.rand(2, 8),), strict=False)
+    print("traced")
+except RuntimeError as exc:
+    print("refused", exc)
+dist.destroy_process_group()
+'''
+
+
+def test_export_traces_dtensor(tmp_path: Path) -> None:
+    """A one-rank tensor-parallel MLP exported in a fresh process (a process
+    group is process-wide state)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _DTENSOR_EXPORT, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300, cwd=Path.cwd())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("traced" if CAPS.export_traces_dtensor else "refused"), last

@@ -79,7 +79,8 @@ def _observed_through_graph_breaks(report: ctxreplay.CaptureReport, calls: int,
         return False
     assert sum(c.calls for c in report.captures) == calls
     if entry_counted:
-        assert not report.ok and _problem(report, "not_observed").exact
+        # (not exact: Dynamo traced the entry point once per graph break)
+        assert not report.ok and _problem(report, "not_observed").calls >= 1
     else:
         assert report.ok, report.problems
     return True
