@@ -82,6 +82,13 @@ class ArtifactFormat(ABC):
     def load(self, path: Path) -> Any:
         """The artifact written to ``path``."""
 
+    def load_bytes(self, data: bytes, name: str) -> Any:
+        """The artifact whose file holds ``data`` (``name``: that file, for
+        messages): what ``ctxreplay.load`` reads once the file's digest is
+        checked, so that the bytes checked are the bytes read.  By default
+        ``from_bytes``."""
+        return self.from_bytes(data)
+
     def reload(self, path: Path) -> Any:
         """The artifact just written to ``path``, read back to check the file
         (``Capture.save``); by default ``load``.  A format may read it a
