@@ -322,7 +322,14 @@ def _check(ns: argparse.Namespace) -> int:
         needs = [c.needs for c in captures]
         compiled = [_compiled_here(c.label, c.compiled, c.path.parent, c.fingerprint)
                     for c in captures if c.compiled is not None]
+        # a file that is not what was saved, or one no digest vouches for, is
+        # a finding: never an ok over files nothing checked
+        notes += [d.text for c in captures for d in c.unverified()]
+        notes += [f"compiled: {c.label}: {c.compiled.refused[1]} ({c.compiled.refused[0]})"
+                  for c in captures if c.compiled is not None and c.compiled.refused is not None
+                  and c.compiled.refused[0] == "compiled_changed"]
         if isinstance(src, LoadedManifest):
+            notes += [f"refused: {label}: {why}" for label, why in src.refused]
             notes += [f"not saved: {label} ({reason})" for label, reason in src.not_saved]
             notes += [f"failed: {s}#{v} {reason} ({backend})"
                       for s, v, backend, reason in src.failures]
@@ -360,6 +367,8 @@ def _compile(ns: argparse.Namespace) -> int:
     done = compile_dir(ns.dir, force=ns.force)
     src = load(done.directory)
     assert isinstance(src, LoadedManifest)
+    for label, why in src.refused:
+        print(f"{label}: not compiled: {why}")
     for cap in src.captures:
         rec = cap.compiled
         if cap.label in done.skipped:
@@ -372,7 +381,7 @@ def _compile(ns: argparse.Namespace) -> int:
     print(f"ctxreplay compile: {done.directory}: {len(done.compiled)} compiled, "
           f"{len(done.failed)} failed their check, {len(done.skipped)} not compiled "
           f"({done.seconds:.1f} s)")
-    return 1 if done.failed else 0
+    return 1 if done.failed or src.refused else 0
 
 
 def _cache(ns: argparse.Namespace) -> int:
@@ -428,6 +437,16 @@ def _bytes(n: int) -> str:
     return f"{size:.1f} {unit}"
 
 
+def _utf8(arg: str) -> bool:
+    """Whether ``arg`` encodes as UTF-8: bytes the file system encoding could not
+    decode arrive as lone surrogates (``surrogateescape``), which do not."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ctxreplay", description="Faithful deferred graph capture for PyTorch.")
@@ -474,8 +493,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("dir", metavar="DIR", nargs="?", help="the cache directory (default: "
                    "$CTXREPLAY_CACHE)")
     p.set_defaults(func=_cache)
+    args = list(sys.argv[1:] if argv is None else argv)
+    bad = next((a for a in args if not _utf8(a)), None)
+    if bad is not None:  # printing it back would raise UnicodeEncodeError
+        print(f"ctxreplay: error: argument {bad!a} is not valid UTF-8 (a path of "
+              "undecodable bytes); rename it or give another path", file=sys.stderr)
+        return 2
     try:
-        ns = parser.parse_args(argv)
+        ns = parser.parse_args(args)
     except SystemExit as exc:  # --version, --help, or a usage error (already printed)
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     try:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from ..errors import Error
 
-__all__ = ["DIGEST_PREFIX", "UnsafeFileError", "digest", "file_digest", "inside", "read_inside",
-           "temp_name", "write_inside", "written_inside"]
+__all__ = ["DIGEST_PREFIX", "UnsafeFileError", "digest", "file_digest", "inside", "read_digest",
+           "read_inside", "temp_name", "write_inside", "written_inside"]
 
 #: how a digest is written: the algorithm, then the hex digest
 DIGEST_PREFIX = "sha256:"
@@ -84,6 +84,19 @@ def file_digest(directory: Path, name: str) -> str:
     return DIGEST_PREFIX + h.hexdigest()
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def read_digest(value: object, path: str) -> str:
+    """``value`` checked to be a digest as ``digest`` writes it; ``ValueError``
+    naming ``path`` otherwise."""
+    if not isinstance(value, str) or not value.startswith(DIGEST_PREFIX) or \
+            len(value) != len(DIGEST_PREFIX) + 64 or not set(value[len(DIGEST_PREFIX):]) <= _HEX:
+        raise ValueError(f"{path}: expected a digest 'sha256:<64 hex digits>', got "
+                         f"{str(value)[:80]!r}")
+    return value
+
+
 def digest(data: bytes) -> str:
     """The digest of ``data``: ``sha256:<hex>``."""
     return DIGEST_PREFIX + hashlib.sha256(data).hexdigest()
@@ -93,14 +106,16 @@ def temp_name(target: Path) -> Path:
     """A fresh temporary file beside ``target``, created empty with
     ``O_EXCL | O_NOFOLLOW`` (so it is no link and was no file before): a
     writer fills it by path and ``written_inside`` renames it over ``target``."""
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    # the target's suffix kept last: a writer may insist on it (AOTInductor's
+    # packager refuses a package path that does not end ".pt2")
+    tmp = target.with_name(f".tmp-{secrets.token_hex(6)}-{target.name}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
                  0o644)
     os.close(fd)
     return tmp
 
 
-def written_inside(target: Path, write: Callable[[Path], None]) -> None:
+def written_inside(target: Path, write: Callable[[Path], object]) -> None:
     """Run ``write(tmp)`` on a fresh temporary name beside ``target``
     (``temp_name``), then rename it over ``target``; on failure the temporary
     file is removed and ``target`` is left as it was."""

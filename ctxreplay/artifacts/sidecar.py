@@ -182,11 +182,11 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", *BRIEF_KEYS,
                  "lowered", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
                  "environment", "members", "weights_from", "identities", "ignore_attributes",
-                 "format", "calls", "checked", "dynamic", "assigned"}
+                 "format", "calls", "checked", "dynamic", "assigned", "artifact_digest"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
                              "environment", "members", "weights_from", "identities",
                              "ignore_attributes", "format", "calls", "checked", "dynamic",
-                             "assigned"}
+                             "assigned", "artifact_digest"}
 
 
 def load_sidecar(path: str | os.PathLike[str],
