@@ -16,10 +16,10 @@ The cache marks its directory with a ``CACHEDIR.TAG`` (the Cache Directory
 Tagging Specification's file, which backup tools skip too), written on the
 first write into a directory that is new, empty or holds only entries; a
 directory that holds anything else and no tag is never written into, and
-``entries``, ``size`` and ``clear`` refuse it (``NotACacheError``).  Only folders named as entries are listed or
-removed, no symlink is followed (a symlinked ``.tmp``, bucket or entry is
-removed itself, never what it points to), and entry files are read with
-``O_NOFOLLOW``.
+``entries``, ``size`` and ``clear`` refuse it (``NotACacheError``).  Only
+folders named as entries are listed or removed, no symlink is followed (a
+symlinked ``.tmp``, bucket or entry is removed itself, never what it points
+to), and entry files are read with ``O_NOFOLLOW``.
 """
 
 from __future__ import annotations
