@@ -25,8 +25,9 @@ from .loading.compiled import CompiledProgram
 from .loading.detect import detect
 from .loading.load import LoadedManifest, load
 from .loading.needs import Needs, merge_differences, needs_from_document, static_differences
+from .loading.trust import changed_files
 from .report.explain import Explanation
-from .report.manifest import read_manifest
+from .report.manifest import ManifestDoc, read_manifest
 
 __all__ = ["main"]
 
@@ -238,6 +239,7 @@ def _failure_lines(failures: Any, problems: Any) -> list[str]:
 def _inspect(ns: argparse.Namespace) -> int:
     kind, target, data = detect(ns.path)
     caps: list[tuple[Mapping[str, Any], str, str]] = []
+    changed: list[str] = []
     if kind == "manifest":
         doc = read_manifest(target, data)
         for e in doc.entries:
@@ -250,6 +252,8 @@ def _inspect(ns: argparse.Namespace) -> int:
         extra += _cache_line(data)
         extra += [_compiled_line(e.label, e.compiled, f"$.captures[{e.index}].compiled")
                   for e in doc.entries if e.compiled is not None]
+        changed = _changed_entries(doc)
+        extra += changed
     elif kind == "report":
         for c in data.get("captures", []) if isinstance(data.get("captures"), list) else []:
             if isinstance(c, Mapping):
@@ -277,7 +281,19 @@ def _inspect(ns: argparse.Namespace) -> int:
     print(_table(_HEAD, _capture_rows(caps)))
     for line in extra:
         print(line)
-    return 0
+    return 1 if kind == "manifest" and changed else 0
+
+
+def _changed_entries(doc: ManifestDoc) -> list[str]:
+    """``refused: label: why`` of each entry whose files are not what the
+    manifest recorded (``load`` refuses them)."""
+    out = []
+    for e in doc.entries:
+        if e.sidecar is not None and e.artifact is not None:
+            why = changed_files(doc.directory, dict(e.digests) or None, (e.sidecar, e.artifact))
+            if why is not None:
+                out.append(f"refused: {e.label}: {why}")
+    return out
 
 
 def _compiled_line(label: str, doc: Mapping[str, Any], where: str) -> str:

@@ -147,6 +147,12 @@ class ArtifactFormat(ABC):
         copies; a name it needs and ``weights`` lacks raises ``KeyError``."""
         raise NotImplementedError(f"{self.name}: artifacts are not kept without their weights")
 
+    def check_program_bytes(self, data: bytes) -> None:
+        """Raise where ``data`` (``program_bytes``) holds what reading it would
+        run, before any of it is used (the capture cache asks at a hit whose
+        program is rebuilt later); by default nothing is checked."""
+        return None
+
 
 def _register_entry_point(ep: metadata.EntryPoint, obj: object) -> None:
     instance: Any = obj() if isinstance(obj, type) else obj

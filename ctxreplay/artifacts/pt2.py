@@ -151,6 +151,16 @@ class Pt2Format(ArtifactFormat):
             return None
         return data
 
+    def check_program_bytes(self, data: bytes) -> None:
+        """Its constants and example inputs read ``weights_only``
+        (``pt2read.tensor_payload``): ``UnsafeFileError`` where one holds
+        more than tensors.  The graph is JSON, read by the schema alone."""
+        head, _, consts = _parts(data)
+        if consts:
+            tensor_payload(consts, "a cached program's constants")
+        if "inputs" in head:
+            tensor_payload(base64.b64decode(head["inputs"]), "a cached program's example inputs")
+
     def program_from_bytes(self, data: bytes, weights: Mapping[str, Any]) -> Any:
         """Rebuilt with ``torch._export.serde.serialize.deserialize`` from the
         graph alone: no archive, no weights read (cheaper than
@@ -161,13 +171,7 @@ class Pt2Format(ArtifactFormat):
         from torch._export.serde.schema import ExportedProgram as Schema
         from torch._export.serde.serialize import ExportedProgramDeserializer
 
-        n_head, n_program, n_consts = struct.unpack_from("<III", data)
-        at = struct.calcsize("<III")
-        if len(data) != at + n_head + n_program + n_consts:
-            raise ValueError(f"a cached program of {len(data)} bytes is truncated or padded")
-        head = json.loads(data[at:at + n_head])
-        program = data[at + n_head:at + n_head + n_program]
-        consts = data[at + n_head + n_program:]
+        head, program, consts = _parts(data)
         constants = dict(tensor_payload(consts, "a cached program's constants")) \
             if consts else {}
         for name in head["held"]:
@@ -185,6 +189,19 @@ class Pt2Format(ArtifactFormat):
             raise ValueError("a cached program with symbolic sizes holds no example inputs "
                              "(written by an older ctxreplay): its size guard cannot be rebuilt")
         return rebuilt
+
+
+def _parts(data: bytes) -> tuple[dict[str, Any], bytes, bytes]:
+    """``program_bytes``'s three parts: its header (parsed), the graph's JSON,
+    the constants' payload."""
+    n_head, n_program, n_consts = struct.unpack_from("<III", data)
+    at = struct.calcsize("<III")
+    if len(data) != at + n_head + n_program + n_consts:
+        raise ValueError(f"a cached program of {len(data)} bytes is truncated or padded")
+    head = json.loads(data[at:at + n_head])
+    if not isinstance(head, dict):
+        raise ValueError("a cached program's header is not a JSON object")
+    return head, data[at + n_head:at + n_head + n_program], data[at + n_head + n_program:]
 
 
 def _placeholder_inputs(program: Any) -> Any:
