@@ -16,7 +16,9 @@ def sha256(path: Path) -> str:
 
 def redigest(directory: Path) -> None:
     """Each entry's ``digests`` in ``directory/manifest.json`` set to what its
-    files hold now (the sidecars' own ``artifact_digest`` too)."""
+    files hold now (the sidecars' own ``artifact_digest`` too), where the
+    documents record them: a document of a ctxreplay that records none is
+    left in its own form."""
     manifest = directory / "manifest.json"
     doc = json.loads(manifest.read_text())
     for entry in doc["captures"]:
@@ -24,8 +26,10 @@ def redigest(directory: Path) -> None:
             continue
         side = directory / entry["sidecar"]
         side_doc = json.loads(side.read_text())
-        side_doc["artifact_digest"] = sha256(directory / entry["artifact"])
-        side.write_text(json.dumps(side_doc, indent=2, sort_keys=True))
-        entry["digests"] = {entry["artifact"]: sha256(directory / entry["artifact"]),
-                            entry["sidecar"]: sha256(side)}
+        if "artifact_digest" in side_doc:
+            side_doc["artifact_digest"] = sha256(directory / entry["artifact"])
+            side.write_text(json.dumps(side_doc, indent=2, sort_keys=True))
+        if "digests" in entry:
+            entry["digests"] = {entry["artifact"]: sha256(directory / entry["artifact"]),
+                                entry["sidecar"]: sha256(side)}
     manifest.write_text(json.dumps(doc, indent=2, sort_keys=True))
