@@ -1,5 +1,5 @@
 """The built-in artifact format: a ``torch.export`` program as a ``.pt2``
-archive (``torch.export.save`` / ``torch.export.load``), registered as ``pt2``.
+archive (written by ``torch.export.save``, read by ``pt2read``), registered as ``pt2``.
 """
 
 from __future__ import annotations
