@@ -26,11 +26,11 @@ from pathlib import Path
 from ..errors import Error
 
 __all__ = ["DIGEST_PREFIX", "UnsafeFileError", "digest", "file_digest", "inside", "read_digest",
-           "read_inside", "temp_name", "write_inside", "written_inside"]
+           "read_inside", "regular_inside", "temp_name", "write_inside", "written_inside"]
 
 #: how a digest is written: the algorithm, then the hex digest
 DIGEST_PREFIX = "sha256:"
-_CHUNK = 1 << 20
+_CHUNK = 1 << 22
 
 
 class UnsafeFileError(Error, ValueError):
@@ -43,8 +43,7 @@ def inside(directory: Path, name: str) -> Path:
     regular file where it exists, and inside ``directory``'s real path."""
     path = directory / name
     if path.is_symlink():
-        raise UnsafeFileError(f"{path}: a symlink (to {os.readlink(path)}); a saved file "
-                              "must be a regular file in its directory")
+        raise _symlink(path)
     real, root = os.path.realpath(path), os.path.realpath(directory)
     if os.path.commonpath([real, root]) != root or real == root:
         raise UnsafeFileError(f"{path}: lies outside {directory}")
@@ -53,13 +52,49 @@ def inside(directory: Path, name: str) -> Path:
     return path
 
 
+def _bare(name: str) -> bool:
+    return Path(name).name == name and name not in ("", ".", "..")
+
+
+def _symlink(path: Path) -> UnsafeFileError:
+    try:
+        to = f" (to {os.readlink(path)})"
+    except OSError:
+        to = ""
+    return UnsafeFileError(f"{path}: a symlink{to}; a saved file must be a regular file in its "
+                           "directory")
+
+
+def regular_inside(directory: Path, name: str) -> Path:
+    """``directory / name``, checked with one ``lstat`` where ``name`` is a
+    bare file name (then the file itself not being a symlink keeps it
+    inside ``directory``): a regular file, not a symlink; ``inside`` for any
+    other name.  ``FileNotFoundError`` where it is missing."""
+    if not _bare(name):
+        path = inside(directory, name)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: is missing")
+        return path
+    path = directory / name
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise _symlink(path)
+    if not stat.S_ISREG(mode):
+        raise UnsafeFileError(f"{path}: not a regular file")
+    return path
+
+
 def _open_read(directory: Path, name: str) -> int:
-    path = inside(directory, name)
+    """An open descriptor of ``directory / name``: ``O_NOFOLLOW``, so for a bare
+    name (the file directly in ``directory``) the kernel refuses a symlink
+    and nothing outside can be reached; other names are checked by ``inside``
+    first."""
+    path = directory / name if _bare(name) else inside(directory, name)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafeFileError(f"{path}: became a symlink while it was opened") from None
+            raise _symlink(path) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -478,27 +478,25 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
     given = probe_map(probes)
     captures = []
     unknown: list[str] = []
-    not_saved = []
     refused = []
-    for e in doc.entries:
-        if e.sidecar is None or e.artifact is None:
-            not_saved.append((e.label, e.not_saved or "unknown"))
-            continue
-        why = changed_files(doc.directory, dict(e.digests) or None, (e.sidecar, e.artifact))
-        if why is not None:  # this capture is refused; the others still serve
+    saved = [e for e in doc.entries if e.sidecar is not None and e.artifact is not None]
+    not_saved = [(e.label, e.not_saved or "unknown") for e in doc.entries if e not in saved]
+    for e in saved:
+        side, why = _entry_sidecar(doc.directory, e, given, path)
+        # the artifact read once, to hold it to its digest
+        why = why or changed_files(doc.directory, dict(e.digests) or None, (str(e.artifact),))
+        if why is not None or side is None:  # refused; the others still serve
             _log.warning("load: %s refused: %s", e.label, why)
-            refused.append((e.label, why))
+            refused.append((e.label, str(why)))
             continue
-        side = _entry_sidecar(doc.directory, e, given, path)
         unknown += side.snapshot.unknown
         merged = e.capture.get("merged", [])
         captures.append(_capture(side, e.members, e.weights_from,
-                                 combined_status(e.fidelity, e.saved),
-                                 doc.environment,
+                                 combined_status(e.fidelity, e.saved), doc.environment,
                                  tuple(m for m in merged if type(m) is int)
                                  if isinstance(merged, list) else (),
                                  _compiled(e, doc.directory, path),
-                                 e.digests.get(e.artifact)))
+                                 e.digests.get(str(e.artifact))))
     names = tuple(sorted(set(unknown)))
     warn_unknown(names, doc.path.name)
     if captures and not doc.entries[0].digests:
@@ -509,16 +507,23 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
 
 
 def _entry_sidecar(directory: Path, e: ManifestEntry, probes: Any,
-                   manifest: Path) -> ArtifactSidecar:
-    """The sidecar of entry ``e``, read and held to the entry."""
+                   manifest: Path) -> tuple[ArtifactSidecar | None, str | None]:
+    """The sidecar of entry ``e``, read from the bytes its digest was checked
+    on and held to the entry; or why it is refused (naming the file)."""
     assert e.sidecar is not None
     side_file = directory / e.sidecar
     try:
-        side = read_sidecar(side_file, probes)
+        data = verified_bytes(directory, e.sidecar, e.digests.get(e.sidecar))
+    except FileNotFoundError:
+        return None, f"{side_file}: is missing"
+    except (ValueError, OSError) as exc:  # changed, a symlink, unreadable
+        return None, str(exc)
+    try:
+        side = read_sidecar(side_file, probes, data=data)
     except ValueError as exc:
         raise ValueError(f"{exc} (in {side_file})") from None
     _check_entry(e, side)
-    return side
+    return side, None
 
 
 def _compiled(e: ManifestEntry, directory: Path, manifest: Path) -> CompiledProgram | None:

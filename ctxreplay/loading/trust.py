@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._base.safefiles import UnsafeFileError, digest, file_digest, inside, read_inside
+from .._base.safefiles import UnsafeFileError, digest, file_digest, read_inside, regular_inside
 from ..errors import Error
 
 __all__ = ["UNVERIFIED", "FileChangedError", "changed_files", "verified_bytes"]
@@ -44,14 +44,14 @@ def changed_files(directory: Path, digests: dict[str, str] | None,
     ``digests`` ``None``: none recorded, only their place is checked."""
     for name in names:
         path = directory / name
+        recorded = None if digests is None else digests.get(name)
         try:
-            inside(directory, name)
-            if not path.is_file():
-                return f"{path}: is missing"
-            recorded = None if digests is None else digests.get(name)
             if recorded is None:
+                regular_inside(directory, name)
                 continue
             found = file_digest(directory, name)
+        except FileNotFoundError:
+            return f"{path}: is missing"
         except (UnsafeFileError, OSError) as exc:
             return str(exc)
         if found != recorded:
