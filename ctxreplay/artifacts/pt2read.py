@@ -72,9 +72,10 @@ def tensor_payload(data: bytes, where: str, *, one: bool = False) -> Any:
     try:
         value = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[-1][:200] if str(exc) else ""
-        raise UnsafeFileError(f"{where}: holds more than tensors ({first}); refused: "
-                              "unpickling it would run code it names") from None
+        raise UnsafeFileError(f"{where}: holds more than tensors ({_named_global(exc)}); "
+                              "refused: unpickling it would run code it names (a class you "
+                              "trust is read once given to "
+                              "torch.serialization.add_safe_globals)") from None
     except Exception as exc:
         raise ValueError(f"{where}: unreadable ({type(exc).__name__}: "
                          f"{str(exc)[:160]})") from None
@@ -83,6 +84,15 @@ def tensor_payload(data: bytes, where: str, *, one: bool = False) -> Any:
         raise ValueError(f"{where}: holds a {type(value).__name__}, expected "
                          f"{'a tensor' if one else 'a dict or tuple of tensors'}")
     return value
+
+
+def _named_global(exc: Exception) -> str:
+    """What torch's ``weights_only`` unpickler refused, in a few words: its
+    ``Unsupported global: GLOBAL module.name ...`` line where it names one."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln]
+    shown = (named or lines or ["an object torch's weights_only reader refuses"])[0]
+    return shown.split(" was not an allowed global")[0][:200]
 
 
 def _deserialize(serialized: Any, state: Any, constants: Any, inputs: Any) -> Any:
