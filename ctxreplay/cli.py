@@ -25,8 +25,9 @@ from .loading.compiled import CompiledProgram
 from .loading.detect import detect
 from .loading.load import LoadedManifest, load
 from .loading.needs import Needs, merge_differences, needs_from_document, static_differences
+from .loading.trust import changed_files
 from .report.explain import Explanation
-from .report.manifest import read_manifest
+from .report.manifest import ManifestDoc, read_manifest
 
 __all__ = ["main"]
 
@@ -238,6 +239,7 @@ def _failure_lines(failures: Any, problems: Any) -> list[str]:
 def _inspect(ns: argparse.Namespace) -> int:
     kind, target, data = detect(ns.path)
     caps: list[tuple[Mapping[str, Any], str, str]] = []
+    changed: list[str] = []
     if kind == "manifest":
         doc = read_manifest(target, data)
         for e in doc.entries:
@@ -250,6 +252,8 @@ def _inspect(ns: argparse.Namespace) -> int:
         extra += _cache_line(data)
         extra += [_compiled_line(e.label, e.compiled, f"$.captures[{e.index}].compiled")
                   for e in doc.entries if e.compiled is not None]
+        changed = _changed_entries(doc)
+        extra += changed
     elif kind == "report":
         for c in data.get("captures", []) if isinstance(data.get("captures"), list) else []:
             if isinstance(c, Mapping):
@@ -277,7 +281,19 @@ def _inspect(ns: argparse.Namespace) -> int:
     print(_table(_HEAD, _capture_rows(caps)))
     for line in extra:
         print(line)
-    return 0
+    return 1 if kind == "manifest" and changed else 0
+
+
+def _changed_entries(doc: ManifestDoc) -> list[str]:
+    """``refused: label: why`` of each entry whose files are not what the
+    manifest recorded (``load`` refuses them)."""
+    out = []
+    for e in doc.entries:
+        if e.sidecar is not None and e.artifact is not None:
+            why = changed_files(doc.directory, dict(e.digests) or None, (e.sidecar, e.artifact))
+            if why is not None:
+                out.append(f"refused: {e.label}: {why}")
+    return out
 
 
 def _compiled_line(label: str, doc: Mapping[str, Any], where: str) -> str:
@@ -322,7 +338,14 @@ def _check(ns: argparse.Namespace) -> int:
         needs = [c.needs for c in captures]
         compiled = [_compiled_here(c.label, c.compiled, c.path.parent, c.fingerprint)
                     for c in captures if c.compiled is not None]
+        # a file that is not what was saved, or one no digest vouches for, is
+        # a finding: never an ok over files nothing checked
+        notes += [d.text for c in captures for d in c.unverified()]
+        notes += [f"compiled: {c.label}: {c.compiled.refused[1]} ({c.compiled.refused[0]})"
+                  for c in captures if c.compiled is not None and c.compiled.refused is not None
+                  and c.compiled.refused[0] == "compiled_changed"]
         if isinstance(src, LoadedManifest):
+            notes += [f"refused: {label}: {why}" for label, why in src.refused]
             notes += [f"not saved: {label} ({reason})" for label, reason in src.not_saved]
             notes += [f"failed: {s}#{v} {reason} ({backend})"
                       for s, v, backend, reason in src.failures]
@@ -360,6 +383,8 @@ def _compile(ns: argparse.Namespace) -> int:
     done = compile_dir(ns.dir, force=ns.force)
     src = load(done.directory)
     assert isinstance(src, LoadedManifest)
+    for label, why in src.refused:
+        print(f"{label}: not compiled: {why}")
     for cap in src.captures:
         rec = cap.compiled
         if cap.label in done.skipped:
@@ -372,7 +397,7 @@ def _compile(ns: argparse.Namespace) -> int:
     print(f"ctxreplay compile: {done.directory}: {len(done.compiled)} compiled, "
           f"{len(done.failed)} failed their check, {len(done.skipped)} not compiled "
           f"({done.seconds:.1f} s)")
-    return 1 if done.failed else 0
+    return 1 if done.failed or src.refused else 0
 
 
 def _cache(ns: argparse.Namespace) -> int:
@@ -428,6 +453,16 @@ def _bytes(n: int) -> str:
     return f"{size:.1f} {unit}"
 
 
+def _utf8(arg: str) -> bool:
+    """Whether ``arg`` encodes as UTF-8: bytes the file system encoding could not
+    decode arrive as lone surrogates (``surrogateescape``), which do not."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ctxreplay", description="Faithful deferred graph capture for PyTorch.")
@@ -474,8 +509,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("dir", metavar="DIR", nargs="?", help="the cache directory (default: "
                    "$CTXREPLAY_CACHE)")
     p.set_defaults(func=_cache)
+    args = list(sys.argv[1:] if argv is None else argv)
+    bad = next((a for a in args if not _utf8(a)), None)
+    if bad is not None:  # printing it back would raise UnicodeEncodeError
+        print(f"ctxreplay: error: argument {bad!a} is not valid UTF-8 (a path of "
+              "undecodable bytes); rename it or give another path", file=sys.stderr)
+        return 2
     try:
-        ns = parser.parse_args(argv)
+        ns = parser.parse_args(args)
     except SystemExit as exc:  # --version, --help, or a usage error (already printed)
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     try:

@@ -82,6 +82,13 @@ class ArtifactFormat(ABC):
     def load(self, path: Path) -> Any:
         """The artifact written to ``path``."""
 
+    def load_bytes(self, data: bytes, name: str) -> Any:
+        """The artifact whose file holds ``data`` (``name``: that file, for
+        messages): what ``ctxreplay.load`` reads once the file's digest is
+        checked, so that the bytes checked are the bytes read.  By default
+        ``from_bytes``."""
+        return self.from_bytes(data)
+
     def reload(self, path: Path) -> Any:
         """The artifact just written to ``path``, read back to check the file
         (``Capture.save``); by default ``load``.  A format may read it a
@@ -139,6 +146,12 @@ class ArtifactFormat(ABC):
         tensors of ``weights`` (by qualified name) -- the same objects, not
         copies; a name it needs and ``weights`` lacks raises ``KeyError``."""
         raise NotImplementedError(f"{self.name}: artifacts are not kept without their weights")
+
+    def check_program_bytes(self, data: bytes) -> None:
+        """Raise where ``data`` (``program_bytes``) holds what reading it would
+        run, before any of it is used (the capture cache asks at a hit whose
+        program is rebuilt later); by default nothing is checked."""
+        return None
 
 
 def _register_entry_point(ep: metadata.EntryPoint, obj: object) -> None:

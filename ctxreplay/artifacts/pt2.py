@@ -1,5 +1,5 @@
 """The built-in artifact format: a ``torch.export`` program as a ``.pt2``
-archive (``torch.export.save`` / ``torch.export.load``), registered as ``pt2``.
+archive (written by ``torch.export.save``, read by ``pt2read``), registered as ``pt2``.
 """
 
 from __future__ import annotations
@@ -7,14 +7,10 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
-import functools
-import importlib
 import io
 import json
 import struct
-import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +27,7 @@ from ..backends.passes import (
 )
 from ..specs.storage import same_data
 from .formats import ArtifactFormat, Form, register_format
+from .pt2read import decode, read_program, tensor_payload
 
 __all__ = ["Pt2Format"]
 
@@ -60,22 +57,21 @@ class Pt2Format(ArtifactFormat):
         torch.export.save(_placeholder_inputs(artifact), path)
 
     def load(self, path: Path) -> Any:
-        """``torch.export.load``."""
-        return torch.export.load(path)
+        """The program, read with nothing in the file run (``pt2read``:
+        every payload a tensor, read ``weights_only``)."""
+        return read_program(path.read_bytes(), str(path))
+
+    def load_bytes(self, data: bytes, name: str) -> Any:
+        """``load`` of the file's bytes (``pt2read.read_program``)."""
+        return read_program(data, name)
 
     def reload(self, path: Path) -> Any:
-        """The program just written, read back through torch's own archive
-        reader and graph deserialiser (``_read_archive``), its JSON decoded
-        with each schema class's type hints resolved once (``_decode``)
-        rather than at every node as ``torch.export.load`` does -- the
-        larger part of what loading a small program costs.  Where this
-        torch's archive does not have the layout that reader knows, or it
-        fails, ``torch.export.load`` reads the file (its error stands)."""
-        try:
-            program = _read_archive(path)
-        except Exception:
-            program = None
-        return torch.export.load(path) if program is None else program
+        """The program just written, read back as ``load`` reads it: torch's
+        archive reader and graph deserialiser, its JSON decoded with each
+        schema class's type hints resolved once (``pt2read.decode``) rather
+        than at every node as ``torch.export.load`` does -- the larger part
+        of what loading a small program costs."""
+        return self.load(path)
 
     def detect(self, path: Path) -> bool:
         """A zip archive: what ``torch.export.save`` writes."""
@@ -124,8 +120,8 @@ class Pt2Format(ArtifactFormat):
         return buf.getvalue()
 
     def from_bytes(self, data: bytes) -> Any:
-        """``torch.export.load`` from memory."""
-        return torch.export.load(io.BytesIO(data))
+        """``load`` from memory."""
+        return read_program(data, "a .pt2 archive in memory")
 
     def program_bytes(self, artifact: Any) -> bytes | None:
         """The program's serialised graph and its own tensor constants, with
@@ -155,6 +151,16 @@ class Pt2Format(ArtifactFormat):
             return None
         return data
 
+    def check_program_bytes(self, data: bytes) -> None:
+        """Its constants and example inputs read ``weights_only``
+        (``pt2read.tensor_payload``): ``UnsafeFileError`` where one holds
+        more than tensors.  The graph is JSON, read by the schema alone."""
+        head, _, consts = _parts(data)
+        if consts:
+            tensor_payload(consts, "a cached program's constants")
+        if "inputs" in head:
+            tensor_payload(base64.b64decode(head["inputs"]), "a cached program's example inputs")
+
     def program_from_bytes(self, data: bytes, weights: Mapping[str, Any]) -> Any:
         """Rebuilt with ``torch._export.serde.serialize.deserialize`` from the
         graph alone: no archive, no weights read (cheaper than
@@ -165,121 +171,37 @@ class Pt2Format(ArtifactFormat):
         from torch._export.serde.schema import ExportedProgram as Schema
         from torch._export.serde.serialize import ExportedProgramDeserializer
 
-        n_head, n_program, n_consts = struct.unpack_from("<III", data)
-        at = struct.calcsize("<III")
-        if len(data) != at + n_head + n_program + n_consts:
-            raise ValueError(f"a cached program of {len(data)} bytes is truncated or padded")
-        head = json.loads(data[at:at + n_head])
-        program = data[at + n_head:at + n_head + n_program]
-        consts = data[at + n_head + n_program:]
-        constants = torch.load(io.BytesIO(consts), weights_only=True) if consts else {}
+        head, program, consts = _parts(data)
+        constants = dict(tensor_payload(consts, "a cached program's constants")) \
+            if consts else {}
         for name in head["held"]:
             constants[name] = weights[name]
         state = {name: weights[name] for name in head["state"]}
-        serialized = _decode(Schema, json.loads(program))
+        serialized = decode(Schema, json.loads(program))
         inputs = base64.b64decode(head["inputs"]) if "inputs" in head else None
+        # read here, weights_only: torch's deserialiser unpickles bytes it is
+        # given with weights_only=False where the weights_only read fails
+        examples = tensor_payload(inputs, "a cached program's example inputs") \
+            if inputs else None
         rebuilt = ExportedProgramDeserializer(None).deserialize(serialized, state, constants,
-                                                                inputs)
+                                                                examples)
         if not inputs and rebuilt.range_constraints:
             raise ValueError("a cached program with symbolic sizes holds no example inputs "
                              "(written by an older ctxreplay): its size guard cannot be rebuilt")
         return rebuilt
 
 
-def _read_archive(path: Path) -> Any:
-    """A one-program ``.pt2`` archive read as ``torch.export.load`` reads it
-    (``pt2_archive._package._load_exported_programs``): the archive version,
-    the weights, the constants and the example inputs by torch's own
-    readers, the program by torch's deserialiser; ``None`` where the
-    archive or this torch is not laid out so."""
-    from torch._export.serde.schema import ExportedProgram as Schema
-    from torch._export.serde.serialize import ExportedProgramDeserializer
-    # (by name: torch 2.7 has no such package, and its stubs none either)
-    pkg: Any = importlib.import_module("torch.export.pt2_archive._package")
-    names: Any = importlib.import_module("torch.export.pt2_archive.constants")
-
-    with pkg.PT2ArchiveReader(str(path)) as reader:
-        if reader.read_string(names.ARCHIVE_VERSION_PATH) != names.ARCHIVE_VERSION_VALUE:
-            return None
-        model = names.MODELS_FILENAME_FORMAT.format("model")
-        if [n for n in reader.get_file_names() if n.startswith(names.MODELS_DIR)] != [model]:
-            return None
-        serialized = _decode(Schema, json.loads(reader.read_bytes(model)))
-        inputs = reader.read_bytes(names.SAMPLE_INPUTS_FILENAME_FORMAT.format("model"))
-        state = pkg._load_state_dict(reader, "model")
-        constants = pkg._load_constants(reader, "model")
-    return ExportedProgramDeserializer(None).deserialize(serialized, state, constants, inputs)
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    from torch._export.serde import schema
-
-    return typing.get_type_hints(cls, globalns=vars(schema))
-
-
-def _decode(cls: Any, data: Any) -> Any:
-    """torch's JSON-to-schema decoding (``serialize._dict_to_dataclass``),
-    by a decoder made once per schema type (``_decoder``) instead of
-    resolving each class's type hints at every node -- most of what
-    loading a small program costs."""
-    return _decoder(cls)(data)
-
-
-_Decoder = Callable[[Any], Any]
-
-
-@functools.cache
-def _decoder(cls: Any) -> _Decoder:
-    """The decoder of one schema type, as ``serialize._dict_to_dataclass``
-    decodes it: an optional's ``None`` stays ``None``; a union (one key:
-    its member's name) is made with ``create``; a dataclass from the fields
-    the data has (torch ignores unknown keys); a list or dict by its data,
-    element by element; a float is made a float.  Nested types are looked
-    up when first met, so recursive schema types need no special case."""
-    from torch._export.serde import schema
-    from torch._export.serde.union import _Union
-
-    if isinstance(cls, typing.ForwardRef):
-        return _decoder(cls.__forward_arg__)
-    if isinstance(cls, str):
-        return _decoder(getattr(schema, cls))
-    origin = typing.get_origin(cls)
-    if origin is typing.Annotated:
-        return _decoder(cls.__origin__)
-    args = typing.get_args(cls)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        return lambda data: None if data is None else _decoder(args[0])(data)
-    if isinstance(cls, type) and issubclass(cls, _Union):
-        return _union_decoder(cls)
-    if dataclasses.is_dataclass(cls):
-        hints = _hints(cls)  # type: ignore[arg-type]
-        fields = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
-        return lambda data: cls(**{name: _decoder(hint)(data[name])  # type: ignore[operator]
-                                   for name, hint in fields if name in data})
-    return functools.partial(_plain, cls, args)
-
-
-def _union_decoder(cls: Any) -> _Decoder:
-    hints = _hints(cls)
-    create = cls.create
-
-    def union(data: Any) -> Any:
-        (name, value), = data.items()
-        return create(**{name: _decoder(hints[name])(value)})
-    return union
-
-
-def _plain(cls: Any, args: tuple[Any, ...], data: Any) -> Any:
-    if isinstance(data, list):
-        if not data:
-            return data
-        item = _decoder(args[0])
-        return [item(d) for d in data]
-    if isinstance(data, dict):
-        value = _decoder(args[1])
-        return {k: value(v) for k, v in data.items()}
-    return float(data) if cls is float else data
+def _parts(data: bytes) -> tuple[dict[str, Any], bytes, bytes]:
+    """``program_bytes``'s three parts: its header (parsed), the graph's JSON,
+    the constants' payload."""
+    n_head, n_program, n_consts = struct.unpack_from("<III", data)
+    at = struct.calcsize("<III")
+    if len(data) != at + n_head + n_program + n_consts:
+        raise ValueError(f"a cached program of {len(data)} bytes is truncated or padded")
+    head = json.loads(data[at:at + n_head])
+    if not isinstance(head, dict):
+        raise ValueError("a cached program's header is not a JSON object")
+    return head, data[at + n_head:at + n_head + n_program], data[at + n_head + n_program:]
 
 
 def _placeholder_inputs(program: Any) -> Any:

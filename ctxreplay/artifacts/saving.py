@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from .._base.environment import full_environment
+from .._base.safefiles import file_digest, write_inside, written_inside
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.compare import SpecMismatch, compare_specs
 from ..fidelity.levels import at_least, level_names
@@ -87,6 +88,9 @@ class SavedArtifact:
     wrappers)."""
     fidelity: Fidelity
     """The check of the file itself (level ``saved``)."""
+    digest: str = ""
+    """The artifact file's content digest, ``sha256:<hex>`` (recorded in its
+    sidecar and in the manifest; checked before the file is read)."""
 
 
 # -- saving ----------------------------------------------------------------------
@@ -121,7 +125,7 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
         with collector_paused():
             try:
                 program = build()
-                fmt.save(program, target)
+                _save_file(fmt, program, target)
             except Exception as exc:  # the serialiser refused this form; try the next
                 errors.append(exc)
                 continue
@@ -139,12 +143,20 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
             "serialize_failed") from (errors[-1] if errors else None)
     lowered, program, fidelity = result
     if program is not written:  # neither form agreed: keep the preferred one
-        fmt.save(program, target)
+        _save_file(fmt, program, target)
     doc = sidecar_json(capture, target, lowered=lowered, fidelity=fidelity,
                        artifact_format=fmt.name)
+    doc["artifact_digest"] = file_digest(target.parent, target.name)
     side = sidecar_path(target)
-    side.write_text(json.dumps(doc, indent=2, sort_keys=True))
-    return SavedArtifact(target, side, lowered, fidelity)
+    write_inside(side, json.dumps(doc, indent=2, sort_keys=True).encode())
+    return SavedArtifact(target, side, lowered, fidelity, doc["artifact_digest"])
+
+
+def _save_file(fmt: ArtifactFormat, program: Any, target: Path) -> None:
+    """``fmt.save`` to a fresh name in ``target``'s directory, renamed over
+    ``target`` (``safefiles.written_inside``): a symlink planted at
+    ``target`` is replaced, never written through."""
+    written_inside(target, lambda tmp: fmt.save(program, tmp))
 
 
 @contextmanager

@@ -182,11 +182,11 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", *BRIEF_KEYS,
                  "lowered", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
                  "environment", "members", "weights_from", "identities", "ignore_attributes",
-                 "format", "calls", "checked", "dynamic", "assigned"}
+                 "format", "calls", "checked", "dynamic", "assigned", "artifact_digest"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
                              "environment", "members", "weights_from", "identities",
                              "ignore_attributes", "format", "calls", "checked", "dynamic",
-                             "assigned"}
+                             "assigned", "artifact_digest"}
 
 
 def load_sidecar(path: str | os.PathLike[str],
@@ -218,14 +218,15 @@ def warn_unknown(names: tuple[str, ...] | list[str], where: str) -> None:
 
 def read_sidecar(path: str | os.PathLike[str],
                  probes: Mapping[str, ContextProbe[Any]] | None = None, *,
-                 unknown: str = "opaque") -> ArtifactSidecar:
+                 unknown: str = "opaque", data: bytes | None = None) -> ArtifactSidecar:
     """:func:`load_sidecar` without the warning (the caller gives one for
-    everything it loads): unknown probes are in ``snapshot.unknown``."""
+    everything it loads): unknown probes are in ``snapshot.unknown``.
+    ``data``: the sidecar's bytes, where the caller has read (and checked) them."""
     given = Path(os.fspath(path))
     side = given if given.suffix == ".json" and not given.name.endswith(".pt2") \
         else sidecar_path(given)
-    data = loads(side.read_bytes(), "$", source=str(side))
-    doc = read_mapping(data, "$", keys=_SIDECAR_KEYS, required=_REQUIRED)
+    parsed = loads(side.read_bytes() if data is None else data, "$", source=str(side))
+    doc = read_mapping(parsed, "$", keys=_SIDECAR_KEYS, required=_REQUIRED)
     schema = read_str(doc["schema"], "$.schema")
     if schema != SIDECAR_SCHEMA:
         raise ValueError(f"$.schema: unsupported schema {schema!r}; expected {SIDECAR_SCHEMA!r}")

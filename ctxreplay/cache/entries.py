@@ -65,6 +65,9 @@ def read_entry(store: CacheDir, entry: StoredEntry, request: VariantRequest
         stored = Stored.read(entry.record)
         fmt = get_format(stored.format)
         backend = get_backend(stored.backend)
+        # nothing it holds runs: a payload that needs more than tensors is
+        # refused now, even where its program is rebuilt only later
+        fmt.check_program_bytes(entry.program)
     except Exception as exc:
         store.discard(entry.key, f"unreadable ({type(exc).__name__})")
         return None

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from .._base.environment import compiled_environment
 from .._base.progress import Progress, counted
+from .._base.safefiles import file_digest, read_inside, written_inside
 from .._base.torchcaps import aoti_package_loader
 from ..dispatch.flat import Flat, flatten
 from ..loading.compiled import CompiledProgram, OutputError
@@ -88,7 +89,8 @@ def compile_dir(directory: str | os.PathLike[str], *, force: bool = False,
     assert isinstance(src, LoadedManifest)
     compiled: list[str] = []
     failed: dict[str, str] = {}
-    skipped: dict[str, str] = {}
+    # a capture whose files are not what the manifest recorded is never compiled
+    skipped: dict[str, str] = {label: f"refused: {why}" for label, why in src.refused}
     bar = Progress(len(src.captures), 0, progress, task="compile", verb="compiled",
                    unit="capture", show_after=0.0)
     try:
@@ -152,10 +154,12 @@ def _compile(cap: LoadedCapture, root: Path,
     with torch.no_grad(), cap.replay():
         exported = lifted_export(module, tuple(state + tensors), len(state), cap.folding)
     package = root / (Path(cap.path.name).stem + PACKAGE_SUFFIX)
+    # packaged under a fresh name in the directory and renamed over the
+    # package's: a symlink planted there is replaced, never written through
     with torch.no_grad():
-        torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(package),
-            inductor_configs=dict(configs) if configs is not None else None)
+        written_inside(package, lambda tmp: torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(tmp),
+            inductor_configs=dict(configs) if configs is not None else None))
     seconds = time.monotonic() - start
     device = tensors[0].device.type if tensors else state[0].device.type if state else "cpu"
     checked, outputs = _check(cap, flat, package, state, (leaves, taken), device)
@@ -169,7 +173,7 @@ def _compile(cap: LoadedCapture, root: Path,
                            reason, keep, cap.fingerprint,
                            tuple((shape, str(dtype).removeprefix("torch."), str(device))
                                  for shape, dtype, device in flat.state_meta),
-                           _specs(flat))
+                           _specs(flat), file_digest(root, package.name))
 
 
 def _named(o: OutputError, flat: Flat) -> str:
@@ -252,7 +256,7 @@ def _compiler() -> str:
 def _record(root: Path, cap: LoadedCapture, record: CompiledProgram) -> None:
     """Write ``record`` into the capture's manifest entry (atomically)."""
     path = root / MANIFEST_NAME
-    doc = json.loads(path.read_text())
+    doc = json.loads(read_inside(root, MANIFEST_NAME))
     for entry in doc["captures"]:
         if entry.get("artifact") == cap.path.name:
             entry["compiled"] = record.to_json()

@@ -41,6 +41,10 @@ def compiled_flat(flat: Flat, program: Any, record: CompiledProgram, directory: 
     autograd records it."""
     if tuple(record.state) != tuple(flat.state_names):
         return "compiled_mismatch", "it takes other member tensors than the capture's program"
+    # its digest read again now, just before its native code is loaded
+    refused = record.package_refused(directory)
+    if refused is not None:
+        return refused
     device = str(record.environment.get("device") or "cpu")
     try:
         loader = aoti_package_loader(str(directory / record.package), device)

@@ -22,6 +22,8 @@ import attrs
 
 from .._base.environment import COMPILED_GUARDED, compiled_environment
 from .._base.jsonread import read_bool, read_int, read_list, read_mapping, read_str
+from .._base.safefiles import read_digest
+from .trust import changed_files
 
 __all__ = ["COMPILED_FORMAT", "COMPILED_REASONS", "CompiledProgram", "OutputError"]
 
@@ -35,9 +37,12 @@ COMPILED_FORMAT = "aoti"
 #: compiles the programs itself -- or, for some calls only, autograd records
 #: the call (grad mode on, a tensor that requires grad), which a compiled
 #: program cannot serve
+#: -- or its package is not what its record's digest says (``compiled_changed``),
+#: or its record holds no digest (``compiled_unverified``): a package is native
+#: code, run only where its digest holds
 COMPILED_REASONS = ("compiled_failed", "compiled_missing", "compiled_environment",
                     "compiled_load_failed", "compiled_mismatch", "compiled_overridden",
-                    "compiled_autograd")
+                    "compiled_autograd", "compiled_changed", "compiled_unverified")
 
 
 @attrs.frozen
@@ -142,6 +147,13 @@ class CompiledProgram:
     documents, parsed: containers and keyword names, no values), so that
     install can run the compiled program without reading the uncompiled one
     first; ``None`` where torch cannot write it."""
+    digest: str = ""
+    """The package file's content digest, ``sha256:<hex>``, checked before it
+    is loaded; empty in a record written before digests were recorded."""
+    refused: tuple[str, str] | None = attrs.field(default=None, eq=False)
+    """Why its package may not run here although the record holds (``(reason
+    code, words)``: ``compiled_changed``, ``compiled_unverified``), found by
+    ``checked_in`` when the directory was loaded; not written."""
 
     @property
     def error(self) -> float:
@@ -158,16 +170,18 @@ class CompiledProgram:
                 "fingerprint": self.fingerprint,
                 "state_meta": [[list(shape), dtype, device]
                                for shape, dtype, device in self.state_meta],
-                "specs": None if self.specs is None else list(self.specs)}
+                "specs": None if self.specs is None else list(self.specs),
+                "digest": self.digest}
 
     @classmethod
     def from_json(cls, value: object, path: str) -> CompiledProgram:
         """The inverse of ``to_json``; ``ValueError`` naming the bad field."""
         keys = {"format", "package", "state", "environment", "compiler", "ok", "checked",
                 "outputs", "dynamic", "seconds", "reason", "leaves", "fingerprint",
-                "state_meta", "specs"}
+                "state_meta", "specs", "digest"}
         doc = read_mapping(value, path, keys=keys, required=keys - {
-            "dynamic", "seconds", "reason", "leaves", "fingerprint", "state_meta", "specs"})
+            "dynamic", "seconds", "reason", "leaves", "fingerprint", "state_meta", "specs",
+            "digest"})
         read_str(doc["format"], f"{path}.format", choices={COMPILED_FORMAT})
         package = read_str(doc["package"], f"{path}.package", max_len=1024)
         if Path(package).name != package or package in ("", ".", ".."):
@@ -210,13 +224,38 @@ class CompiledProgram:
                 for i, v in enumerate(read_list(leaves, f"{path}.leaves"))),
             fingerprint=read_str(doc.get("fingerprint", ""), f"{path}.fingerprint"),
             state_meta=_state_meta(doc.get("state_meta", []), f"{path}.state_meta"),
-            specs=_specs(doc.get("specs"), f"{path}.specs"))
+            specs=_specs(doc.get("specs"), f"{path}.specs"),
+            digest="" if doc.get("digest", "") == "" else read_digest(doc["digest"],
+                                                                    f"{path}.digest"))
+
+    def checked_in(self, directory: Path) -> CompiledProgram:
+        """This record with ``refused`` set where its package in ``directory``
+        is not what its digest says, or no digest is recorded
+        (``package_refused``)."""
+        why = self.package_refused(directory)
+        return self if why is None else attrs.evolve(self, refused=why)
+
+    def package_refused(self, directory: Path) -> tuple[str, str] | None:
+        """Why the package in ``directory`` may not be loaded -- ``(reason code,
+        words)`` -- read once now; ``None`` when it holds its digest (or is
+        missing: ``unusable`` says so)."""
+        if not self.digest:
+            return "compiled_unverified", f"its record holds no digest of its package " \
+                f"{self.package} (compiled by a ctxreplay before they were recorded): a " \
+                "package is native code, run only where its digest holds; compile again"
+        if not (directory / self.package).exists() and \
+                not (directory / self.package).is_symlink():
+            return None
+        why = changed_files(directory, {self.package: self.digest}, (self.package,))
+        return None if why is None else ("compiled_changed", why)
 
     def unusable(self, directory: Path, fingerprint: str | None = None
                  ) -> tuple[str, str] | None:
         """Why this program cannot serve here -- ``(reason code, words)``, the
         code one of ``COMPILED_REASONS`` -- or ``None`` when it can.
         ``fingerprint``: the capture's, where known (it must be the one compiled)."""
+        if self.refused is not None:
+            return self.refused
         if fingerprint is not None and self.fingerprint not in ("", fingerprint):
             return "compiled_mismatch", "it was compiled from another capture than the one " \
                 "saved now"

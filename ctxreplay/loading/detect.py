@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .._base.jsonread import loads
+from .._base.safefiles import inside
 from ..artifacts.formats import available_formats, format_of_file
 from ..artifacts.sidecar import SIDECAR_SCHEMA, sidecar_path
 from ..report.manifest import MANIFEST_NAME, MANIFEST_SCHEMA
@@ -36,6 +37,8 @@ def detect(path: str | os.PathLike[str]) -> tuple[str, Path, Any]:
             raise ValueError(f"{given}: a directory without {MANIFEST_NAME}; expected "
                              f"{expected_files()}")
         given = manifest
+    if given.name == MANIFEST_NAME:  # the index of a directory: it must be in it
+        inside(given.parent, given.name)
     if not given.exists():
         raise FileNotFoundError(f"{given}: no such file or directory")
     fmt = format_of_file(given)

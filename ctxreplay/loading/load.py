@@ -16,8 +16,16 @@ from typing import Any
 import attrs
 from torch import nn
 
+from .._base.safefiles import read_digest
+from ..artifacts.formats import get_format
 from ..artifacts.program import BriefFields, ProgramMeta
-from ..artifacts.sidecar import ArtifactError, ArtifactSidecar, read_sidecar, warn_unknown
+from ..artifacts.sidecar import (
+    ArtifactError,
+    ArtifactSidecar,
+    read_sidecar,
+    sidecar_path,
+    warn_unknown,
+)
 from ..capture.mutation import ARGUMENT_FIELD
 from ..core.snapshots import ContextSnapshot, Unresolved
 from ..fidelity.verify import combined_status
@@ -38,6 +46,7 @@ from .needs import (
     merge_differences,
     probe_map,
 )
+from .trust import UNVERIFIED, FileChangedError, changed_files, verified_bytes
 from .weights import Weights, bind_weights
 
 _log = logging.getLogger("ctxreplay")
@@ -74,6 +83,11 @@ class LoadedCapture(BriefFields):
     compiled: CompiledProgram | None = attrs.field(default=None, repr=False)
     """Its ahead-of-time compiled program (``ctxreplay compile``), beside ``path``;
     ``None``: not compiled."""
+    digest: str | None = attrs.field(default=None, repr=False)
+    """The artifact file's digest as its manifest (or, loaded alone, its
+    sidecar) recorded it, ``sha256:<hex>``; the program is read only from
+    bytes that hold it.  ``None``: none recorded -- the files are unverified
+    (``check()`` says so)."""
     _cache: dict[str, Any] = attrs.field(factory=dict, repr=False, alias="cache")
 
     @property
@@ -146,12 +160,21 @@ class LoadedCapture(BriefFields):
         return needs
 
     @property
+    def verified(self) -> bool:
+        """Whether its files were checked against recorded digests (``digest``)."""
+        return self.digest is not None
+
+    @property
     def program(self) -> Any:
         """The artifact, read by its format (loaded once, on first use): for a
-        ``.pt2``, the ``torch.export.ExportedProgram``."""
+        ``.pt2``, the ``torch.export.ExportedProgram``, read with nothing in
+        the file run.  The bytes read are checked against ``digest`` first:
+        ``FileChangedError`` naming the file where they differ."""
         program = self._cache.get("program")
         if program is None:
-            program = self._cache["program"] = self.sidecar.load_program()
+            data = verified_bytes(self.path.parent, self.path.name, self.digest)
+            program = get_format(self.sidecar.format).load_bytes(data, str(self.path))
+            self._cache["program"] = program
         return program
 
     def signature(self) -> CallSpec | None:
@@ -218,7 +241,15 @@ class LoadedCapture(BriefFields):
 
         Args:
             ignore: probe names not to check (you vouch for them)."""
-        return check_needs(self.needs, ignore) + self.undispatchable()
+        return check_needs(self.needs, ignore) + self.undispatchable() + self.unverified()
+
+    def unverified(self) -> tuple[Difference, ...]:
+        """A ``files`` difference where no digest of its files is recorded
+        (``verified`` false); empty otherwise."""
+        if self.verified:
+            return ()
+        return (Difference(self.path.name, "recorded digests of its files", UNVERIFIED,
+                           "files", (self.label,)),)
 
     def undispatchable(self) -> tuple[Difference, ...]:
         """Why ``install`` never dispatches this capture, whatever the model
@@ -361,6 +392,10 @@ class LoadedManifest:
     """The report's problem codes."""
     unknown_probes: tuple[str, ...] = ()
     """Probes the files name that this process does not have."""
+    refused: tuple[tuple[str, str], ...] = ()
+    """``(scope#variant, why)`` of captures whose files are not what the
+    manifest recorded (swapped, edited, truncated, missing, or a symlink):
+    not loaded, so never served; ``why`` names the file."""
 
     @property
     def directory(self) -> Path:
@@ -378,7 +413,10 @@ class LoadedManifest:
         difference once, listing the captures it concerns (empty when all
         holds)."""
         ignore = tuple(ignore)
-        return merge_differences(d for c in self.captures for d in c.check(ignore=ignore))
+        refused = (Difference("files", "the files the manifest recorded", why, "files",
+                              (label,)) for label, why in self.refused)
+        return merge_differences([*refused,
+                                  *(d for c in self.captures for d in c.check(ignore=ignore))])
 
 
 # -- load ---------------------------------------------------------------------------
@@ -386,7 +424,8 @@ class LoadedManifest:
 def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
              fidelity: str, environment: Mapping[str, Any] | None,
              merged: tuple[int, ...] = (),
-             compiled: CompiledProgram | None = None) -> LoadedCapture:
+             compiled: CompiledProgram | None = None,
+             digest: str | None = None) -> LoadedCapture:
     env = environment
     if env is None:
         doc_env = side.document.get("environment")
@@ -394,15 +433,29 @@ def _capture(side: ArtifactSidecar, members: tuple[str, ...], weights_from: str,
     return LoadedCapture(side.artifact, side, members or side.members or (side.scope,),
                          weights_from or side.weights_from or
                          (members[0] if members else side.scope),
-                         fidelity, env, merged, compiled)
+                         fidelity, env, merged, compiled, digest)
 
 
 def _load_single(path: Path, probes: Probes) -> LoadedCapture:
+    named = path if path.suffix == ".json" else sidecar_path(path)
+    misplaced = changed_files(named.parent, None, (named.name,))
+    if misplaced is not None:  # read nothing through a symlink
+        raise FileChangedError(f"load: {misplaced}")
     side = read_sidecar(path, probe_map(probes))
     warn_unknown(side.snapshot.unknown, side.path.name)
     doc = side.document
     saved = None if doc.get("saved_fidelity") is None else document_fidelity(doc, "saved_fidelity")
-    return _capture(side, (), "", combined_status(document_fidelity(doc, "fidelity"), saved), None)
+    found = None if doc.get("artifact_digest") is None else \
+        read_digest(doc["artifact_digest"], "$.artifact_digest")
+    name = side.artifact.name
+    why = changed_files(side.artifact.parent, None if found is None else {name: found},
+                        (side.path.name, name))
+    if why is not None:
+        raise FileChangedError(f"load: {why}")
+    if found is None:
+        _log.warning("load: %s: %s", side.artifact, UNVERIFIED)
+    return _capture(side, (), "", combined_status(document_fidelity(doc, "fidelity"), saved),
+                    None, digest=found)
 
 
 def _check_entry(e: ManifestEntry, side: ArtifactSidecar) -> None:
@@ -425,40 +478,64 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
     given = probe_map(probes)
     captures = []
     unknown: list[str] = []
-    not_saved = []
-    for e in doc.entries:
-        if e.sidecar is None:
-            not_saved.append((e.label, e.not_saved or "unknown"))
+    refused = []
+    saved = [e for e in doc.entries if e.sidecar is not None and e.artifact is not None]
+    not_saved = [(e.label, e.not_saved or "unknown") for e in doc.entries if e not in saved]
+    for e in saved:
+        side, why = _entry_sidecar(doc.directory, e, given, path)
+        # the artifact read once, to hold it to its digest
+        why = why or changed_files(doc.directory, dict(e.digests) or None, (str(e.artifact),))
+        if why is not None or side is None:  # refused; the others still serve
+            _log.warning("load: %s refused: %s", e.label, why)
+            refused.append((e.label, str(why)))
             continue
-        side_file = doc.directory / e.sidecar
-        try:
-            side = read_sidecar(side_file, given)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"$.captures[{e.index}].sidecar: {side_file} is "
-                                    "missing") from None
-        except ValueError as exc:
-            raise ValueError(f"{exc} (in {side_file})") from None
-        _check_entry(e, side)
-        if not side.artifact.is_file():
-            raise FileNotFoundError(f"$.captures[{e.index}].artifact: {side.artifact} is "
-                                    "missing")
         unknown += side.snapshot.unknown
         merged = e.capture.get("merged", [])
-        try:
-            compiled = None if e.compiled is None else \
-                CompiledProgram.from_json(e.compiled, f"$.captures[{e.index}].compiled")
-        except ValueError as exc:
-            raise ValueError(f"{exc} (in {path})") from None
         captures.append(_capture(side, e.members, e.weights_from,
-                                 combined_status(e.fidelity, e.saved),
-                                 doc.environment,
+                                 combined_status(e.fidelity, e.saved), doc.environment,
                                  tuple(m for m in merged if type(m) is int)
-                                 if isinstance(merged, list) else (), compiled))
+                                 if isinstance(merged, list) else (),
+                                 _compiled(e, doc.directory, path),
+                                 e.digests.get(str(e.artifact))))
     names = tuple(sorted(set(unknown)))
     warn_unknown(names, doc.path.name)
+    if captures and not doc.entries[0].digests:
+        _log.warning("load: %s: %s", doc.path, UNVERIFIED)
     return LoadedManifest(doc.path, doc.ctxreplay_version, doc.environment, doc.ok,
                           doc.probes, tuple(captures), tuple(not_saved),
-                          doc.failures, doc.problems, names)
+                          doc.failures, doc.problems, names, tuple(refused))
+
+
+def _entry_sidecar(directory: Path, e: ManifestEntry, probes: Any,
+                   manifest: Path) -> tuple[ArtifactSidecar | None, str | None]:
+    """The sidecar of entry ``e``, read from the bytes its digest was checked
+    on and held to the entry; or why it is refused (naming the file)."""
+    assert e.sidecar is not None
+    side_file = directory / e.sidecar
+    try:
+        data = verified_bytes(directory, e.sidecar, e.digests.get(e.sidecar))
+    except FileNotFoundError:
+        return None, f"{side_file}: is missing"
+    except (ValueError, OSError) as exc:  # changed, a symlink, unreadable
+        return None, str(exc)
+    try:
+        side = read_sidecar(side_file, probes, data=data)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in {side_file})") from None
+    _check_entry(e, side)
+    return side, None
+
+
+def _compiled(e: ManifestEntry, directory: Path, manifest: Path) -> CompiledProgram | None:
+    """Entry ``e``'s compiled record, its package checked against the digest
+    it records (``CompiledProgram.refused`` says why one that is not may not run)."""
+    if e.compiled is None:
+        return None
+    try:
+        record = CompiledProgram.from_json(e.compiled, f"$.captures[{e.index}].compiled")
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in {manifest})") from None
+    return record.checked_in(directory)
 
 
 

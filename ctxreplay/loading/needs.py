@@ -34,8 +34,9 @@ __all__ = ["DIFFERENCE_KINDS", "ENVIRONMENT_FIELDS", "Difference", "Needs", "Pro
 
 #: ``Difference.kind``: a probe's state, the environment, the fidelity check,
 #: why ``install`` can never dispatch the capture (``field``: the reason code),
-#: or a call's sizes outside a folded capture's ranges
-DIFFERENCE_KINDS = ("state", "environment", "fidelity", "dispatch", "sizes")
+#: a call's sizes outside a folded capture's ranges, or its files (``field``:
+#: a file name, unverified or not what the manifest recorded)
+DIFFERENCE_KINDS = ("state", "environment", "fidelity", "dispatch", "sizes", "files")
 #: ``Difference.field`` of an ``environment`` difference
 ENVIRONMENT_FIELDS = ("torch", "device", "capability", "autocast_policy")
 
@@ -80,8 +81,10 @@ class Difference:
     found: str
     """What this process has now, in words."""
     kind: str = "state"
-    """One of ``DIFFERENCE_KINDS``: ``state``, ``environment``, ``fidelity``, ``dispatch`` or
-    ``sizes`` (a call's sizes outside the ranges a folded capture was verified over)."""
+    """One of ``DIFFERENCE_KINDS``: ``state``, ``environment``, ``fidelity``, ``dispatch``,
+    ``sizes`` (a call's sizes outside the ranges a folded capture was verified over) or
+    ``files`` (a file its manifest records no digest of, or one that does not hold what it
+    recorded)."""
     captures: tuple[str, ...] = ()
     """The ``scope#variant`` labels it concerns."""
 
@@ -90,7 +93,7 @@ class Difference:
         """The difference as one line of words."""
         if self.kind == "environment":
             line = f"{self.field}: made with {self.needed}, now {self.found}"
-        elif self.kind in ("fidelity", "dispatch"):
+        elif self.kind in ("fidelity", "dispatch", "files"):
             line = f"{self.field}: {self.found}"
         else:
             line = f"{self.field}: needs {self.needed}, now {self.found}"

@@ -28,6 +28,7 @@ import attrs
 from .._base.environment import full_environment
 from .._base.jsonread import loads, read_bool, read_int, read_list, read_mapping, read_str
 from .._base.progress import Progress
+from .._base.safefiles import file_digest, read_digest, write_inside
 from .._base.version import __version__
 from ..artifacts.formats import format_for
 from ..artifacts.program import BRIEF_KEYS, BriefFields, ProgramMeta
@@ -196,8 +197,11 @@ def _save_one(report: _Report, root: Path, i: int, c: Capture, verify: bool, alo
     except ArtifactError as exc:
         return {**_NO_FILES, "not_saved": exc.reason}
     saved.append(result)
+    digests = {result.path.name: result.digest,
+               result.sidecar.name: file_digest(root, result.sidecar.name)}
     return {**_NO_FILES, "artifact": result.path.name, "sidecar": result.sidecar.name,
-            "lowered": result.lowered, "saved_fidelity": result.fidelity.to_json()}
+            "lowered": result.lowered, "saved_fidelity": result.fidelity.to_json(),
+            "digests": digests}
 
 
 def _gather(report: _Report, group: _Group | None, entries: dict[int, dict[str, Any]]
@@ -273,10 +277,9 @@ class _Group:
 
 def write_manifest(path: Path, doc: Mapping[str, Any]) -> None:
     """Write the document last and atomically: a manifest never names a
-    file that is not there yet."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True, allow_nan=False))
-    os.replace(tmp, path)
+    file that is not there yet (a fresh name in its directory, renamed over
+    it: a symlink planted at either name is never written through)."""
+    write_inside(path, json.dumps(doc, indent=2, sort_keys=True, allow_nan=False).encode())
 
 
 # -- reading ----------------------------------------------------------------------
@@ -306,6 +309,10 @@ class ManifestEntry(BriefFields):
     #: its ahead-of-time compiled program's record (``ctxreplay compile``),
     #: validated where used; ``None``: not compiled
     compiled: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+    #: file name -> its content digest (``sha256:<hex>``) as written, for the
+    #: artifact and the sidecar; empty in a manifest written before digests
+    #: were recorded (its files are unverified)
+    digests: Mapping[str, str] = attrs.field(factory=dict, repr=False)
 
     @property
     def label(self) -> str:
@@ -352,7 +359,8 @@ def _file_name(value: object, path: str) -> str | None:
 
 def _entry(value: object, i: int) -> ManifestEntry:
     where = f"$.captures[{i}]"
-    doc = read_mapping(value, where, keys=_ENTRY_KEYS | {"compiled"}, required=_ENTRY_KEYS)
+    doc = read_mapping(value, where, keys=_ENTRY_KEYS | {"compiled", "digests"},
+                       required=_ENTRY_KEYS)
     cw = f"{where}.capture"
     cap = read_mapping(doc["capture"], cw, required={
         "scope", "variant", "members", "weights_from", *BRIEF_KEYS, "fidelity", "snapshot",
@@ -381,7 +389,18 @@ def _entry(value: object, i: int) -> ManifestEntry:
                                                               f"{where}.lowered"),
         saved=saved, not_saved=not_saved, capture=cap,
         compiled=None if doc.get("compiled") is None else read_mapping(doc["compiled"],
-                                                                      f"{where}.compiled"))
+                                                                      f"{where}.compiled"),
+        digests=_digests(doc.get("digests"), f"{where}.digests",
+                         tuple(n for n in (artifact, side) if n is not None)))
+
+
+def _digests(value: object, path: str, files: tuple[str, ...]) -> dict[str, str]:
+    """An entry's ``digests``: one per file it names, no other (``{}``: a
+    manifest written before digests were recorded)."""
+    if value is None:
+        return {}
+    doc = read_mapping(value, path, keys=set(files), required=set(files))
+    return {name: read_digest(doc[name], f"{path}.{name}") for name in files}
 
 
 def _failure(value: object, i: int) -> tuple[str, int, str, str]:

@@ -757,7 +757,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-parallelize_module(m, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+parallelize_module(m, init_device_mesh("cpu", (1,)), plan)
 from ctxreplay.backends.dtensor import traceable
 try:
     with traceable(m):

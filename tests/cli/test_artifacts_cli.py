@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from digests import redigest
 from manifest_audit import manifests_are_metadata_only  # noqa: F401
 from torch import nn
 
@@ -173,6 +174,7 @@ def test_check_names_an_unknown_probe_a_capture_needs(files: dict[str, Path],
 
     for side in copy.glob("*.pt2.json"):
         _edit(side, add)
+    redigest(copy)  # saved so, not edited after
     with pytest.warns(ctxreplay.probes.UnknownProbeWarning):
         code, out, _ = _run(capsys, "check", str(copy))
     assert code == 1 and out.startswith("acme: needs ")

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from digests import redigest
 from manifest_audit import manifests_are_metadata_only  # noqa: F401
 from torch import nn
 
@@ -348,6 +349,8 @@ def _copy_edit(src: Path, tmp_path: Path, name: str, change: Callable[[Any], Any
     doc = json.loads(path.read_text())
     change(doc)
     path.write_text(json.dumps(doc))
+    if name == "*sidecar":
+        redigest(target)  # saved so, not edited after
     return target
 
 

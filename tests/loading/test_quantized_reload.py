@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from quantized import KINDS, stack_or_skip
+from quantized import KINDS, Int8Weight, stack_or_skip
 
 import ctxreplay
 
@@ -34,7 +34,12 @@ _FRESH = textwrap.dedent("""
     warnings.simplefilter("ignore")
     import torch
     import ctxreplay
-    from quantized import quantized_stack
+    from quantized import Int8Weight, quantized_stack
+
+    # a weight class of the user's own, trusted by name: torch's weights_only
+    # reader (all ctxreplay reads a file with) then rebuilds it where a file
+    # pickles it (torch 2.7's archives pickle every weight)
+    torch.serialization.add_safe_globals([Int8Weight])
 
     model = quantized_stack(sys.argv[2])
     x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
@@ -80,8 +85,10 @@ def test_quantized_captures_dispatch_in_a_fresh_process(tmp_path: Path, kind: st
             model(x)
     report = session.finalize()
     assert report.ok, report.failures
-    saved = report.save_all(tmp_path / "caps")
-    assert saved is not None
+    # save_all reads each file back to check it, as a consumer reads it
+    with torch.serialization.safe_globals([Int8Weight]):
+        saved = report.save_all(tmp_path / "caps")
+    assert saved.ok
     out = _fresh(tmp_path / "caps", kind)
     assert out["weight"] != "Parameter"  # the fresh model's weights are wrappers too
     assert out["hits"] == 2 * 3 and out["reasons"] == {}, out
