@@ -711,7 +711,11 @@ def test_op_overload_calls_op() -> None:
     finally:
         op._op = real
     forwards = got is marker and len(seen) == 1 and seen[0][0] == (x,) and seen[0][1] == {}
-    assert forwards == CAPS.op_overload_calls_op
+    # where the cap holds, the call is ``_op``'s; where it does not, the
+    # method reads more than ``_op`` (torch 2.14 first asks a Python
+    # dispatcher), though for this op it may still reach ``_op``
+    assert forwards if CAPS.op_overload_calls_op else (
+        torch._ops.OpOverload.__call__.__code__.co_names != ("_op",))
     assert torch.equal(op(x), torch.sin(x))
 
 

@@ -114,6 +114,9 @@ def test_ops_are_called_through_their_overload_where_it_does_more_than_op(
             out = made.rebuild(made.fn(*state, X, IDX))
         return out, list(made.fn.__globals__.values())
 
+    # torch 2.14's OpOverload.__call__ does more than call ``_op``, so the
+    # release's own answer may be either: both are set here
+    monkeypatch.setattr(flat_module, "CAPS", _with(op_overload_calls_op=True))
     fast_out, fast_bound = run(flatten(program, keep_guards=False))
     monkeypatch.setattr(flat_module, "CAPS", _with(op_overload_calls_op=False))
     slow_out, slow_bound = run(flatten(program, keep_guards=False))
