@@ -65,12 +65,14 @@ def broken_probe_site(where: Path) -> Path:
 #: test runs; torchao where its newest release needs a newer torch (torchao 0.18
 #: imports ``torch.nn.functional.ScalingType``, which torch 2.7 lacks, and
 #: transformers imports torchao when it is installed: every model test would fail
-#: at import).  No torchvision for 2.13.0: this machine's 2.13.0 is the CPU build
+#: at import); peft 0.18.1 beside that torchao (peft 0.19 and later raise
+#: ImportError at import where torchao is older than 0.16, which needs a newer
+#: torch than 2.7).  No torchvision for 2.13.0: this machine's 2.13.0 is the CPU build
 #: from local disk, and no PyPI torchvision loads beside a CPU-only torch wheel (a
 #: platform limit the test skips with that reason).  A release not listed gets
 #: neither.
 PAIRED: dict[str, tuple[str, ...]] = {
-    "2.7.0": ("torchvision==0.22.0", "torchao==0.12.0"),
+    "2.7.0": ("torchvision==0.22.0", "torchao==0.12.0", "peft==0.18.1"),
     "2.9.1": ("torchvision==0.24.1",),
     "2.11.0": ("torchvision==0.26.0",),
     "2.13.0": (),
