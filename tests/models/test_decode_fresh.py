@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 import real_models
-from digests import redigest
 import torch
+from digests import redigest
 from torch import nn
 
 import ctxreplay
