@@ -226,6 +226,13 @@ def _generate(model: nn.Module, **extra: Any) -> Any:
         return model.generate(_prompt(), **_GEN, **extra)
 
 
+def _installed_generate(model: nn.Module, captures: Any, object_args: str = "eager",
+                        **extra: Any) -> tuple[Any, Any]:
+    """``generate()`` under an install of ``captures``, and the install's stats."""
+    with ctxreplay.install(model, captures, object_args=object_args) as handle:
+        return _generate(model, **extra), handle.stats()
+
+
 def _captured(model: nn.Module, **options: Any) -> ctxreplay.CaptureReport:
     extra = options.pop("generate", {})
     with ctxreplay.capture_with(model, targets="repeated", **options) as session:
@@ -249,7 +256,7 @@ def test_qwen2_dynamic_cache_generate_installed_in_process_gives_eager_tokens(
     model = _qwen2()
     eager = _generate(model)
     report = _captured(model, **options)
-    if not options and not CAPS.export_guards_sizes:
+    if "max_variants" not in options and not CAPS.export_guards_sizes:
         _assert_over_the_limit_unfolded(model, report, eager)
         return
     # every layer call grows the DynamicCache by assignment: the program
@@ -257,14 +264,10 @@ def test_qwen2_dynamic_cache_generate_installed_in_process_gives_eager_tokens(
     assert report.ok, report.problems
     assert all(c.assigned is not None and any(".keys" in "".join(p) for p in c.assigned.tensors)
                for c in report.captures)
-    with ctxreplay.install(model, report) as handle:  # object arguments run eagerly
-        got = _generate(model)
-        stats = handle.stats()
+    got, stats = _installed_generate(model, report)  # object arguments run eagerly
     assert torch.equal(got, eager), (got.tolist(), eager.tolist())
     assert stats.total_hits == 0 and set(stats.reasons) == {"object_arguments"}
-    with ctxreplay.install(model, report, object_args="dispatch") as handle:
-        got = _generate(model)
-        stats = handle.stats()
+    got, stats = _installed_generate(model, report, "dispatch")
     assert torch.equal(got, eager), (got.tolist(), eager.tolist())
     assert stats.total_hits == sum(c.calls for c in report.captures) and not stats.reasons
     # the control: the same programs dispatched by a dispatcher that does
@@ -285,9 +288,7 @@ def _assert_over_the_limit_unfolded(model: nn.Module, report: ctxreplay.CaptureR
     assert problem.reason == "variant_limit" and problem.variants > (problem.limit or 0)
     assert any(n.startswith("fold:off:size_guards=False") for n in problem.names)
     assert any(n.startswith("dim:kwargs['cache']") for n in problem.names), problem.names
-    with ctxreplay.install(model, report, object_args="dispatch") as handle:
-        got = _generate(model)
-        stats = handle.stats()
+    got, stats = _installed_generate(model, report, "dispatch")
     assert torch.equal(got, eager), (got.tolist(), eager.tolist())
     assert stats.total_hits == sum(c.calls for c in report.captures) > 0
     assert set(stats.reasons) == {"signature"}
@@ -349,9 +350,7 @@ def test_qwen2_static_cache_generate_dispatches_decode_and_updates_the_live_cach
     decode = [c for c in report.captures if c not in prefill]
     assert prefill and decode and report.ok, report.problems
     assert sum(c.calls for c in decode) == 2 * (_GEN["max_new_tokens"] - 1)
-    with ctxreplay.install(model, report, object_args="dispatch") as handle:
-        got = _generate(model, **static)
-        stats = handle.stats()
+    got, stats = _installed_generate(model, report, "dispatch", **static)
     assert stats.total_hits == sum(c.calls for c in report.captures)
     assert not stats.reasons
     assert torch.equal(got.sequences, eager.sequences)
