@@ -202,8 +202,9 @@ class _Near:
 class _Slot(Wrapper):
     """The dispatch state of one member; ``forward`` is its wrapper."""
 
-    __slots__ = ("entries", "groups", "handle", "hooked", "last", "memo", "misses", "name",
-                 "near", "observers", "programs", "reasons", "rematch", "routes", "training")
+    __slots__ = (*Wrapper.FIELDS, "entries", "groups", "handle", "hooked", "last", "memo",
+                 "misses", "name", "near", "observers", "programs", "reasons", "rematch", "routes",
+                 "training")
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module,
                  programs: Programs) -> None:
@@ -232,6 +233,8 @@ class _Slot(Wrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.off or _dynamo_compiling() or _is_tracing():
+            if not self.off and _dynamo_compiling():
+                return self.traced(args, kwargs)
             return self.orig(*args, **kwargs)
         if self.module.training is not self.training:
             self.misses += 1
@@ -393,7 +396,7 @@ class _Slot(Wrapper):
         return found
 
     def stop(self) -> None:
-        self.off = True
+        super().stop()
         self.memo.clear()
         self.rematch.clear()
         self.last = self.near = None

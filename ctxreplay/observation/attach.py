@@ -366,7 +366,7 @@ def _successor(old: _Member) -> _Member:
     new = _Member(old.module, old.name, old.scope, old.shared, old.ignore)
     # its own: the wrapper's, and the identity (the forward is part of it),
     # so the calls from now on are variants of their own
-    keep = {"module", "orig", "prev", "off", "memo", "__weakref__", "identity",
+    keep = {"module", "orig", "prev", "off", "key", "memo", "__weakref__", "identity",
             "identity_value", "table", "training", "lazy"}
     for cls in type(old).__mro__:
         for slot in getattr(cls, "__slots__", ()):

@@ -30,6 +30,7 @@ ctxreplay, or ``None``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -195,23 +196,27 @@ def signed(holder: Any, function: Callable[..., Any], wrapped: Callable[..., Any
            ) -> types.MethodType:
     """``function`` bound to ``holder``, as a fresh function object that
     carries ``wrapped``'s signature (``inspect.signature`` of the bound
-    method is then ``wrapped``'s); the same code, so the same speed."""
+    method is then ``wrapped``'s); equal code, so the same speed.
+
+    The code object is a copy of its own: Dynamo guards a module's instance
+    ``forward`` by its function's code object (``ID_MATCH`` on
+    ``forward.__func__.__code__``), so with one code for every wrapper a
+    graph traced through one block's wrapper (a ``torch.cond`` branch)
+    would run for the next block's without a trace."""
     code = getattr(function, "__code__", None)
-    try:
-        sig = inspect.signature(wrapped)
-    except (TypeError, ValueError):
-        sig = None
-    if code is None or sig is None:
+    if code is None:
         return types.MethodType(function, holder)
-    fn = types.FunctionType(code, function.__globals__, function.__name__,
+    fn = types.FunctionType(code.replace(), function.__globals__, function.__name__,
                             function.__defaults__, function.__closure__)
     fn.__kwdefaults__ = function.__kwdefaults__
     fn.__qualname__ = function.__qualname__
     fn.__doc__ = function.__doc__
-    first = inspect.Parameter("__ctxreplay_self", inspect.Parameter.POSITIONAL_ONLY)
     try:
+        sig = inspect.signature(wrapped)
+    except (TypeError, ValueError):
+        return types.MethodType(fn, holder)
+    first = inspect.Parameter("__ctxreplay_self", inspect.Parameter.POSITIONAL_ONLY)
+    with contextlib.suppress(ValueError):  # a signature that takes no leading positional
         fn.__signature__ = sig.replace(  # type: ignore[attr-defined]
             parameters=[first, *sig.parameters.values()])
-    except ValueError:  # a signature that takes no leading positional
-        return types.MethodType(function, holder)
     return types.MethodType(fn, holder)

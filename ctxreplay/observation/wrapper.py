@@ -197,8 +197,9 @@ class _Shared:
 class _Member(Wrapper):
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
-    __slots__ = ("compiled", "dirty", "identity", "identity_value", "ignore", "lazy", "memo",
-                 "name", "scope", "shared", "stateful", "table", "tables", "training", "writes")
+    __slots__ = (*Wrapper.FIELDS, "compiled", "dirty", "identity", "identity_value", "ignore",
+                 "lazy", "mark", "memo", "name", "scope", "shared", "stateful", "table", "tables",
+                 "training", "writes")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
@@ -208,6 +209,10 @@ class _Member(Wrapper):
         self.shared = shared
         self.ignore = ignore
         self.compiled = _Tally()
+        # read by Dynamo from the member itself: torch 2.7's cannot build the
+        # ``_Tally`` it would read it through ("Unexpected type in sourceless
+        # builder") inside a ``torch.cond`` branch
+        self.mark = self.compiled.mark
         self.stateful: set[str] = set()  # held attributes its forward wrote
         #: what a repeat call wrote in the Python state the forward keeps
         self.writes: set[str] = set()
@@ -267,8 +272,10 @@ class _Member(Wrapper):
             # break.  ``mark`` runs while Dynamo traces, leaving nothing in
             # the traced code (``_Tally``).  Under jit tracing, reading a
             # tensor's shape would be recorded into the trace.
-            if _dynamo_compiling() and not self.off and not _dynamo_exporting():
-                self.compiled.mark()
+            if _dynamo_compiling() and not self.off:
+                if not _dynamo_exporting():
+                    self.mark()
+                return self.traced(args, kwargs)
             return self.orig(*args, **kwargs)
         failed: BaseException | None = None
         real = True
@@ -635,7 +642,7 @@ class _Member(Wrapper):
             self.identity, self.table, self.memo = new, dest, None
 
     def stop(self) -> None:
-        self.off = True
+        super().stop()
         self.memo = None  # the memo's hit path does not read ``off``
 
     def raised(self) -> int:

@@ -19,6 +19,7 @@ then (``orig``); ``wrap`` sets it; ``unwrap`` takes it out exactly:
 
 from __future__ import annotations
 
+import itertools
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -35,27 +36,56 @@ __all__ = ["Root", "ForwardWatch", "Wrapper", "let_go", "reaches", "unwrap", "wr
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access
 
+#: each running wrapper's ``orig`` by its ``key`` (``Wrapper.traced``),
+#: until it stops
+_ORIGS: dict[int, Callable[..., Any]] = {}
+_KEYS = itertools.count()
+
 
 class Wrapper(Holder):
     """One ctxreplay wrapper of one module's ``forward``: ``forward`` (each
     kind's own) is the wrapper, ``orig`` what it calls, ``off`` set once it
-    only passes calls through."""
+    only passes calls through.
 
-    __slots__ = ("__weakref__", "module", "off", "orig", "prev")
+    Each concrete wrapper lists ``FIELDS`` in its own ``__slots__`` (this
+    class declares none, so wrappers can be held weakly): torch 2.7's Dynamo
+    resolves a slot of an object only where it is named in the ``__slots__``
+    of the object's own class, and a branch on an inherited one
+    (``self.off``) inside a ``torch.cond`` branch fails the user's forward
+    ("attempted to jump with GetAttrVariable(..., off)")."""
+
+    FIELDS = ("key", "module", "off", "orig", "prev")
+    key: int
+    module: nn.Module
+    off: bool
+    orig: Callable[..., Any]
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.prev = module.__dict__.get("forward", ABSENT)
-        self.orig: Callable[..., Any] = module.forward
+        self.orig = module.forward
         self.off = False
+        self.key = next(_KEYS)
+        _ORIGS[self.key] = self.orig
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``orig`` called where Dynamo traces the wrapper.  Torch 2.7's
+        Dynamo builds the wrapper it reaches through a module's ``forward``
+        without a source, and then cannot read a bound method it holds
+        ("Unexpected type in sourceless builder builtins.method"; inside a
+        ``torch.cond`` branch the user's forward raised); an item of a module
+        global it reads with one, on every release."""
+        orig = _ORIGS.get(self.key)
+        return (self.orig if orig is None else orig)(*args, **kwargs)
+
     def stop(self) -> None:
         """Only pass calls through from now on (each kind drops its own
-        per-call state too)."""
+        per-call state too, and calls this)."""
         self.off = True
+        _ORIGS.pop(self.key, None)
 
 
 def wrap(wrapper: Wrapper) -> None:
@@ -200,7 +230,7 @@ class Root(Wrapper):
     ``watch``: members whose ``forward`` is checked before and after each
     model call, wrapped again when another tool set it anew."""
 
-    __slots__ = ("counts", "errors", "observers", "watch")
+    __slots__ = (*Wrapper.FIELDS, "counts", "errors", "observers", "watch")
 
     def __init__(self, module: nn.Module, observers: tuple[FlagCheck, ...], counts: Counts,
                  errors: Callable[[str, BaseException], None] | None = None) -> None:
@@ -212,6 +242,8 @@ class Root(Wrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.off or _dynamo_compiling() or _is_tracing():
+            if not self.off and _dynamo_compiling():
+                return self.traced(args, kwargs)
             return self.orig(*args, **kwargs)
         watch = self.watch
         # (``dirty`` read here first: ``intact()`` is a Python call per model call)

@@ -3,7 +3,6 @@ the wrapper adds no graph break or recompilation."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch._dynamo
 from capability import dynamo_breaks_on_a_bound_holder
@@ -37,11 +36,6 @@ def _compiled_session() -> tuple[ctxreplay.CaptureReport, int, int]:
 
 def test_compiled_model_inside_a_session_is_not_observed_and_is_named() -> None:
     report, _, _ = _compiled_session()
-    if dynamo_breaks_on_a_bound_holder():
-        # torch 2.7: Dynamo breaks the graph at each wrapped block, which then
-        # runs in Python: every block call, compiled model's too, is observed
-        assert sum(c.calls for c in report.captures) == 8 and report.ok, report.problems
-        return
     assert sum(c.calls for c in report.captures) == 2  # the two eager block calls
     # ... and the blocks that ran compiled are named, not silently lost
     assert not report.ok
@@ -50,22 +44,19 @@ def test_compiled_model_inside_a_session_is_not_observed_and_is_named() -> None:
                                                               ("0", "2"))
 
 
-def test_compiled_model_inside_a_session_has_no_graph_break(
-        request: pytest.FixtureRequest) -> None:
-    if dynamo_breaks_on_a_bound_holder():
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=AssertionError,
-            reason="torch 2.7: Dynamo graph-breaks on a forward bound to a plain object "
-                   "(reproduced without ctxreplay: dynamo_breaks_on_a_bound_holder; "
-                   "2.9.1 and later do not)"))
+def test_compiled_model_inside_a_session_has_no_graph_break() -> None:
+    # on every release, torch 2.7 too, where a forward bound to a plain object
+    # that calls what it holds breaks the graph (the control below)
     _, breaks, graphs = _compiled_session()
     assert breaks == 0
     assert graphs == 1
 
 
 def test_the_reproduction_follows_the_measured_releases() -> None:
-    """The xfail above rests on this reproduction; it must say what was
-    measured (2.7.0 breaks; 2.9.1, 2.11.0, 2.13.0, 2.14.1 do not)."""
+    """The control of the no-graph-break case: without ctxreplay, a forward
+    bound to a plain object that calls the bound method it holds breaks
+    Dynamo's graph on torch 2.7.0 (2.9.1, 2.11.0, 2.13.0, 2.14.1 do not);
+    ctxreplay's wrappers do not, there either."""
     from ctxreplay._base.torchcaps import CAPS
 
     measured = {(2, 7, 0): True, (2, 9, 1): False, (2, 11, 0): False, (2, 13, 0): False,
