@@ -288,14 +288,14 @@ def _inspect(ns: argparse.Namespace) -> int:
                       saved, side.artifact.name))
         print(f"saved capture {side.artifact} ({_environment(doc_.get('environment'))})")
         described = side.snapshot.describe()
-        extra = [f"context: {name}={text}" for name, text in described.items()]
+        extra = [_roles_line(f"{side.scope}#{side.variant}", side.output_roles)]
+        extra += [f"context: {name}={text}" for name, text in described.items()]
         # a probe replayed partly inside the trace and partly around it (grad
         # mode under inference mode) is carried in part and needed in part
         carried = [f"{n} (in part)" if n in side.ambient_only else n for n in side.embedded]
         needed = [f"{n}={described[n]}" if n in described else n for n in side.ambient_only]
         extra.append(f"carried by the artifact: {', '.join(carried) or '-'}; to "
                      f"re-establish where it runs: {', '.join(needed) or '-'}")
-        extra.append(_roles_line(f"{side.scope}#{side.variant}", side.output_roles))
     print(_table(_HEAD, _capture_rows(caps)))
     for line in extra:
         print(line)
