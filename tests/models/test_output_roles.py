@@ -196,7 +196,7 @@ class _Block(nn.Module):
         return x + cache.keys.mean(1, keepdim=True), k
 
 
-def _toy(lower: bool) -> tuple[ctxreplay.Capture, _Live, _Block]:
+def _toy_report(lower: bool) -> tuple[ctxreplay.CaptureReport, _Live, _Block]:
     torch.manual_seed(0)
     block = _Block().eval()
     live = _Live(block)
@@ -210,6 +210,11 @@ def _toy(lower: bool) -> tuple[ctxreplay.Capture, _Live, _Block]:
     live.remove()
     report = session.finalize()
     assert report.ok, report.summary
+    return report, live, block
+
+
+def _toy(lower: bool) -> tuple[ctxreplay.Capture, _Live, _Block]:
+    report, live, block = _toy_report(lower)
     (capture,) = report.captures
     return capture, live, block
 
@@ -286,3 +291,16 @@ def test_a_consumer_rebuilds_a_toy_blocks_call_and_its_writes_from_the_files_alo
     _assert_rebuilt(got, live)
     assert got["input"]["args[2]"].item() != 0  # the input the forward wrote
     assert block.steps.item() == 1  # finalize changed nothing of the user's
+
+
+def test_inspect_names_the_roles_of_every_capture_of_a_manifest_and_a_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ctxreplay.cli import main
+    report, _, _ = _toy_report(lower=True)
+    report.save_all(tmp_path / "captures")
+    report.save(tmp_path / "report.json")
+    line = ("graph outputs of _Block#0: 0 steps (buffer), 1 args[2] (input), 2 out[0] (output), "
+            "3 out[1] (output), 4 args[1].keys (assigned)")
+    for path in (tmp_path / "captures", tmp_path / "report.json"):
+        assert main(["inspect", str(path)]) == 0
+        assert line in capsys.readouterr().out.splitlines(), path
