@@ -192,7 +192,7 @@ class _Block(nn.Module):
         k = self.proj(x)
         cache.keys = torch.cat([cache.keys, k], dim=1)
         self.steps.add_(1)
-        total.add_(k.float().sum())
+        total.add_(x.sum())
         return x + cache.keys.mean(1, keepdim=True), k
 
 
