@@ -14,6 +14,7 @@ from typing import Any
 from ._base.jsonread import loads
 from ._base.version import __version__
 from .artifacts.formats import format_of_file
+from .artifacts.roles import OutputRole, roles_from_json
 from .artifacts.sidecar import read_sidecar
 from .backends.registry import available_backends
 from .core.observer import snapshot
@@ -236,6 +237,21 @@ def _failure_lines(failures: Any, problems: Any) -> list[str]:
     return lines
 
 
+def _roles_line(label: str, roles: Sequence[OutputRole] | None) -> str:
+    """What each output of a capture's graph is, in order: ``graph outputs
+    of label: 0 out (output), 1 kwargs['cache'].keys (assigned)``."""
+    if roles is None:
+        return f"graph outputs of {label}: roles not recorded"
+    shown = ", ".join(f"{i} {r.path} ({r.kind})" for i, r in enumerate(roles))
+    return f"graph outputs of {label}: {shown or '-'}"
+
+
+def _report_roles(caps: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [_roles_line(f"{c.get('scope')}#{c.get('variant')}",
+                        roles_from_json(c.get("output_roles"), f"$.captures[{i}].output_roles"))
+            for i, c in enumerate(caps)]
+
+
 def _inspect(ns: argparse.Namespace) -> int:
     kind, target, data = detect(ns.path)
     caps: list[tuple[Mapping[str, Any], str, str]] = []
@@ -252,6 +268,7 @@ def _inspect(ns: argparse.Namespace) -> int:
         extra += _cache_line(data)
         extra += [_compiled_line(e.label, e.compiled, f"$.captures[{e.index}].compiled")
                   for e in doc.entries if e.compiled is not None]
+        extra += [_roles_line(e.label, e.meta.output_roles) for e in doc.entries]
         changed = _changed_entries(doc)
         extra += changed
     elif kind == "report":
@@ -262,7 +279,7 @@ def _inspect(ns: argparse.Namespace) -> int:
               f"{'ok' if data.get('ok') is True else 'not ok'}; "
               f"{_environment(data.get('environment'))})")
         extra = _failure_lines(data.get("failures"), data.get("problems")) + \
-            _cache_line(data)
+            _cache_line(data) + _report_roles([c for c, _, _ in caps])
     else:
         side = read_sidecar(target)
         doc_ = side.document
@@ -271,7 +288,8 @@ def _inspect(ns: argparse.Namespace) -> int:
                       saved, side.artifact.name))
         print(f"saved capture {side.artifact} ({_environment(doc_.get('environment'))})")
         described = side.snapshot.describe()
-        extra = [f"context: {name}={text}" for name, text in described.items()]
+        extra = [_roles_line(f"{side.scope}#{side.variant}", side.output_roles)]
+        extra += [f"context: {name}={text}" for name, text in described.items()]
         # a probe replayed partly inside the trace and partly around it (grad
         # mode under inference mode) is carried in part and needed in part
         carried = [f"{n} (in part)" if n in side.ambient_only else n for n in side.embedded]

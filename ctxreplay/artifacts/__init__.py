@@ -4,7 +4,8 @@ live call, and the sidecar read back strictly.
 
 The records a saved file hands back are importable from here: ``SavedArtifact``
 (``Capture.save``), ``ArtifactSidecar`` and ``load_sidecar``, ``ArtifactError``,
-``ProgramMeta`` (what every document of a capture records of its program);
+``ProgramMeta`` (what every document of a capture records of its program),
+``OutputRole`` (what one output of its graph is);
 and the seam a new artifact format plugs into: ``ArtifactFormat``,
 ``register_format``, ``unregister_format``, ``get_format``,
 ``available_formats``, ``UnknownFormatError``.
@@ -20,9 +21,10 @@ from .formats import (
     unregister_format,
 )
 from .program import ProgramMeta
+from .roles import OutputRole
 from .saving import SavedArtifact
 from .sidecar import ArtifactError, ArtifactSidecar, load_sidecar
 
-__all__ = ["ArtifactError", "ArtifactFormat", "ArtifactSidecar", "ProgramMeta", "SavedArtifact",
-           "UnknownFormatError", "available_formats", "get_format", "load_sidecar",
+__all__ = ["ArtifactError", "ArtifactFormat", "ArtifactSidecar", "OutputRole", "ProgramMeta",
+           "SavedArtifact", "UnknownFormatError", "available_formats", "get_format", "load_sidecar",
            "register_format", "unregister_format"]

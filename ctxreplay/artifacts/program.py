@@ -21,6 +21,7 @@ from .._base.jsonread import read_list, read_mapping, read_pairs, read_str
 from ..specs.materialize import BINDINGS
 from ..specs.signature import Spec
 from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
+from .roles import OutputRole, roles_from_json, roles_to_json
 
 __all__ = ["BRIEF_KEYS", "PROGRAM_KEYS", "BriefFields", "ProgramFields", "ProgramMeta",
            "program_json"]
@@ -29,7 +30,8 @@ __all__ = ["BRIEF_KEYS", "PROGRAM_KEYS", "BriefFields", "ProgramFields", "Progra
 BRIEF_KEYS = ("backend", "binding", "fingerprint", "embedded", "ambient_only")
 
 #: every field of ``ProgramMeta.to_json``, in its order
-PROGRAM_KEYS = (*BRIEF_KEYS, "graph_outputs", "constants", "ops", "op_args", "graph_digest")
+PROGRAM_KEYS = (*BRIEF_KEYS, "graph_outputs", "constants", "ops", "op_args", "graph_digest",
+                "output_roles")
 
 # a graph of a whole model can hold far more nodes than a signature holds leaves
 _MAX_OPS = 1_000_000
@@ -38,6 +40,11 @@ _MAX_NAME = 4096
 
 def _names(value: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return tuple(value)
+
+
+def _roles(value: tuple[OutputRole, ...] | list[OutputRole] | None
+           ) -> tuple[OutputRole, ...] | None:
+    return None if value is None else tuple(value)
 
 
 @attrs.frozen
@@ -77,6 +84,11 @@ class ProgramMeta:
     """A digest of the graph's code (nested graphs and constants included):
     equal digests, equal computation for the same inputs and weights
     (``""``: not known)."""
+    output_roles: tuple[OutputRole, ...] | None = attrs.field(default=None, converter=_roles)
+    """What each output of the graph is, in the order of its outputs: the
+    call's own output (and where in what the call returns) or a write of
+    state -- a tensor the forward assigns to an argument object, a buffer
+    or input written in place (``None``: not known)."""
 
     def to_json(self) -> dict[str, Any]:
         """Every field, in ``PROGRAM_KEYS`` order (metadata only)."""
@@ -92,6 +104,7 @@ class ProgramMeta:
             "ops": [list(o) for o in self.ops],
             "op_args": list(self.op_args),
             "graph_digest": self.graph_digest,
+            "output_roles": roles_to_json(self.output_roles),
         }
 
     @classmethod
@@ -123,6 +136,7 @@ class ProgramMeta:
                                  _read_dtype_name, max_len=_MAX_OPS)),
             op_args=_read_names(doc.get("op_args", []), f"{path}.op_args", _MAX_OPS),
             graph_digest=read_str(doc.get("graph_digest", ""), f"{path}.graph_digest"),
+            output_roles=roles_from_json(doc.get("output_roles"), f"{path}.output_roles"),
         )
 
 
@@ -231,3 +245,9 @@ class ProgramFields(BriefFields):
         """A digest of the graph's code (nested graphs and constants included):
         equal digests, equal computation for the same inputs and weights."""
         return self.meta.graph_digest
+
+    @property
+    def output_roles(self) -> tuple[OutputRole, ...] | None:
+        """What each output of the graph is, in the order of its outputs:
+        the call's own output or a write of state (``None``: not known)."""
+        return self.meta.output_roles

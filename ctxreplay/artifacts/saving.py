@@ -34,6 +34,7 @@ from ..specs.specjson import (
 )
 from .formats import ArtifactFormat, format_for
 from .program import BRIEF_KEYS, ProgramMeta, program_json
+from .roles import OutputRole, program_roles, roles_to_json
 from .sidecar import SIDECAR_SCHEMA, ArtifactError, sidecar_path
 
 __all__ = ["SavableCapture", "SavedArtifact", "artifact_inputs", "collector_paused",
@@ -145,7 +146,7 @@ def save_capture(capture: SavableCapture, path: str | os.PathLike[str], *,
     if program is not written:  # neither form agreed: keep the preferred one
         _save_file(fmt, program, target)
     doc = sidecar_json(capture, target, lowered=lowered, fidelity=fidelity,
-                       artifact_format=fmt.name)
+                       artifact_format=fmt.name, program=program)
     doc["artifact_digest"] = file_digest(target.parent, target.name)
     side = sidecar_path(target)
     write_inside(side, json.dumps(doc, indent=2, sort_keys=True).encode())
@@ -267,16 +268,30 @@ def _run_saved(capture: SavableCapture, module: Any, needs: tuple[str, ...], *,
     return list(compare_specs(flat_tensor_spec(capture.outputs), flat))
 
 
+def _saved_roles(capture: SavableCapture, program: Any,
+                 leaves: list[list[Any]]) -> tuple[OutputRole, ...] | None:
+    """The roles of the saved program's outputs: what the capture's program
+    returns, with the writes in place the saved form's own specs name (a
+    lowered program returns them first)."""
+    roles = capture.meta.output_roles
+    returned = None if roles is None else [r for r in roles if r.returned]
+    return program_roles(capture.artifact if program is None else program, returned,
+                         capture.meta.binding, [p for p, _ in leaves])
+
+
 def _folding_json(capture: SavableCapture) -> Any:
     folding = getattr(capture, "folding", None)
     return None if folding is None else folding.to_json()
 
 
 def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
-                 fidelity: Fidelity, artifact_format: str) -> dict[str, Any]:
+                 fidelity: Fidelity, artifact_format: str,
+                 program: Any = None) -> dict[str, Any]:
     """The sidecar document: metadata only (no tensor values, no source).
     ``members`` / ``weights_from`` (whose parameters the file holds) and the
-    ``environment`` are written where the capture has them."""
+    ``environment`` are written where the capture has them.  ``program``:
+    the program the file holds (default: the capture's artifact), whose
+    outputs ``output_roles`` describes."""
     leaves = [[p, spec_to_json(s)] for p, s in capture.signature.leaves()]
     members = getattr(capture, "members", ())
     doc = {
@@ -305,6 +320,7 @@ def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
             spec_to_json(s) for s in flat_tensor_spec(capture.outputs).items],
         "fidelity": capture.fidelity.to_json(),
         "saved_fidelity": fidelity.to_json(),
+        "output_roles": roles_to_json(_saved_roles(capture, program, leaves)),
     }
     assigned = getattr(capture, "assigned", None)
     if assigned is not None:  # what the program returns after its outputs (written when

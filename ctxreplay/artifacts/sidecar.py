@@ -35,6 +35,7 @@ from ..specs.specjson import resolve_opaque, spec_from_json, tensor_from_json
 from .formats import get_format
 from .program import BRIEF_KEYS, BriefFields, ProgramMeta
 from .pt2 import Pt2Format
+from .roles import OutputRole
 
 __all__ = ["ARTIFACT_ERRORS", "SIDECAR_SCHEMA", "ArtifactError", "ArtifactSidecar",
            "load_sidecar", "read_sidecar", "sidecar_path", "warn_unknown"]
@@ -93,7 +94,8 @@ class ArtifactSidecar(BriefFields):
     meta: ProgramMeta
     """What the sidecar records of the program (``Capture.meta``'s codec; a
     sidecar holds its ``BRIEF_KEYS``: backend, binding, fingerprint,
-    embedded, ambient_only -- the rest reads as not known)."""
+    embedded, ambient_only -- and ``output_roles``; the rest reads as not
+    known)."""
     torch_version: str
     """The torch version the file was written with."""
     lowered: bool
@@ -123,6 +125,13 @@ class ArtifactSidecar(BriefFields):
     format: str = Pt2Format.name
     """The name of the artifact's format (``ctxreplay.artifacts.get_format``); a sidecar
     written before formats were recorded describes a ``.pt2``."""
+
+    @property
+    def output_roles(self) -> tuple[OutputRole, ...] | None:
+        """What each output of the saved program's graph is, in order: the
+        call's own output or a write of state (``None``: a sidecar written
+        before roles were recorded)."""
+        return self.meta.output_roles
 
     def load_program(self) -> Any:
         """The artifact beside this sidecar, read by its format (for a ``.pt2``,
@@ -182,11 +191,12 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", *BRIEF_KEYS,
                  "lowered", "snapshot", "context",
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
                  "environment", "members", "weights_from", "identities", "ignore_attributes",
-                 "format", "calls", "checked", "dynamic", "assigned", "artifact_digest"}
+                 "format", "calls", "checked", "dynamic", "assigned", "artifact_digest",
+                 "output_roles"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
                              "environment", "members", "weights_from", "identities",
                              "ignore_attributes", "format", "calls", "checked", "dynamic",
-                             "assigned", "artifact_digest"}
+                             "assigned", "artifact_digest", "output_roles"}
 
 
 def load_sidecar(path: str | os.PathLike[str],

@@ -219,4 +219,5 @@ def deferred_capture(read: EntryRead, request: VariantRequest, tracing: Tracing)
         fidelity=fidelity, fingerprint=stored.fingerprint, embedded=stored.embedded,
         ambient_only=stored.ambient_only, binding=stored.binding, constants=stored.constants,
         attempts=(), seconds=time.perf_counter() - t0, ops=stored.ops,
-        graph_digest=stored.graph_digest, op_args=stored.op_args, from_cache=True)
+        graph_digest=stored.graph_digest, op_args=stored.op_args,
+        output_roles=stored.output_roles, from_cache=True)

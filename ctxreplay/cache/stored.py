@@ -20,6 +20,10 @@ __all__ = ["Stored"]
 #: the record's ``capture`` keys beside the program's
 _OWN_KEYS = ("format", "flatten_out", "carried")
 
+#: program fields a record may lack: a record written before them reads them
+#: as not known (none of them is what a hit is checked against)
+_LATER_KEYS = {"output_roles"}
+
 
 @attrs.frozen
 class Stored(ProgramFields):
@@ -40,10 +44,11 @@ class Stored(ProgramFields):
     def read(cls, doc: Mapping[str, Any]) -> Stored:
         """The record ``doc`` (an entry's whole record) holds; ``ValueError``
         naming the first malformed or missing field.  Every program field
-        is required: a hit is checked against them."""
+        is required, but for those added later (``_LATER_KEYS``): a hit is
+        checked against them."""
         record = read_mapping(doc, "$", required={"capture", "about"})
         c = read_mapping(record["capture"], "$.capture",
-                         required={*_OWN_KEYS, *PROGRAM_KEYS})
+                         required={*_OWN_KEYS, *PROGRAM_KEYS} - _LATER_KEYS)
         about = read_mapping(record["about"], "$.about", required={"verify"})
         return cls(
             format=read_str(c["format"], "$.capture.format"),
@@ -55,6 +60,9 @@ class Stored(ProgramFields):
 
     def to_json(self) -> dict[str, Any]:
         """The record's ``capture`` document (the verify level is written in
-        its ``about``)."""
+        its ``about``); a later field not known is left out, as a record
+        written before it has it."""
+        program = {k: v for k, v in self.meta.to_json().items()
+                   if k not in _LATER_KEYS or v is not None}
         return {"format": self.format, "flatten_out": self.flatten_out,
-                "carried": list(self.carried), **self.meta.to_json()}
+                "carried": list(self.carried), **program}

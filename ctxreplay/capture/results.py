@@ -317,6 +317,7 @@ class Capture(ProgramFields):
             "inputs": call_to_json(self.signature),
             "outputs": None if self.outputs is None else spec_to_json(self.outputs),
             "graph_outputs": program["graph_outputs"],
+            "output_roles": program["output_roles"],
             "snapshot": self.snapshot.to_json(),
             "context": self.snapshot.describe(),
             "fidelity": self.fidelity.to_json(),

@@ -40,6 +40,7 @@ from .options import CaptureOptions, MemberCall, VariantRequest
 from .reads import Reads
 from .restore import restore_state
 from .results import Capture, capture_of
+from .roles import output_roles
 from .trace import TracePlan, trace
 
 __all__ = ["Ask", "CaptureFailed", "Kin", "Source", "Tick", "Tracing", "capture_variant",
@@ -246,7 +247,9 @@ class _VariantCapture:
             constants=tuple(p for p, _ in _const_paths(request.inputs)),
             attempts=options.backend.last_attempts, seconds=time.perf_counter() - self.t0,
             ops=ops, collective=collective, graph_digest=digest, op_args=op_args,
-            from_cache=self.ask.source is not None, assigned=plan.covered())
+            from_cache=self.ask.source is not None, assigned=plan.covered(),
+            output_roles=output_roles(traced.artifact, request.inputs, request.outputs,
+                                      plan.covered(), plan.binding, plan.flatten_out))
 
 
 class _Ticking(Mapping[str, nn.Module]):

@@ -19,6 +19,7 @@ from torch import nn
 from .._base.safefiles import read_digest
 from ..artifacts.formats import get_format
 from ..artifacts.program import BriefFields, ProgramMeta
+from ..artifacts.roles import OutputRole
 from ..artifacts.sidecar import (
     ArtifactError,
     ArtifactSidecar,
@@ -108,8 +109,14 @@ class LoadedCapture(BriefFields):
     @property
     def meta(self) -> ProgramMeta:
         """What its sidecar records of the program (``Capture.meta``'s codec:
-        backend, binding, fingerprint, embedded, ambient_only)."""
+        backend, binding, fingerprint, embedded, ambient_only, output_roles)."""
         return self.sidecar.meta
+
+    @property
+    def output_roles(self) -> tuple[OutputRole, ...] | None:
+        """What each output of the saved program's graph is, in order: the
+        call's own output or a write of state (``None``: not recorded)."""
+        return self.sidecar.output_roles
 
     @property
     def folding(self) -> Folding | None:

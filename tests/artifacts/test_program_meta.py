@@ -16,6 +16,7 @@ from old_files import tiny_dit_report
 import ctxreplay
 from ctxreplay.artifacts import ProgramMeta
 from ctxreplay.artifacts.program import BRIEF_KEYS, PROGRAM_KEYS, program_json
+from ctxreplay.artifacts.roles import OutputRole
 from ctxreplay.report.manifest import read_manifest
 from ctxreplay.specs.signature import ConstSpec, SeqSpec, TensorSpec
 
@@ -29,7 +30,9 @@ def _meta(**changes: Any) -> ProgramMeta:
         graph_outputs=SeqSpec(tuple, (TensorSpec((2, 3), (3, 1), torch.bfloat16, "cpu"),
                                       ConstSpec(None, "NoneType", (type(None), None)))),
         constants=("args[1]",), ops=(("aten.mm.default", "bfloat16"), ("aten.view", None)),
-        op_args=("a1", "b2"), graph_digest="d" * 16)
+        op_args=("a1", "b2"), graph_digest="d" * 16,
+        output_roles=(OutputRole("buffer", "steps"), OutputRole("output", "out"),
+                      OutputRole("assigned", "kwargs['cache'].layers[0].keys")))
     fields.update(changes)
     return ProgramMeta(**fields)
 
@@ -46,8 +49,8 @@ def test_a_document_with_the_brief_fields_only_reads_the_rest_as_not_known() -> 
     assert tuple(brief) == BRIEF_KEYS
     read = ProgramMeta.from_json(brief)
     assert (read.backend, read.binding, read.embedded) == ("export", "flattened", ("autocast",))
-    assert (read.graph_outputs, read.constants, read.ops, read.op_args, read.graph_digest) == \
-        (None, (), (), (), "")
+    assert (read.graph_outputs, read.constants, read.ops, read.op_args, read.graph_digest,
+            read.output_roles) == (None, (), (), (), "", None)
 
 
 def test_program_json_refuses_a_key_that_is_not_a_field() -> None:
@@ -65,6 +68,12 @@ def test_program_json_refuses_a_key_that_is_not_a_field() -> None:
                                   "device": "cpu", "requires_grad": False}},
      r"\$\.capture\.graph_outputs\.tensor\.dtype: unknown dtype 'float99'"),
     ("graph_digest", 5, r"\$\.capture\.graph_digest: expected a string, got int"),
+    ("output_roles", [{"kind": "output", "path": "out"}, {"kind": "cache", "path": "x"}],
+     r"\$\.capture\.output_roles\[1\]\.kind: 'cache' is not one of \['assigned', 'buffer'"),
+    ("output_roles", [{"kind": "buffer", "path": "steps", "returned": True}],
+     r"\$\.capture\.output_roles\[0\]\.returned: a 'buffer' output is not returned"),
+    ("output_roles", [{"kind": "output"}],
+     r"\$\.capture\.output_roles\[0\]\.path: missing required field"),
 ])
 def test_a_malformed_field_is_named_by_its_path(key: str, bad: object, named: str) -> None:
     doc = {"capture": {**_meta().to_json(), key: bad}}
@@ -122,8 +131,11 @@ def test_the_sidecar_and_the_manifest_hold_the_captures_program_record(
     capture = report.captures[0]
     saved = report.save_all(tmp_path)
     side = ctxreplay.load_sidecar(saved.saved[0].path)
-    # the sidecar holds the brief fields; the rest it never held reads as not known
-    assert side.meta == ProgramMeta.from_json(program_json(capture.meta, BRIEF_KEYS))
+    # the sidecar holds the brief fields and the output roles; the rest it
+    # never held reads as not known
+    assert side.meta == ProgramMeta.from_json(
+        program_json(capture.meta, (*BRIEF_KEYS, "output_roles")))
+    assert side.output_roles == capture.output_roles is not None
     assert (side.backend, side.binding, side.fingerprint, side.embedded, side.ambient_only) == \
         (capture.backend, capture.binding, capture.fingerprint, capture.embedded,
          capture.ambient_only)

@@ -45,9 +45,20 @@ def test_an_old_sidecar_loads_and_its_program_runs_as_the_live_call_did(
     one = ctxreplay.load(directory / ARTIFACT_NAME)
     assert isinstance(one, ctxreplay.LoadedCapture)
     assert one.meta.fingerprint == old_json(f"saved/{ARTIFACT_NAME}.json")["fingerprint"]
+    assert one.output_roles is None  # written before roles were recorded: not known
     args, kwargs = one.example_inputs()
     with one.replay():
         outputs = one.module()(*args, **kwargs)
     assert one.sidecar.check(outputs) == ()
     # the check can fail: outputs of another dtype disagree with the old sidecar
     assert one.sidecar.check(tuple(o.float() for o in torch.utils._pytree.tree_leaves(outputs)))
+
+
+def test_inspect_says_an_old_files_output_roles_were_not_recorded(
+        capture: ctxreplay.Capture, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ctxreplay.cli import main
+    directory = old_saved_dir(tmp_path, capture)
+    for path in (directory, directory / ARTIFACT_NAME):
+        assert main(["inspect", str(path)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert "graph outputs of blocks.0#0: roles not recorded" in lines, lines
