@@ -3,7 +3,7 @@
 
 For every version X given on the command line:
 
-1. ``make setup VENV=.venv-torch-X TORCH_SPEC=torch==X EXTRAS=test,models``
+1. ``make setup VENV=.venv-torch-X TORCH_SPEC=torch==X EXTRAS=test,models,docs``
    and ``TORCH_EXTRA=<the releases paired with it>`` (torchvision, torchao; the
    Makefile's own setup, so a matrix venv is built exactly like ``.venv``; a
    venv whose stamp is current is not touched);
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = "test,models"  # what the suite needs; no docs or lint tools
+EXTRAS = "test,models,docs"  # what the suite needs (docs: the site build test); no lint tools
 
 
 def broken_probe_site(where: Path) -> Path:

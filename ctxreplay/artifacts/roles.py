@@ -24,11 +24,11 @@ import torch
 
 from .._base.jsonread import read_bool, read_list, read_mapping, read_str
 
-__all__ = ["ROLE_KINDS", "OutputRole", "program_roles", "roles_from_json", "roles_to_json",
+__all__ = ["ROLES", "OutputRole", "program_roles", "roles_from_json", "roles_to_json",
            "tree_children", "tree_paths"]
 
 #: each ``OutputRole.kind``, in words
-ROLE_KINDS = {
+ROLES = {
     "output": "the call's own output, at its path in what the call returns",
     "assigned": "a tensor the forward assigns to an argument object (an attribute or item "
                 "at the path)",
@@ -60,8 +60,8 @@ class OutputRole:
     ``args[1]``); for ``"buffer"`` and ``"parameter"`` the block's own name
     for the tensor (``running_mean``); for ``"token"`` torch's name."""
 
-    kind: str = attrs.field(validator=attrs.validators.in_(ROLE_KINDS))
-    """One of ``ROLE_KINDS``."""
+    kind: str = attrs.field(validator=attrs.validators.in_(ROLES))
+    """One of ``ROLES``."""
     path: str
     """Where the output belongs or what it writes (see the class)."""
 
@@ -92,7 +92,7 @@ def roles_from_json(value: object, path: str) -> tuple[OutputRole, ...] | None:
 def _role(value: object, path: str) -> OutputRole:
     doc = read_mapping(value, path, keys={"kind", "path", "returned"},
                        required={"kind", "path"})
-    role = OutputRole(read_str(doc["kind"], f"{path}.kind", choices=set(ROLE_KINDS)),
+    role = OutputRole(read_str(doc["kind"], f"{path}.kind", choices=set(ROLES)),
                       read_str(doc["path"], f"{path}.path", max_len=4096))
     if "returned" in doc and read_bool(doc["returned"], f"{path}.returned") != role.returned:
         raise ValueError(f"{path}.returned: a {role.kind!r} output is "

@@ -304,3 +304,14 @@ def test_inspect_names_the_roles_of_every_capture_of_a_manifest_and_a_report(
     for path in (tmp_path / "captures", tmp_path / "report.json"):
         assert main(["inspect", str(path)]) == 0
         assert line in capsys.readouterr().out.splitlines(), path
+
+
+def test_the_artifacts_page_explains_every_role_kind() -> None:
+    # the page's table of kinds, read as the reader sees it: one row per kind
+    # (``buffer``, ``parameter`` share one), each kind in backticks in its first cell
+    from ctxreplay.artifacts.roles import ROLES
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "artifacts.md").read_text()
+    rows = re.findall(r"^\| (`[a-z]+`(?:, `[a-z]+`)*) \|", page, flags=re.M)
+    named = {kind for cell in rows for kind in re.findall(r"`([a-z]+)`", cell)}
+    assert set(ROLES) <= named, sorted(set(ROLES) - named)

@@ -62,66 +62,6 @@ def test_every_folder_and_module_says_what_it_owns() -> None:
     assert not missing, f"no docstring: {missing}"
 
 
-# -- function length -----------------------------------------------------------
-
-MAX_BODY_LINES = 60
-
-# Functions other engineers are rewriting right now: skipped until their
-# rewrite lands.  Temporary -- this list must be empty.
-_BEING_REWRITTEN: set[str] = set()
-
-
-def _long_functions(source: str, path: str,
-                    limit: int = MAX_BODY_LINES) -> dict[str, int]:
-    """``{"path:qualname": lines}`` for each ``def`` in ``source`` whose body
-    -- from the first statement after the docstring to the end of the last
-    statement -- spans more than ``limit`` lines (nested defs and methods
-    included, each measured on its own and counted in its parent's span)."""
-    long: dict[str, int] = {}
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                name = prefix + child.name
-                body = child.body
-                if ast.get_docstring(child, clean=False) is not None:
-                    body = body[1:]
-                if body:
-                    end = body[-1].end_lineno
-                    assert end is not None
-                    lines = end - body[0].lineno + 1
-                    if lines > limit:
-                        long[f"{path}:{name}"] = lines
-                visit(child, name + ".")
-            elif isinstance(child, ast.ClassDef):
-                visit(child, prefix + child.name + ".")
-            else:
-                visit(child, prefix)
-
-    visit(ast.parse(source), "")
-    return long
-
-
-def test_no_function_body_is_over_sixty_lines() -> None:
-    long: dict[str, int] = {}
-    for p in sorted(PACKAGE.rglob("*.py")):
-        long.update(_long_functions(p.read_text(), p.relative_to(ROOT).as_posix()))
-    over = {k: v for k, v in long.items() if k not in _BEING_REWRITTEN}
-    assert not over, "function bodies over {} lines (docstring excluded): {}".format(
-        MAX_BODY_LINES, ", ".join(f"{k} ({v})" for k, v in sorted(over.items())))
-
-
-def test_a_long_function_is_caught() -> None:
-    """The measure above can fail: a 61-line body (after its docstring) is
-    listed, by its qualified name, and a 60-line one is not."""
-    def source(lines: int) -> str:
-        body = "".join(f"        x{i} = {i}\n" for i in range(lines))
-        return f'class C:\n    def f(self):\n        """Doc."""\n{body}'
-
-    assert _long_functions(source(61), "gen.py") == {"gen.py:C.f": 61}
-    assert _long_functions(source(60), "gen.py") == {}
-
-
 # -- names ------------------------------------------------------------------------
 
 def _class_homes(sources: dict[str, str]) -> dict[str, list[str]]:
