@@ -8,6 +8,7 @@ understands.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +61,27 @@ def test_sequence_parallel_captures_dispatch_on_every_rank_from_the_in_process_r
         assert r["same"] and r["eager_again"]
 
 
+#: the tensor parallel plans ``cases.tensor_parallel`` runs: linears only, and
+#: sequence parallel norms (each rank its own shard of the sequence)
+PLANS = ("tp", "sp")
+
+
 def test_tensor_parallel_blocks_are_checked_on_every_rank_and_dispatched(tmp_path: Path) -> None:
     """MLP blocks with ColwiseParallel / RowwiseParallel linears: export failed
     in DTensor.from_local (ok only through Dynamo at "signature", whose
     graph no rank could run or dispatch: "program not sent",
     ``backend_not_dispatchable``).  Now the program is re-traced into local
     shards and an all_reduce, run by both ranks together at "execute", and
-    dispatched on both with each rank's own shards."""
+    dispatched on both with each rank's own shards.  The same holds with
+    sequence parallel norms, each rank its own shard of the sequence (an
+    all_gather before ``up``, a reduce_scatter after ``down``)."""
     results = _run(cases.tensor_parallel, tmp_path)
     if not CAPS.export_traces_dtensor:
         _assert_tensor_parallel_refused(results)
         return
     for rank, r in enumerate(results):
-        for verify in ("signature", "execute"):
-            doc = r[verify]
+        for plan, verify in itertools.product(PLANS, ("signature", "execute")):
+            doc = r[f"{plan}/{verify}"]
             assert doc["ok"], (rank, verify, doc)
             assert all(c["backend"] == "export" and c["collective"] for c in doc["captures"])
             assert all(c["checked"][-1] == verify for c in doc["captures"])
@@ -88,8 +96,8 @@ def _assert_tensor_parallel_refused(results: list[dict[str, Any]]) -> None:
     program: the report names why, and every call runs eagerly, equal to
     the uninstalled model's."""
     for rank, r in enumerate(results):
-        for verify in ("signature", "execute"):
-            doc = r[verify]
+        for plan, verify in itertools.product(PLANS, ("signature", "execute")):
+            doc = r[f"{plan}/{verify}"]
             # export refused; Dynamo's graph agrees by signature, but no rank
             # can run it at "execute" or dispatch it
             assert all(c["backend"] == "dynamo" for c in doc["captures"]), (rank, verify)

@@ -228,9 +228,51 @@ def tp_model(world: int) -> MLPStack:
     return model
 
 
-def _tp_calls(model: nn.Module) -> list[torch.Tensor]:
-    """The same input on every rank (tensor parallelism replicates it)."""
-    g = torch.Generator().manual_seed(7)
+class NormMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class NormMLPStack(MLPStack):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__(n)
+        self.blocks = nn.ModuleList(NormMLP() for _ in range(n))
+
+
+def sp_model(world: int) -> MLPStack:
+    """Sequence parallel norms: each block's ``norm`` runs on the rank's own
+    shard of the sequence (``SequenceParallel``), ``up`` gathers the
+    sequence and is column-wise parallel, ``down`` row-wise parallel and
+    scatters the sequence again: the block's input and output are the
+    rank's sequence shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = NormMLPStack().eval()
+    plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))}
+    for block in model.blocks:
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+def _tp_calls(model: nn.Module, seed: int = 7) -> list[torch.Tensor]:
+    """The same input on every rank (tensor parallelism replicates it),
+    unless ``seed`` differs by rank (a rank's own sequence shard)."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.rand(2, 5, DIM, generator=g)
     outs = []
     with torch.no_grad():
@@ -243,16 +285,16 @@ def _tp_calls(model: nn.Module) -> list[torch.Tensor]:
 def tensor_parallel(rank: int, world: int, port: int, out: str) -> None:
     setup(rank, world, port)
     with written(out, rank) as result:
-        model = tp_model(world)
-        for verify in ("signature", "execute"):
-            with ctxreplay.capture_with(model, targets="repeated", verify=verify) as session:
-                eager = _tp_calls(model)
-            report = session.finalize()
-            result[verify] = summary(report)
-            with ctxreplay.install(model, report) as handle:
-                installed = _tp_calls(model)
-            result[verify]["install"] = stats(handle)
-            result[verify]["same"] = same(eager, installed)
+        for plan, model, seed in (("tp", tp_model(world), 7), ("sp", sp_model(world), 7 + rank)):
+            for verify in ("signature", "execute"):
+                with ctxreplay.capture_with(model, targets="repeated", verify=verify) as session:
+                    eager = _tp_calls(model, seed)
+                report = session.finalize()
+                doc = result[f"{plan}/{verify}"] = summary(report)
+                with ctxreplay.install(model, report) as handle:
+                    installed = _tp_calls(model, seed)
+                doc["install"] = stats(handle)
+                doc["same"] = same(eager, installed)
     teardown()
 
 
