@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,9 @@ from .trust import UNVERIFIED, FileChangedError, changed_files, verified_bytes
 from .weights import Weights, bind_weights
 
 _log = logging.getLogger("ctxreplay")
+
+#: the most threads ``load`` hashes a directory's artifacts on
+_HASHERS = 4
 
 __all__ = ["LoadedCapture", "LoadedManifest", "load"]
 
@@ -488,22 +493,22 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
     refused = []
     saved = [e for e in doc.entries if e.sidecar is not None and e.artifact is not None]
     not_saved = [(e.label, e.not_saved or "unknown") for e in doc.entries if e not in saved]
-    for e in saved:
-        side, why = _entry_sidecar(doc.directory, e, given, path)
-        # the artifact read once, to hold it to its digest
-        why = why or changed_files(doc.directory, dict(e.digests) or None, (str(e.artifact),))
-        if why is not None or side is None:  # refused; the others still serve
-            _log.warning("load: %s refused: %s", e.label, why)
-            refused.append((e.label, str(why)))
-            continue
-        unknown += side.snapshot.unknown
-        merged = e.capture.get("merged", [])
-        captures.append(_capture(side, e.members, e.weights_from,
-                                 combined_status(e.fidelity, e.saved), doc.environment,
-                                 tuple(m for m in merged if type(m) is int)
-                                 if isinstance(merged, list) else (),
-                                 _compiled(e, doc.directory, path),
-                                 e.digests.get(str(e.artifact))))
+    with _artifact_checks(doc.directory, saved) as checks:
+        for e, check in zip(saved, checks, strict=True):
+            side, why = _entry_sidecar(doc.directory, e, given, path)
+            why = why or check()
+            if why is not None or side is None:  # refused; the others still serve
+                _log.warning("load: %s refused: %s", e.label, why)
+                refused.append((e.label, str(why)))
+                continue
+            unknown += side.snapshot.unknown
+            merged = e.capture.get("merged", [])
+            captures.append(_capture(side, e.members, e.weights_from,
+                                     combined_status(e.fidelity, e.saved), doc.environment,
+                                     tuple(m for m in merged if type(m) is int)
+                                     if isinstance(merged, list) else (),
+                                     _compiled(e, doc.directory, path),
+                                     e.digests.get(str(e.artifact))))
     names = tuple(sorted(set(unknown)))
     warn_unknown(names, doc.path.name)
     if captures and not doc.entries[0].digests:
@@ -511,6 +516,24 @@ def _load_manifest(path: Path, data: Any, probes: Probes) -> LoadedManifest:
     return LoadedManifest(doc.path, doc.ctxreplay_version, doc.environment, doc.ok,
                           doc.probes, tuple(captures), tuple(not_saved),
                           doc.failures, doc.problems, names, tuple(refused))
+
+
+@contextmanager
+def _artifact_checks(directory: Path, entries: list[ManifestEntry]
+                     ) -> Iterator[list[Callable[[], str | None]]]:
+    """For each entry, what ``changed_files`` says of its artifact (read
+    once, to hold it to its digest), as a call that waits for it.  Two or
+    more are hashed on worker threads while the sidecars are read: ``sha256``
+    of a file's bytes releases the GIL, so on a directory of many captures
+    their hashing overlaps the parsing instead of adding to it."""
+    def check(e: ManifestEntry) -> str | None:
+        return changed_files(directory, dict(e.digests) or None, (str(e.artifact),))
+
+    if len(entries) < 2:
+        yield [functools.partial(check, e) for e in entries]
+        return
+    with ThreadPoolExecutor(max_workers=min(len(entries), _HASHERS)) as pool:
+        yield [pool.submit(check, e).result for e in entries]
 
 
 def _entry_sidecar(directory: Path, e: ManifestEntry, probes: Any,
