@@ -17,6 +17,7 @@ import pytest
 import torch
 from compiled_dirs import build_model, make_compiled
 from digests import sha256
+from tampering import plant_symlinks
 
 import ctxreplay
 from ctxreplay.cli import main
@@ -30,13 +31,7 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Path, 
     root = tmp_path_factory.mktemp("aot_trust")
     directory, outside = root / "captures", root / "outside"
     directory.mkdir()
-    outside.mkdir()
-    held = {}
-    for name in NAMES:
-        victim = outside / name
-        victim.write_bytes(b"the user's own " + name.encode())
-        (directory / name).symlink_to(victim)
-        held[victim] = victim.read_bytes()
+    held = plant_symlinks(directory, NAMES, outside)
     make_compiled(directory, sizes="7")  # one fixed-size capture on every torch
     return directory, held
 

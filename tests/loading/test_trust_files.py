@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 import warnings
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 from digests import redigest, sha256
+from tampering import plant_symlinks, rewrite_zip
 from torch import nn
 
 import ctxreplay
@@ -96,16 +96,21 @@ def _net() -> _Net:
     return _Net().eval()
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Four captures (``a.0`` and ``b.0`` at two shapes), saved."""
+def _four_captures() -> ctxreplay.CaptureReport:
+    """``a.0`` and ``b.0`` captured at two shapes each (not folded)."""
     model = _net()
     with ctxreplay.capture_with(model, targets="repeated", backend="export",
                                 fold=False) as session, \
             torch.no_grad():
         for shape in SHAPES:
             model(torch.rand(shape))
-    report = session.finalize()
+    return session.finalize()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four captures (``a.0`` and ``b.0`` at two shapes), saved."""
+    report = _four_captures()
     assert report.ok and len(report.captures) == 4
     target = tmp_path_factory.mktemp("trust") / "saved"
     assert report.save_all(target).ok
@@ -131,15 +136,6 @@ def _file(directory: Path, label: str) -> Path:
 
 def _labels(directory: Path) -> list[str]:
     return [f"{e['capture']['scope']}#{e['capture']['variant']}" for e in _entries(directory)]
-
-
-def _rewrite(path: Path, edit: Callable[[str, bytes], bytes]) -> None:
-    """Every member of the zip archive ``path`` through ``edit(name, data)``."""
-    with zipfile.ZipFile(path) as z:
-        entries = [(i, z.read(i.filename)) for i in z.infolist()]
-    with zipfile.ZipFile(path, "w") as z:
-        for info, data in entries:
-            z.writestr(info, edit(info.filename, data))
 
 
 def _served(directory: Path) -> dict[str, int]:
@@ -192,11 +188,11 @@ def test_a_pickle_payload_in_a_saved_file_never_runs_at_install(
     marker = tmp_path / "ran"
     victim = _file(copy, _labels(copy)[0])
     if where == "inputs":
-        _rewrite(victim, _evil_inputs(marker))
+        rewrite_zip(victim, _evil_inputs(marker))
     else:
         edit = _evil_weights(marker)
-        _rewrite(victim, edit)
-        _rewrite(victim, edit.second)  # type: ignore[attr-defined]
+        rewrite_zip(victim, edit)
+        rewrite_zip(victim, edit.second)  # type: ignore[attr-defined]
     redigest(copy)  # an attacker who can write the directory writes its manifest too
     raised: Exception | None = None
     try:
@@ -276,30 +272,12 @@ def test_a_manifest_symlinked_outside_is_refused(copy: Path, tmp_path: Path) -> 
         ctxreplay.load(copy)
 
 
-def _planted(directory: Path, names: list[str], outside: Path) -> dict[Path, bytes]:
-    """A symlink at each of ``names`` to a file of its own outside; what each holds."""
-    outside.mkdir()
-    held = {}
-    for name in names:
-        victim = outside / name
-        victim.write_bytes(b"the user's own file " + name.encode())
-        (directory / name).symlink_to(victim)
-        held[victim] = victim.read_bytes()
-    return held
-
-
 def test_save_all_never_writes_through_a_planted_symlink(saved: Path, tmp_path: Path) -> None:
     names = [p.name for p in saved.iterdir()]
     target = tmp_path / "again"
     target.mkdir()
-    held = _planted(target, names, tmp_path / "outside")
-    model = _net()
-    with ctxreplay.capture_with(model, targets="repeated", backend="export",
-                                fold=False) as session, \
-            torch.no_grad():
-        for shape in SHAPES:
-            model(torch.rand(shape))
-    assert session.finalize().save_all(target).ok
+    held = plant_symlinks(target, names, tmp_path / "outside")
+    assert _four_captures().save_all(target).ok
     assert {p: p.read_bytes() for p in held} == held  # nothing outside written
     assert all(not (target / n).is_symlink() and (target / n).is_file() for n in names)
     assert len(ctxreplay.load(target).captures) == 4  # type: ignore[arg-type]
@@ -413,7 +391,7 @@ def test_an_edited_or_torn_file_is_refused_by_name(copy: Path, change: str,
     if change == "torn":
         victim.write_bytes(before[:len(before) // 2])
     else:
-        _rewrite(victim, _edit_graph if change == "graph" else _flip_constant)
+        rewrite_zip(victim, _edit_graph if change == "graph" else _flip_constant)
     assert victim.read_bytes() != before  # the control: the file did change
     loaded = ctxreplay.load(copy)
     assert isinstance(loaded, ctxreplay.LoadedManifest)
