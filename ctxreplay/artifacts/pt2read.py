@@ -184,18 +184,15 @@ def _payloads(pkg: Any, names: Any, reader: Any, name: str, *,
 
 
 def _strided(flat: torch.Tensor, meta: Any, *, param: bool) -> torch.Tensor:
-    from torch._export.serde.serialize import (
-        deserialize_size,
-        deserialize_storage_offset,
-        deserialize_stride,
-    )
-
+    # (the readers of a raw payload's metadata came with that layout: torch
+    # 2.7's serializer has none, and its files never reach here)
+    serde: Any = importlib.import_module("torch._export.serde.serialize")
     tm = meta.tensor_meta
     if tm is None:
         raise ValueError(f"{meta.path_name}: a raw payload without its tensor metadata")
-    t = torch.as_strided(flat, size=deserialize_size(tm.sizes),
-                         stride=deserialize_stride(tm.strides),
-                         storage_offset=deserialize_storage_offset(tm.storage_offset))
+    t = torch.as_strided(flat, size=serde.deserialize_size(tm.sizes),
+                         stride=serde.deserialize_stride(tm.strides),
+                         storage_offset=serde.deserialize_storage_offset(tm.storage_offset))
     return nn.Parameter(t, requires_grad=tm.requires_grad) if param else t
 
 

@@ -33,8 +33,13 @@ def test_the_json_of_a_capture_is_what_it_was_before_the_split(
         capture: ctxreplay.Capture) -> None:
     before = old_json("capture.json")
     now = json.loads(json.dumps(capture.to_json()))
-    assert list(now) == list(before)  # the same keys, in the same order
-    varies = {"seconds"}
+    # the same keys, in the same order, and the ones added since the split
+    # (each output's role, after the graph's own outputs)
+    added = ("output_roles",)
+    assert [k for k in now if k not in added] == list(before)
+    assert list(now).index("output_roles") == list(now).index("graph_outputs") + 1
+    assert now["output_roles"] == [{"kind": "output", "path": "out", "returned": True}]
+    varies = {"seconds", *added}
     if old_json("saved/manifest.json")["environment"]["torch"] != str(torch.__version__):
         # another torch release traces other op names, so other digests, and
         # its probes may know other states: the rest must still be equal
