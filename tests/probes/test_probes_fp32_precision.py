@@ -10,6 +10,12 @@ test.  Each shows that the calls the probe made before this change raise in
 that state, that ``observe()`` now succeeds, that replaying the observed
 state re-establishes it from a neutral process state, and that the exit
 restores every getter -- per-backend and legacy, raising or not -- exactly.
+
+A torch without the API (2.7) runs each case too and shows what a user meets
+there: the per-backend attributes are refused by torch (or, for
+``torch.backends.fp32_precision``, set on a plain module with no effect), no
+legacy getter raises, the probe records no per-backend value, and the legacy
+precision is observed and replayed as before.
 """
 
 from __future__ import annotations
@@ -25,8 +31,6 @@ import pytest
 import torch
 
 HAS_API = hasattr(torch._C, "_get_fp32_precision_getter")
-needs_api = pytest.mark.skipif(not HAS_API, reason="torch < 2.9 has no per-backend "
-                               "fp32_precision API; nothing to observe there")
 
 _TESTS = Path(__file__).resolve().parents[1] / "helpers"  # the suite's shared helpers
 
@@ -115,6 +119,78 @@ def _run(setup: str) -> dict[str, object]:
     return result
 
 
+# Runs in a fresh interpreter of a torch without the per-backend API: SETUP
+# is run as a user would, and what torch raised is recorded.
+_WITHOUT_API = r'''
+import json
+import torch
+import ctxreplay
+from ctxreplay.testing import check_probe
+
+probe = ctxreplay.probes.get_probe("matmul_precision")
+
+def legacy(fn):
+    try:
+        return ("ok", fn())
+    except RuntimeError:
+        return ("raises", None)
+
+out = {{"has_getter": hasattr(torch._C, "_get_fp32_precision_getter")}}
+fresh = probe.observe()
+try:
+{setup}
+    out["setup"] = None
+except AttributeError as exc:
+    out["setup"] = "AttributeError"
+live = probe.observe()
+out["legacy"] = [legacy(torch.get_float32_matmul_precision)[0],
+                 legacy(torch._C._get_cublas_allow_tf32)[0],
+                 legacy(torch._C._get_cudnn_allow_tf32)[0]]
+out["precision"] = torch.get_float32_matmul_precision()
+out["observed"] = live.float32_matmul_precision
+out["keys"] = sorted(json.loads(json.dumps(probe.encode(live))))
+out["live_differs"] = live != fresh
+with probe.replay(fresh):
+    out["neutral_inside"] = (probe.observe() == fresh and
+                             torch.get_float32_matmul_precision() == fresh.float32_matmul_precision)
+    with probe.replay(live):
+        out["replayed"] = torch.get_float32_matmul_precision() == out["precision"]
+out["restored_live"] = probe.observe() == live
+if out["live_differs"]:  # the contract needs a state other than the current one
+    with probe.replay(fresh):
+        check_probe(probe, [live], neutral=fresh)
+out["check_probe"] = out["live_differs"]
+print(json.dumps(out))
+'''
+
+
+def _run_without_api(setup: str) -> dict[str, object]:
+    body = textwrap.indent(textwrap.dedent(setup), "    ")
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_API.format(setup=body)],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _assert_without_api(setup: str, refused: bool, precision: str) -> None:
+    """What a user meets running ``setup`` on a torch without the API: torch
+    refuses the per-backend attribute (``refused``), no legacy getter raises,
+    the probe records no per-backend value, and the legacy ``precision`` it
+    observes is replayed."""
+    out = _run_without_api(setup)
+    assert out["has_getter"] is False
+    assert out["setup"] == ("AttributeError" if refused else None)
+    assert out["legacy"] == ["ok", "ok", "ok"]
+    assert out["precision"] == out["observed"] == precision
+    assert out["keys"] == ["flags", "float32_matmul_precision"]  # no "fp32_precision"
+    assert out["live_differs"] is (precision != "highest")
+    assert out["neutral_inside"] is True and out["replayed"] is True
+    assert out["restored_live"] is True
+    assert out["check_probe"] is out["live_differs"]
+
+
 CASES = {
     # the issue's example: legacy precision getter and cuBLAS TF32 getter raise
     "cuda-matmul-tf32": ('torch.backends.cuda.matmul.fp32_precision = "tf32"',
@@ -132,11 +208,21 @@ CASES = {
     "legacy-medium": ('torch.set_float32_matmul_precision("medium")', ["ok", "ok", "ok"]),
 }
 
+#: per case, on a torch without the API: (torch refuses the setting, the
+#: legacy precision then) -- ``torch.backends.fp32_precision`` is a plain
+#: module attribute there, which takes any value and changes nothing
+WITHOUT_API = {"cuda-matmul-tf32": (True, "highest"), "mkldnn-matmul-bf16": (True, "highest"),
+               "cudnn-conv-ieee": (True, "highest"), "generic-tf32": (False, "highest"),
+               "cuda-matmul-ieee-after-high": (True, "high"),
+               "legacy-medium": (False, "medium")}
 
-@needs_api
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_per_backend_precision_is_observed_and_replayed(case: str) -> None:
     setup, old_calls = CASES[case]
+    if not HAS_API:
+        _assert_without_api(setup, *WITHOUT_API[case])
+        return
     out = _run(setup)
     assert out["fresh_is_neutral_state"] is True
     # before this change the probe's observe() made these calls: they raise
@@ -156,12 +242,18 @@ def test_per_backend_precision_is_observed_and_replayed(case: str) -> None:
         assert "mixed" in str(out["describe"])
 
 
-@needs_api
 def test_the_oracle_in_the_subprocess_can_fail() -> None:
     """A replay that put back only the legacy precision -- what
     ``torch.set_float32_matmul_precision(previous)`` does -- leaves
     ``cuda.matmul`` at "ieee" where a fresh torch has "none": the torch-level
-    view the subprocess compares sees it."""
+    view the subprocess compares sees it.  Without the API the legacy
+    setter leaves no residue: the probe sees the fresh state again."""
+    if not HAS_API:
+        _assert_without_api('''
+            torch.set_float32_matmul_precision("high")
+            torch.set_float32_matmul_precision("highest")
+        ''', False, "highest")
+        return
     out = _run('''
         before = torch_view()
         torch.set_float32_matmul_precision("high")
@@ -173,10 +265,15 @@ def test_the_oracle_in_the_subprocess_can_fail() -> None:
     assert out["replayed"] is True and out["restored_live"] is True
 
 
-@needs_api
 def test_a_mixed_state_outside_is_restored_after_a_neutral_replay() -> None:
     """The legacy precision is hidden while its getter raises: a replay of the
-    neutral state from such a process must bring the raising back on exit."""
+    neutral state from such a process must bring the raising back on exit.
+    Without the API no such state can be made: torch refuses the setting and
+    its legacy getter keeps answering."""
+    if not HAS_API:
+        _assert_without_api(
+            'torch.backends.cuda.matmul.fp32_precision = "tf32"', True, "highest")
+        return
     out = _run('''
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         mixed_view = torch_view()
