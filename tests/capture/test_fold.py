@@ -38,6 +38,7 @@ from ctxreplay.capture.checker import Checker
 from ctxreplay.fidelity.verify import Fidelity
 from ctxreplay.specs.dims import SymbolRange
 
+
 def _live(model: nn.Module, make: fc.Make, lengths: tuple[int, ...], **options: Any
           ) -> tuple[ctxreplay.CaptureReport, list[Any]]:
     """One session over a forward per length, every block call recorded."""

@@ -23,6 +23,7 @@ from capability import FOLDS
 import ctxreplay
 from ctxreplay.loading.guard import GuardError
 
+
 def _loaded(tmp_path: Path, cls: type, make: fc.Make, lengths: tuple[int, ...]) -> tuple[
         fc.Stack, list[ctxreplay.LoadedCapture]]:
     """The model and its saved captures, loaded: one fold, or where ctxreplay
