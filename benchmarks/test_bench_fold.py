@@ -19,11 +19,17 @@ with dynamic dims, and what a folded capture costs per call afterwards.
 One thread.  Under ``--benchmark-disable`` only the folding itself runs and
 is checked (one capture, the observed range, the graph against the
 module's own eager outputs at every size); nothing is timed.
+
+Where ctxreplay does not fold (torch 2.7: no size guards in its programs)
+there is no fold to time: each benchmark asserts, once per process, the
+outcome a user meets instead -- ``fold=True`` gives a capture per length,
+each graph the module's eager outputs at its own length.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 import warnings
@@ -34,14 +40,12 @@ from typing import Any
 import pytest
 import torch
 from benchutil import Stack, fast, interleaved_medians, one_thread, report
-from capability import needs_size_guards
+from capability import FOLDS
 from torch import nn
 from torch.export import Dim
 
 import ctxreplay
 from ctxreplay.demo import DiTBlock
-
-pytestmark = needs_size_guards
 
 #: the observed sequence lengths (sizes 0 and 1 would not fold)
 LENGTHS = (8, 12, 16, 20, 24, 32)
@@ -108,6 +112,22 @@ def _behaviour(w: _Workload) -> None:
     assert all(c.folding is None for c in unfolded.captures)
 
 
+@functools.cache
+def _not_folded_here() -> bool:
+    """Asserts (once) what ``fold=True`` gives where ctxreplay does not fold:
+    one capture per length, none folded, each graph the module's own eager
+    outputs at its length.  True when so (the caller has nothing to time)."""
+    w = _Workload("linear_stack")
+    rep = _finalize(w, True)[1]
+    assert rep.ok, rep.problems
+    assert [c.folding for c in rep.captures] == [None] * len(LENGTHS)
+    with torch.inference_mode():
+        for cap, n in zip(rep.captures, LENGTHS, strict=True):
+            args = w.inputs(n)
+            torch.testing.assert_close(cap.artifact.module()(*args), w.module(*args))
+    return True
+
+
 def _finalize(w: _Workload, fold: bool) -> tuple[float, ctxreplay.CaptureReport]:
     session = w.live(fold)
     t0 = time.perf_counter()
@@ -138,6 +158,9 @@ def _rounds(w: _Workload, rounds: int) -> dict[str, float]:
 def test_finalize_folded_vs_direct_export(benchmark: Any, request: pytest.FixtureRequest,
                                           workload: str) -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    if not FOLDS:
+        assert _not_folded_here()
+        return
     w = _Workload(workload)
     with one_thread():
         if fast(request.config):  # the behaviour only, untimed
@@ -248,6 +271,9 @@ def _loaded(model: nn.Module, sizes: tuple[int, ...], where: Path) -> Any:
 
 def test_guard_of_a_folded_capture(benchmark: Any, tmp_path: Path, threads: None,
                                    request: pytest.FixtureRequest) -> None:
+    if not FOLDS:
+        assert _not_folded_here()
+        return
     torch.manual_seed(0)
     model = Stack(n=2, dim=WIDTH).eval()
     folded = _loaded(model, OBSERVED, tmp_path / "folded")
@@ -302,6 +328,9 @@ def test_dispatch_of_a_folded_capture(benchmark: Any, threads: None,
                                       request: pytest.FixtureRequest) -> None:
     """A dispatched block call of a folded capture beside one of a fixed-size
     capture, each beside the bare eager model's block call."""
+    if not FOLDS:
+        assert _not_folded_here()
+        return
     torch.manual_seed(0)
     base = Stack(n=N_BLOCKS, dim=WIDTH).eval()
     models = {k: copy.deepcopy(base) for k in ("bare", "installed", "installed_fixed")}

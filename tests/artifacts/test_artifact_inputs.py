@@ -14,7 +14,7 @@ from pathlib import Path
 import fold_cases as fc
 import pytest
 import torch
-from capability import needs_size_guards
+from capability import FOLDS
 from torch import nn
 
 import ctxreplay
@@ -102,7 +102,6 @@ def test_file_with_placeholder_inputs_loads_installs_and_runs_bit_exactly(
 
 # -- the graph alone, as the capture cache and the ranks exchange it ----------------
 
-@needs_size_guards
 def test_a_folded_capture_from_the_cache_keeps_its_size_guard(tmp_path: Path) -> None:
     """Observed 4, 6, 9; 7 is in range but takes another path.  Served from
     the capture cache (``program_bytes``, the graph alone), the program
@@ -118,29 +117,42 @@ def test_a_folded_capture_from_the_cache_keeps_its_size_guard(tmp_path: Path) ->
             for n in (4, 6, 9):
                 model(*fc.sequence(n)[0])
         report = session.finalize()
-        assert report.ok and len(report.captures) == 1
-        assert report.captures[0].folding is not None
+        assert report.ok and [c.from_cache for c in report.captures] == [not fill] * (
+            1 if FOLDS else 3)
+        # where ctxreplay does not fold, a capture per size: 7 is no size of theirs
+        assert all((c.folding is not None) is FOLDS for c in report.captures)
         (x,), _ = fc.sequence(7)
         with torch.no_grad():
             want = model(x)
             with ctxreplay.install(model, report) as handle:
                 assert torch.equal(model(x), want), "filled" if fill else "served"
-                assert handle.stats().reasons == {"size_guard": 2}
+                if FOLDS:
+                    assert handle.stats().reasons == {"size_guard": 2}
                 assert handle.stats().total_hits == 0
+                assert handle.stats().total_misses == 2
 
 
-@needs_size_guards
 def test_program_bytes_hold_placeholder_inputs_and_old_bytes_are_refused() -> None:
     dims = ({1: torch.export.Dim.AUTO},)  # type: ignore[attr-defined]
     x = torch.rand(2, TOKENS, DIM)
-    program = torch.export.export(fc.Special(), (x,), dynamic_shapes=dims, strict=False)
+    block = fc.Special()
+    program = torch.export.export(block, (x,), dynamic_shapes=dims, strict=False)
     fmt = Pt2Format()
     data = fmt.program_bytes(program)
     assert data is not None and len(data) < x.nbytes // 10
     back = fmt.program_from_bytes(data, program.state_dict)
     assert back.example_inputs[0][0].device.type == "meta"
-    with pytest.raises(AssertionError, match="Guard failed"):
-        back.module()(torch.rand(2, 7, DIM))
+    if FOLDS:
+        with pytest.raises(AssertionError, match="Guard failed"):
+            back.module()(torch.rand(2, 7, DIM))
+    else:
+        # this torch's program does not check its trace's size guard: at 7 it
+        # runs the traced path (the forward's would triple it) -- why
+        # ctxreplay does not fold here
+        seven = torch.rand(2, 7, DIM)
+        with torch.no_grad():
+            got = back.module()(seven)
+            assert torch.equal(got, block.lin(seven)) and not torch.equal(got, block(seven))
     # bytes laid out before the inputs were kept: refused, never guardless
     n_head, n_program, n_consts = struct.unpack_from("<III", data)
     at = struct.calcsize("<III")

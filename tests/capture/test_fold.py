@@ -7,6 +7,11 @@ that claims it) and from eager reruns of the same model; which block calls
 ``install`` dispatched is counted by hooks on each block's ``lin``: a
 dispatched call runs the captured graph instead of the forward, so its
 ``lin`` is never called.
+
+Where torch's exported programs do not check their size guards (torch 2.7,
+``FOLDS`` false) ctxreplay does not fold: each case asserts there what a user
+meets instead -- no capture folded, each observed size its own capture that
+install dispatches, every other size run eagerly, all outputs eager's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import attrs
 import fold_cases as fc
 import pytest
 import torch
-from capability import needs_size_guards
+from capability import FOLDS
 from forward_count import forwards_run
 from torch import nn
 from trust_oracle import differs, false_oks, members_of, record, replay_failure, unreproduced
@@ -33,7 +38,6 @@ from ctxreplay.capture.checker import Checker
 from ctxreplay.fidelity.verify import Fidelity
 from ctxreplay.specs.dims import SymbolRange
 
-pytestmark = needs_size_guards
 
 def _live(model: nn.Module, make: fc.Make, lengths: tuple[int, ...], **options: Any
           ) -> tuple[ctxreplay.CaptureReport, list[Any]]:
@@ -100,6 +104,23 @@ def _trustworthy(report: ctxreplay.CaptureReport, calls: list[Any]) -> None:
         assert unreproduced(report, calls) == []
 
 
+def _unfolded(model: nn.Module, make: fc.Make, seen: tuple[int, ...],
+              unseen: tuple[int, ...], **options: Any) -> ctxreplay.CaptureReport:
+    """Where ctxreplay does not fold: the session over ``seen`` is ok with no
+    capture folded, each observed size dispatched by its own capture and
+    each ``unseen`` one run eagerly, every output eager's."""
+    report, calls = _live(model, make, seen, **options)
+    assert report.ok, report.problems
+    _trustworthy(report, calls)
+    assert report.captures and all(c.folding is None and c.folded == ()
+                                   for c in report.captures)
+    for n in seen:
+        assert _installed(model, report, make, n) == (True, len(model.blocks)), n  # type: ignore[arg-type]
+    for n in unseen:
+        assert _installed(model, report, make, n) == (True, 0), n
+    return report
+
+
 # -- a branch on a size ------------------------------------------------------------
 
 BRANCH = (4, 6, 10, 12)
@@ -107,6 +128,9 @@ BRANCH = (4, 6, 10, 12)
 
 def test_a_size_branch_folds_each_side_and_unseen_sizes_dispatch_by_side() -> None:
     model = fc.stack(fc.Branch)
+    if not FOLDS:
+        _unfolded(model, fc.sequence, BRANCH, (5, 11, 3, 8, 9, 13))
+        return
     report, calls = _live(model, fc.sequence, BRANCH)
     assert report.ok, report.problems
     _trustworthy(report, calls)
@@ -125,6 +149,9 @@ def test_the_small_sides_graph_past_its_guard_miscomputes_and_the_oracle_says_so
     returns another value at a size of the other side; a claim widened
     over both sides is refuted by the oracle."""
     model = fc.stack(fc.Branch)
+    if not FOLDS:  # no fold to claim a range: only the observed sizes dispatch
+        _unfolded(model, fc.sequence, BRANCH, (5, 11))
+        return
     report, calls = _live(model, fc.sequence, BRANCH)
     small = next(c for c in report.captures if c.folding and c.folding.ranges[0].high < 8)
     member = model.get_submodule(small.weights_from)
@@ -161,6 +188,9 @@ def test_a_size_branch_the_graph_does_not_guard_is_caught_by_the_per_size_checks
     # the fold is traced at 7, on the small side
     report, calls = _live(model, fc.sequence, (4, 6, 7, 10), verify="execute")
     bad = false_oks(report, calls)
+    if not FOLDS:  # no fold claims 10 from a trace at 7: nothing for a check to catch
+        assert bad == [] and all(c.folding is None for c in report.captures)
+        return
     if skip_checks:
         assert bad and "reproduces" in bad[0], bad
         return
@@ -180,8 +210,12 @@ def test_ten_layers_of_their_own_index_in_one_forward_stay_within_the_budget(
     model = fc.Stack([fc.Indexed(i) for i in range(10)]).eval()
     report, calls = _live(model, fc.sequence, (5, 9), fold=fold)
     codes = [p.reason for p in report.problems]
-    if not fold:  # the control: each layer's graph spends the budget
+    if not fold or not FOLDS:  # the control: each layer's graph spends the budget
         assert "variant_limit" in codes
+        [limit] = [p for p in report.problems if p.reason == "variant_limit"]
+        off = "fold=False" if not fold else "size_guards=False"
+        [why] = [n for n in limit.names if n.startswith("fold:")]
+        assert why.startswith(f"fold:off:{off}"), limit.names
         return
     assert report.ok and codes == [], report.problems
     _trustworthy(report, calls)
@@ -242,6 +276,9 @@ def test_a_folded_forward_dispatches_unseen_sizes_in_range_with_eager_outputs(
         case: str) -> None:
     cls, make, seen, unseen, ranges = FOLDING[case]
     model = fc.stack(cls)
+    if not FOLDS:
+        _unfolded(model, make, seen, (*unseen, 12))
+        return
     report, calls = _live(model, make, seen)
     assert report.ok, report.problems
     _trustworthy(report, calls)
@@ -277,6 +314,9 @@ GUARDED = {
 def test_a_size_inside_the_range_its_graph_refuses_runs_eagerly(case: str) -> None:
     cls, make, seen, refused, dispatched = GUARDED[case]
     model = fc.stack(cls)
+    if not FOLDS:
+        _unfolded(model, make, seen, (*refused, *dispatched))
+        return
     report, calls = _live(model, make, seen)
     assert report.ok, report.problems
     _trustworthy(report, calls)
@@ -292,6 +332,9 @@ def test_a_parity_guard_folds_each_parity_and_install_finds_the_one_that_takes_i
     sizes the first graph refuses are folded again from the other parity,
     and install, refused by one graph, runs the other."""
     model = fc.stack(fc.Parity)
+    if not FOLDS:
+        _unfolded(model, fc.sequence, (4, 5, 8, 9, 12, 13), (6, 7, 10, 11, 3, 14))
+        return
     report, calls = _live(model, fc.sequence, (4, 5, 8, 9, 12, 13))
     assert report.ok, report.problems
     # the ranges overlap (the graphs' own guards tell them apart): every call
@@ -331,6 +374,10 @@ def test_a_transposed_input_is_never_folded_with_other_layouts() -> None:
     rule of the sizes): one capture per size; the second block's is
     contiguous and folds."""
     model = fc.stack(fc.Transposed)
+    if not FOLDS:  # neither block folds: the second's calls too are one per size
+        report = _unfolded(model, _transposed, (4, 6, 9), (5,))
+        assert sorted(len(c.members) for c in report.captures) == [1] * 6
+        return
     report, _ = _live(model, _transposed, (4, 6, 9))
     first = [c for c in report.captures if "blocks.0" in c.members]
     second = [c for c in report.captures if "blocks.1" in c.members]
@@ -356,6 +403,10 @@ def test_a_dict_the_forward_fills_per_size_is_not_ok_and_finalize_leaves_it() ->
 
 def test_values_verification_checks_every_call_of_a_fold_by_value() -> None:
     model = fc.stack(fc.Branch)
+    if not FOLDS:
+        report = _unfolded(model, fc.sequence, BRANCH, (5, 11), verify="values")
+        assert all("values" in c.fidelity.checked for c in report.captures)
+        return
     report, calls = _live(model, fc.sequence, BRANCH, verify="values")
     assert report.ok, report.problems
     _trustworthy(report, calls)
@@ -413,7 +464,7 @@ from ctxreplay.loading.guard import GuardError
 
 model = fc.stack(fc.Branch)
 src = ctxreplay.load(sys.argv[1])
-out = {"runs": {}}
+out = {"runs": {}, "folds": any(c.folding for c in src.captures)}
 for n in (4, 5, 6, 10, 11, 12, 3, 8, 13):
     (x,), _ = fc.sequence(n)
     with torch.no_grad():
@@ -422,6 +473,9 @@ for n in (4, 5, 6, 10, 11, 12, 3, 8, 13):
             torch.no_grad():
         got = model(x)
     out["runs"][n] = [torch.equal(got, want), len(model.blocks) - ran[0]]
+if not out["folds"]:
+    print(json.dumps(out))
+    sys.exit(0)
 small = next(c for c in src.captures if c.folding and c.folding.ranges[0].high < 8)
 block = model.get_submodule(small.weights_from)
 guarded = small.guarded(weights=block)
@@ -441,7 +495,10 @@ print(json.dumps(out))
 
 def test_a_saved_fold_loaded_in_a_fresh_process_dispatches_its_range(tmp_path: Path) -> None:
     model = fc.stack(fc.Branch)
-    report, _ = _live(model, fc.sequence, BRANCH)
+    if not FOLDS:  # saved and loaded, the captures serve the observed sizes only
+        report = _unfolded(model, fc.sequence, BRANCH, ())
+    else:
+        report, _ = _live(model, fc.sequence, BRANCH)
     assert report.ok
     report.save_all(tmp_path / "caps")
     proc = subprocess.run([sys.executable, "-c", _FRESH, str(tmp_path / "caps"),
@@ -449,8 +506,14 @@ def test_a_saved_fold_loaded_in_a_fresh_process_dispatches_its_range(tmp_path: P
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["ranges"] == [[[4, 6]], [[10, 12]]]
     runs = {int(n): tuple(v) for n, v in out["runs"].items()}
+    assert out["folds"] is FOLDS
+    if not FOLDS:
+        assert runs == {4: (True, 2), 5: (True, 0), 6: (True, 2), 10: (True, 2),
+                        11: (True, 0), 12: (True, 2), 3: (True, 0), 8: (True, 0),
+                        13: (True, 0)}
+        return
+    assert out["ranges"] == [[[4, 6]], [[10, 12]]]
     assert runs == {4: (True, 2), 5: (True, 2), 6: (True, 2), 10: (True, 2), 11: (True, 2),
                     12: (True, 2), 3: (True, 0), 8: (True, 0), 13: (True, 0)}
     assert out["guarded_in_range"] is True

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from capability import needs_size_guards
 from compiled_dirs import FOLDS, build_model, call_sizes, make_compiled, set_compiled_field
 
 import ctxreplay
@@ -156,7 +155,6 @@ def test_a_weight_laid_out_anew_after_binding_runs_eagerly(compiled: Path) -> No
     assert _err(got[0], _run(twin, XS[:1])[0]) <= TOL
 
 
-@needs_size_guards
 def test_sizes_outside_the_fold_and_a_converted_model_run_eagerly(compiled: Path) -> None:
     model = build_model()
     with ctxreplay.install(model, ctxreplay.load(compiled)) as handle:

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: whether ctxreplay folds sizes on this torch (its programs check their size
 #: guards): where not, the directories hold one fixed-size capture (n = 7)
-#: and the tests call it at that size -- a fold's own cases are marked
-#: ``needs_size_guards``
+#: and the tests call it at that size -- a fold's own cases assert there
+#: that it does not fold
 FOLDS = CAPS.export_guards_sizes
 
 
