@@ -22,22 +22,29 @@ from ctxreplay.backends.builtin import ExportBackend
 SIZES = (2, 3, 5, 7)
 
 
-def _assert_one_per_size(model: nn.Module, eager: nn.Module,
-                         report: ctxreplay.CaptureReport) -> None:
-    """No fold: a capture per observed size for all three members, each size
-    dispatched with every member's eager output, and 4 (never seen) eager."""
-    assert report.ok and len(report.captures) == len(SIZES)
-    assert all(c.folding is None and c.fidelity.members == 3 for c in report.captures)
+def _served_at_every_size(model: nn.Module, eager: nn.Module,
+                          report: ctxreplay.CaptureReport) -> Any:
+    """Install's stats after each observed size and 4 (never seen) ran,
+    every output equal to the eager copy's."""
     handle = ctxreplay.install(model, report)
     try:
         with torch.no_grad():
             for n in (*SIZES, 4):
                 x = torch.rand(n, 16)
                 torch.testing.assert_close(model(x), eager(x))
-        stats = handle.stats()
-        assert stats.total_hits == 3 * len(SIZES) and stats.total_misses == 3
+        return handle.stats()
     finally:
         handle.remove()
+
+
+def _assert_one_per_size(model: nn.Module, eager: nn.Module,
+                         report: ctxreplay.CaptureReport) -> None:
+    """No fold: a capture per observed size for all three members, each size
+    dispatched with every member's eager output, and 4 (never seen) eager."""
+    assert report.ok and len(report.captures) == len(SIZES)
+    assert all(c.folding is None and c.fidelity.members == 3 for c in report.captures)
+    stats = _served_at_every_size(model, eager, report)
+    assert stats.total_hits == 3 * len(SIZES) and stats.total_misses == 3
 
 
 class UnliftCounting(ExportBackend):
@@ -88,13 +95,5 @@ def test_a_fold_unlifts_its_program_once_for_every_size(verify: str, unlifts: in
     assert backend.unlifted == unlifts
     # each member dispatched to the one graph at every size gives that
     # member's eager output (the test's own copy of the model)
-    handle = ctxreplay.install(model, report)
-    try:
-        with torch.no_grad():
-            for n in (*SIZES, 4):
-                x = torch.rand(n, 16)
-                torch.testing.assert_close(model(x), eager(x))
-        stats = handle.stats()
-        assert stats.total_misses == 0 and stats.total_hits == 3 * (len(SIZES) + 1)
-    finally:
-        handle.remove()
+    stats = _served_at_every_size(model, eager, report)
+    assert stats.total_misses == 0 and stats.total_hits == 3 * (len(SIZES) + 1)
