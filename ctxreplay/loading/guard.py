@@ -50,6 +50,33 @@ def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any],
     return tuple([t.shape for t in call_tensors(args, kwargs)])
 
 
+def _fixed_dims(shapes: tuple[tuple[int, ...], ...] | None,
+                folding: Folding | None) -> tuple[tuple[int, ...], ...] | None:
+    """The captured shapes with each size a call may change (a folded
+    dimension, or a nested tensor's ``-1``) as ``-1``; ``None`` when the
+    shapes are not known."""
+    if shapes is None:
+        return None
+    free = {(d.leaf, d.dim) for d in folding.dims} if folding is not None else set()
+    return tuple(tuple(-1 if (i, j) in free else n for j, n in enumerate(shape))
+                 for i, shape in enumerate(shapes))
+
+
+def _takes(fixed: tuple[tuple[int, ...], ...] | None, shapes: tuple[Any, ...]) -> bool:
+    """Whether a call's leaf ``shapes`` keep every fixed size."""
+    if fixed is None:
+        return True
+    if len(fixed) != len(shapes):
+        return False
+    return all(len(want) == len(got) and all(w == -1 or w == g for w, g in zip(want, got))
+               for want, got in zip(fixed, shapes))
+
+
+def _listed(shapes: Iterable[Any]) -> str:
+    """Leaf shapes in words: ``(2, 7, 8), (7,)``."""
+    return ", ".join(str(tuple(s)) for s in shapes) or "(no tensors)"
+
+
 #: ``on_mismatch``: what a guarded call does on a difference
 GUARD_MODES = ("raise", "warn", "fallback")
 
@@ -78,13 +105,15 @@ class GuardedCapture:
     :meth:`LoadedCapture.guarded`).  ``mismatches`` counts calls that found
     a difference; ``check()`` is the check now."""
 
-    __slots__ = ("_fallback", "_fits", "_folding", "_label", "_mode", "_needs", "_observer",
-                 "_ok", "_order", "_run", "_static", "_verdicts", "ignore", "mismatches")
+    __slots__ = ("_fallback", "_fits", "_fixed", "_folding", "_label", "_mode", "_needs",
+                 "_observer", "_ok", "_order", "_run", "_shapes", "_static", "_verdicts",
+                 "ignore", "mismatches")
 
     def __init__(self, needs: Needs, run: Callable[..., Any], *, on_mismatch: str = "raise",
                  fallback: Callable[..., Any] | None = None,
                  ignore: Iterable[str] = (), folding: Folding | None = None,
-                 kwarg_order: tuple[str, ...] = ()) -> None:
+                 kwarg_order: tuple[str, ...] = (),
+                 shapes: tuple[tuple[int, ...], ...] | None = None) -> None:
         if on_mismatch not in GUARD_MODES:
             raise ValueError(f"on_mismatch: {on_mismatch!r} is not one of {list(GUARD_MODES)}")
         if on_mismatch == "fallback" and not callable(fallback):
@@ -96,7 +125,11 @@ class GuardedCapture:
         #: (keyword arguments read in the captured order, ``kwarg_order``)
         self._folding = folding
         self._order = kwarg_order
-        #: shapes of the calls seen -> whether the folding's ranges take them
+        #: the captured call's leaf shapes (``None``: not known, not checked);
+        #: a dimension the folding makes dynamic, or ``-1``, takes any size
+        self._shapes = shapes
+        self._fixed = _fixed_dims(shapes, folding)
+        #: shapes of the calls seen -> whether the program takes them
         self._fits: dict[tuple[Any, ...], bool] = {}
         self.ignore = tuple(ignore)
         """Probe names the guard leaves out."""
@@ -113,22 +146,34 @@ class GuardedCapture:
         except Exception:  # a probe that cannot observe: the slow path says which
             snap = None
         if snap is not None and snap is self._ok:
-            if self._folding is None:
-                return self._run(*args, **kwargs)
-            shapes = _shapes(args, kwargs, self._order)
-            fits = self._fits.get(shapes)
-            if fits is None:
-                fits = self._fit(shapes)
-            if fits:
-                return self._folded(args, kwargs)
-            return self._mismatch(self._sizes(args, kwargs), args, kwargs, True)
+            return self._sized(args, kwargs)
         return self._slow(snap, args, kwargs)
 
+    def _sized(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the program on a call whose state passed, if it takes the call's
+        sizes: a fixed-size program takes its captured shapes alone (torch's
+        own input check would raise on any other), a folded one the sizes in
+        its ranges."""
+        if self._folding is None and self._shapes is None:
+            return self._run(*args, **kwargs)
+        try:
+            shapes = _shapes(args, kwargs, self._order)
+        except Exception:  # a leaf with no single size (a nested tensor): not read
+            return self._run(*args, **kwargs)
+        fits = self._fits.get(shapes)
+        if fits is None:
+            fits = self._fit(shapes)
+        if not fits:
+            return self._mismatch(self._sizes(shapes), args, kwargs, True)
+        if self._folding is None:
+            return self._run(*args, **kwargs)
+        return self._folded(args, kwargs)
+
     def _fit(self, shapes: tuple[Any, ...]) -> bool:
-        """Whether the folding's ranges take ``shapes``, remembered (bounded:
-        sizes that change on every call are looked at anew)."""
-        assert self._folding is not None
-        fits = self._folding.within(shapes)
+        """Whether the program takes ``shapes``, remembered (bounded: sizes
+        that change on every call are looked at anew)."""
+        fits = _takes(self._fixed, shapes) and (self._folding is None
+                                                 or self._folding.within(shapes))
         if len(self._fits) >= 4096:
             self._fits.clear()
         self._fits[shapes] = fits
@@ -149,17 +194,20 @@ class GuardedCapture:
                                   "sizes", (self._label,)),)
         return self._mismatch(refused, args, kwargs, True)
 
-    def _sizes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Difference, ...]:
-        """The call's sizes against a folded capture's ranges, as a difference."""
-        assert self._folding is not None
-        shapes = _shapes(args, kwargs, self._order)
-        if self._folding.within(shapes):
-            return ()
-        found = ", ".join(f"{d.path}[{d.dim}] = {shapes[d.leaf][d.dim]}"
-                          if d.leaf < len(shapes) and d.dim < len(shapes[d.leaf])
-                          else f"{d.path}[{d.dim}] missing" for d in self._folding.dims)
-        return (Difference("sizes", "; ".join(self._folding.describe()), found, "sizes",
-                           (self._label,)),)
+    def _sizes(self, shapes: tuple[Any, ...]) -> tuple[Difference, ...]:
+        """A call's sizes the program does not take, as a difference."""
+        folding = self._folding
+        if folding is not None and not folding.within(shapes):
+            needed = "; ".join(folding.describe())
+            found = ", ".join(f"{d.path}[{d.dim}] = {shapes[d.leaf][d.dim]}"
+                              if d.leaf < len(shapes) and d.dim < len(shapes[d.leaf])
+                              else f"{d.path}[{d.dim}] missing" for d in folding.dims)
+        else:  # a size the capture holds fixed
+            needed = "the captured shapes " + _listed(self._shapes or ())
+            if folding is not None:
+                needed += " outside its folded dimensions"
+            found = _listed(shapes)
+        return (Difference("sizes", needed, found, "sizes", (self._label,)),)
 
     def check(self) -> tuple[Difference, ...]:
         """What differs now (as :meth:`LoadedCapture.check`)."""
@@ -179,12 +227,7 @@ class GuardedCapture:
                 self._verdicts[snap] = found
         if not found:
             self._ok = snap
-            if self._folding is None:
-                return self._run(*args, **kwargs)
-            sizes = self._sizes(args, kwargs)
-            if not sizes:
-                return self._folded(args, kwargs)
-            return self._mismatch(sizes, args, kwargs, True)
+            return self._sized(args, kwargs)
         return self._mismatch(found, args, kwargs, first)
 
     def _mismatch(self, found: tuple[Difference, ...], args: tuple[Any, ...],

@@ -349,11 +349,13 @@ class LoadedCapture(BriefFields):
             weights: a member module or its state dict, as for ``module()``.
             ignore: probe names not to check (you vouch for them).
 
-        A folded capture's guard also checks each call's dynamic sizes
-        against the ranges it was verified over (a ``sizes`` difference)."""
+        The guard also checks each call's sizes (a ``sizes`` difference): a
+        fixed-size capture takes its captured shapes alone, a folded one the
+        sizes in the ranges it was verified over."""
         return GuardedCapture(self.needs, self.module(weights), on_mismatch=on_mismatch,
                               fallback=fallback, ignore=ignore, folding=self.folding,
-                              kwarg_order=_kwarg_order(self.sidecar.inputs))
+                              kwarg_order=_kwarg_order(self.sidecar.inputs),
+                              shapes=tuple(spec.shape for _, spec in self.sidecar.inputs))
 
 
 

@@ -41,28 +41,54 @@ def _loaded(tmp_path: Path, cls: type, make: fc.Make, lengths: tuple[int, ...]) 
     return model, captures
 
 
-# a fixed-size loaded capture's guarded() lets torch's own size check escape
-# (RuntimeError on torch 2.7, AssertionError on 2.13 with fold=False) where
-# on_mismatch="fallback" should run the fallback: a known defect, pinned so
-# that this case fails (XPASS) once it is fixed
-@pytest.mark.xfail(not FOLDS, strict=True, raises=RuntimeError,
-                   reason="ctxreplay defect: a fixed-size capture's guarded() does not "
-                          "fall back at another size; torch's size check escapes")
 def test_a_size_in_range_its_graph_refuses_falls_back_through_the_guard(
         tmp_path: Path) -> None:
-    """Observed 4, 6, 9; 7 is inside the claimed range [4, 9] but takes
-    another path, so torch's own guard in the graph refuses it.  ``install``
-    runs such a call eagerly (``size_guard``); ``guarded()`` instead lets
-    torch's ``AssertionError('Guard failed: x.size()[1] != 7')`` escape,
-    in every mode: ``on_mismatch="fallback"`` never calls the fallback and
-    ``"raise"`` raises no ``GuardError``."""
+    """Observed 4, 6, 9; 7 lies inside the folded range [4, 9] but takes
+    another path, so torch's own guard in the graph refuses it (where torch
+    folds), or no capture holds that size at all (where each size is its
+    own capture).  Either way ``guarded()`` runs the fallback in
+    ``"fallback"`` mode and raises a ``GuardError`` naming the sizes in
+    ``"raise"`` mode, where the bare program raises torch's own error."""
     model, captures = _loaded(tmp_path, fc.Special, fc.sequence, (4, 6, 9))
     block = model.blocks[0]
     (x,), _ = fc.sequence(7)
     for capture in captures:
-        guarded = capture.guarded(weights=block, on_mismatch="fallback", fallback=block)
+        with torch.no_grad(), pytest.raises(Exception) as bare:
+            capture.module(block)(x)  # the control: torch refuses size 7
+        assert not isinstance(bare.value, GuardError)
+        calls: list[int] = []
+
+        def fallback(t: torch.Tensor, calls: list[int] = calls) -> torch.Tensor:
+            calls.append(t.shape[1])
+            return block(t)
+
+        guarded = capture.guarded(weights=block, on_mismatch="fallback", fallback=fallback)
         with torch.no_grad():
-            assert torch.equal(guarded(x), block(x))  # fails: AssertionError from the graph
+            assert torch.equal(guarded(x), block(x))
+        assert calls == [7] and guarded.mismatches == 1
+        with torch.no_grad(), pytest.raises(GuardError) as refused:
+            capture.guarded(weights=block)(x)
+        assert [d.kind for d in refused.value.differences] == ["sizes"]
+        assert "7" in refused.value.differences[0].found
+
+
+def test_a_fixed_size_capture_serves_its_own_shape_through_the_guard(tmp_path: Path) -> None:
+    """The size check does not refuse the calls the capture was made of:
+    each capture, guarded, reproduces the block at the size it was captured
+    at (every observed size, for a folded one), with no mismatch."""
+    model, captures = _loaded(tmp_path, fc.Special, fc.sequence, (4, 6, 9))
+    block = model.blocks[0]
+    served = []
+    for capture in captures:
+        guarded = capture.guarded(weights=block)
+        own = capture.sidecar.inputs[0][1].shape[1]
+        for n in (4, 6, 9) if capture.folding is not None else (own,):
+            (x,), _ = fc.sequence(n)
+            with torch.no_grad():
+                assert torch.equal(guarded(x), block(x))
+            served.append(n)
+        assert guarded.mismatches == 0
+    assert sorted(served) == [4, 6, 9]
 
 
 def test_keyword_arguments_in_another_order_are_read_by_name(tmp_path: Path) -> None:
