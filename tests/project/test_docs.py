@@ -12,6 +12,10 @@
   fresh process in the page's working directory, as a reader runs them.  Both
   sides are normalised for addresses, timings, sizes, decimals, versions and
   column alignment; a ``...`` line stands for any lines.
+* A block right after the line ``<!-- shown folded -->`` shows what size
+  folding gives.  On a torch that cannot guard sizes (ctxreplay captures each
+  size on its own there) such a block, and its output, must differ from what
+  is shown -- every other block still prints what is shown.
 * A block titled with a path under ``examples/`` is that file, verbatim.
 * Every public name has a docstring and an entry in ``docs/api.md`` that
   resolves to that very object (the way mkdocstrings resolves it: a submodule
@@ -61,6 +65,7 @@ class Block(NamedTuple):
     language: str
     title: str | None
     code: str
+    folded: bool = False  # shows what size folding gives (``<!-- shown folded -->``)
 
 
 def blocks_of(path: Path) -> list[Block]:
@@ -86,7 +91,7 @@ def blocks_of(path: Path) -> list[Block]:
         language = info.split()[0] if info else ""
         title = _TITLE.search(info)
         out.append(Block(path.name, i + 1, language, title["title"] if title else None,
-                         "\n".join(body) + "\n"))
+                         "\n".join(body) + "\n", i > 0 and lines[i - 1].strip() == FOLDED))
         i = j + 1
     return out
 
@@ -118,8 +123,8 @@ def test_fences_are_deliberate(page: Path) -> None:
             assert b.title, f'{where}: a display-only ```py block needs title="..."'
 
 
-#: pages whose examples assert, or show printed, what size folding gives
-FOLDING_PAGES = {"concepts.md", "cli.md"}
+#: the line that marks the next block as showing what size folding gives
+FOLDED = "<!-- shown folded -->"
 
 
 # -- what the pages show the examples printing --------------------------------------
@@ -254,33 +259,54 @@ def _diff(what: str, shown: str, printed: str) -> str:
 
 def run_page(page: Path, cwd: Path, module: types.ModuleType) -> tuple[list[str], list[str]]:
     """Run a page's python and console blocks in order; ``(differences,
-    skipped)`` between what it shows them printing and what they print."""
+    skipped)`` between what it shows them printing and what they print.  On
+    a torch that does not fold, a block marked folded must differ instead
+    (an assertion it makes may fail): the lines of those that do not are
+    differences."""
     blocks = blocks_of(page)
     outputs = _outputs(blocks, page.read_text(encoding="utf-8").splitlines())
     differences: list[str] = []
     skipped: list[str] = []
     for i, b in enumerate(blocks):
+        unfolded = b.folded and not CAPS.export_guards_sizes
         if b.language == "console":
-            differences += [_diff(*c) for c in _console(b, outputs.get(i), cwd)
-                            if not shows(c[1], c[2])]
+            found = [_diff(*c) for c in _console(b, outputs.get(i), cwd)
+                     if not shows(c[1], c[2])]
+        elif b.language != "python":
             continue
-        if b.language != "python":
-            continue
-        missing = _missing(_requirements(b))
-        if missing:
+        elif missing := _missing(_requirements(b)):
             skipped.append(f"line {b.line} (needs {', '.join(missing)})")
             continue
-        printed = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(printed):
-                exec(compile(b.code, f"{b.page}:{b.line}", "exec"), module.__dict__)
-        except BaseException as exc:
-            raise AssertionError(
-                f"{b.page}: the python block at line {b.line} failed: "
-                f"{type(exc).__name__}: {exc}") from exc
-        if i in outputs and not shows(outputs[i], printed.getvalue()):
-            differences.append(_diff(f"{b.page}:{b.line}", outputs[i], printed.getvalue()))
+        else:
+            found = _python(b, outputs.get(i), module, unfolded)
+        if unfolded:
+            found = [] if found else [f"{b.page}:{b.line}: marked as showing size folding, "
+                                      "but it prints what is shown on a torch that does not fold"]
+        differences += found
     return differences, skipped
+
+
+def _python(b: Block, shown: str | None, module: types.ModuleType, unfolded: bool) -> list[str]:
+    """Run one python block in the page's namespace; its difference from
+    what the page shows it printing.  A failed assertion is a difference
+    where ``unfolded`` (the block asserts what folding gives); any other
+    failure fails the test."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(b.code, f"{b.page}:{b.line}", "exec"), module.__dict__)
+    except AssertionError as exc:
+        if not unfolded:
+            raise AssertionError(f"{b.page}: the python block at line {b.line} failed: "
+                                 f"AssertionError: {exc}") from exc
+        return [f"{b.page}:{b.line}: an assertion failed"]
+    except BaseException as exc:
+        raise AssertionError(
+            f"{b.page}: the python block at line {b.line} failed: "
+            f"{type(exc).__name__}: {exc}") from exc
+    if shown is not None and not shows(shown, printed.getvalue()):
+        return [_diff(f"{b.page}:{b.line}", shown, printed.getvalue())]
+    return []
 
 
 #: pages whose examples run: python blocks, or ctxreplay commands
@@ -292,9 +318,6 @@ RUNNABLE = [p for p in PAGES if any(
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
 def test_examples_run_and_print_what_is_shown(page: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    if page.name in FOLDING_PAGES and not CAPS.export_guards_sizes:
-        pytest.skip(f"{page.name} shows size variants folded, which torch "
-                    f"{torch.__version__} cannot guard (ctxreplay does not fold there)")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", "88")  # the width a command's tables wrap to
     # A real module, so dataclasses, pickling and torch.export can find the
