@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-import torch
 from public import public_names, resolve
 
 import ctxreplay
