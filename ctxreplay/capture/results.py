@@ -528,12 +528,12 @@ _PROBLEM_TEXT: dict[str, Any] = {
                              f"max_scopes={p.limit} were never observed",
     "observation_error": lambda p: f"{_n(p.calls, 'observation')} failed ({_names(p)}); "
                                    "those calls are not covered" + _broken_rules(p),
-    "not_observed": lambda p: (f"{_n(p.calls, 'call')} ran inside compiled region(s) "
-                               f"({_names(p)})" if p.exact else
-                               f"{_names(p)} ran inside a region compiled after capture_with "
-                               "(how often is not countable)")
-                              + ": the blocks inside were not observed; pass the uncompiled "
-                                "module to capture_with and compile afterwards",
+    "not_observed": lambda p: (f"{_names(p)} ran inside a region compiled after capture_with "
+                               "(how often is not countable): the blocks inside were not "
+                               "observed. Compile before capture_with and pass the compiled "
+                               "module itself -- capture_with(torch.compile(model)), or "
+                               "model.compile() first -- which runs uncompiled while observed; "
+                               "or compile after finalize()"),
     "transformed": lambda p: f"{_n(p.calls, 'call')} of {_names(p)} ran under a torch.func "
                              "transform (vmap, grad, jvp), whose tensors observation cannot "
                              "key or copy: not observed, not captured. Profile the "
@@ -576,6 +576,10 @@ NOTICES = {
                    "of every variant and of the calls counted",
     "probe_varies_every_call": "this probe had a different state in every variant (a step "
                                "counter or a timestep in its key?)",
+    "compiled_ran_uncompiled": "these torch.compile'd entry points ran uncompiled while the "
+                               "session observed them, so the blocks inside were observed and "
+                               "captured; they run compiled again once it closes (a profile "
+                               "taken inside the session times the uncompiled code)",
 }
 
 

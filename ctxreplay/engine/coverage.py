@@ -42,11 +42,11 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     if transformed:
         problems.append(Problem("transformed", None, 0, sum(transformed.values()),
                                 tuple(transformed)))
-    counted, exact, marked = obs.compiled_calls()
-    compiled = sum(counted.values()) + len(marked)
-    if counted:
-        problems.append(Problem("not_observed", None, 0, sum(counted.values()),
-                                tuple(counted), exact=exact))
+    eager, marked = obs.compiled_calls()
+    compiled = len(marked)
+    if eager:
+        notices.append(Notice("compiled_ran_uncompiled", None, None, sum(eager.values()),
+                              tuple(eager)))
     if marked:  # compiled after capture_with: that they ran is known, not how often
         problems.append(Problem("not_observed", None, 0, 0, tuple(marked), exact=False))
     for scope_name, reqs in _by_scope(r for r in requests

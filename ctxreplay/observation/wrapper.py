@@ -68,8 +68,6 @@ _LABEL = 160
 #: variant's reservoir
 _RETAINED, _POOLED = 1, 2
 
-#: block calls Dynamo traced into compiled code (``_Tally.mark``), all sessions
-TRACED = [0]
 _MARKS = itertools.count()
 
 
@@ -83,9 +81,7 @@ class _Tally:
     constant.  So observation stores nothing in the traced code -- a store
     there is a side effect Dynamo refuses inside a higher-order op's body
     (``torch.cond``, ``while_loop``: "Non-nullified side effect", the user's
-    forward raised) and replays on every run elsewhere.  Each mark also
-    counts in ``TRACED``, which the compiled entry points read to count the
-    block calls of each of their runs."""
+    forward raised) and replays on every run elsewhere."""
 
     __slots__ = ("mark", "seen")
 
@@ -94,7 +90,6 @@ class _Tally:
 
         def mark() -> bool:
             self.seen = True
-            TRACED[0] += 1
             return True
 
         # Dynamo guards a function it reads by its code object alone
