@@ -287,13 +287,17 @@ class Observation:
         observation could not key (not observed)."""
         return dict(self.shared.transformed)
 
-    def compiled_calls(self) -> tuple[dict[str, int], list[str]]:
+    def compiled_calls(self) -> tuple[dict[str, int], dict[str | None, list[str]]]:
         """The runs of each compiled entry point, observed uncompiled (by
-        name), and the members Dynamo traced into code compiled after the
-        session attached, which ran unobserved (how often is not countable)."""
+        name), and the members Dynamo traced, which ran unobserved (how often
+        is not countable), by the control-flow operator whose branch they
+        ran in (``None``: code compiled after the session attached)."""
         eager = {c.name or type(c.owner).__name__: c.calls for c in self.compiled if c.calls}
-        marked = [m.name or m.scope.name for m in self.members if m.compiled.seen]
-        return eager, marked
+        traced: dict[str | None, list[str]] = {}
+        for m in self.members:
+            if m.compiled.seen:
+                traced.setdefault(m.compiled.branch, []).append(m.name or m.scope.name)
+        return eager, traced
 
     def identity_value(self, request: VariantRequest) -> Any:
         """The identity of the members that ran ``request``'s variant."""

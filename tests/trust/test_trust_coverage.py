@@ -142,7 +142,7 @@ class SkipLayers(nn.Module):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_blocks_inside_torch_cond_leave_the_forward_working_and_are_not_observed() -> None:
+def test_blocks_inside_torch_cond_leave_the_forward_working_and_are_refused_naming_it() -> None:
     # Dynamo traces cond's branches, and refuses a store into an outer object
     # there ("Non-nullified side effect"): observation stored a flag, and the
     # user's forward raised under capture_with
@@ -156,8 +156,31 @@ def test_blocks_inside_torch_cond_leave_the_forward_working_and_are_not_observed
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     report = finalize_checked(s)
     assert not report.ok and report.captures == ()
-    p = _problem(report, "not_observed")
-    assert p.names == ("blocks.0", "blocks.1")
+    p = _problem(report, "control_flow")  # named as such, not as a compiled region
+    assert p.names == ("torch.cond", "blocks.0", "blocks.1")
+    assert "blocks.0, blocks.1 ran inside a torch.cond branch" in p.message
+    assert [q.reason for q in report.problems] == ["control_flow"]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_blocks_inside_torch_cond_in_code_compiled_during_the_session_name_torch_cond() -> None:
+    """Compiled while observed, with each block in a cond branch: Dynamo traces
+    the branch through its own cond variable, and the problem still names
+    ``torch.cond`` (the control: the same compiled model without cond is a
+    plain ``not_observed``)."""
+    torch.manual_seed(0)
+    for model, reason, names in ((SkipLayers().eval(), "control_flow",
+                                  ("torch.cond", "blocks.0", "blocks.1")),
+                                 (Net().eval(), "not_observed", ("blocks.0", "blocks.1"))):
+        torch._dynamo.reset()
+        x = torch.rand(2, 4)
+        args = (x, torch.tensor(False)) if isinstance(model, SkipLayers) else (x,)
+        with torch.no_grad():
+            expected = model(*args)
+        with ctxreplay.capture_with(model, targets="repeated") as s, torch.no_grad():
+            assert torch.equal(torch.compile(model, backend="eager")(*args), expected)
+        report = finalize_checked(s)
+        assert [(p.reason, p.names) for p in report.problems] == [(reason, names)]
 
 
 def _skipping(model: nn.Module, x: torch.Tensor, skip: bool) -> torch.Tensor:
@@ -179,7 +202,7 @@ def test_a_model_observed_whole_inside_torch_cond_keeps_its_forward() -> None:
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     report = finalize_checked(s)
     assert not report.ok and report.captures == ()
-    assert _problem(report, "not_observed").names == ("blocks.0", "blocks.1")
+    assert _problem(report, "control_flow").names == ("torch.cond", "blocks.0", "blocks.1")
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
