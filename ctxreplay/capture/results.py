@@ -48,6 +48,8 @@ PROBLEMS = {
     "scope_limit": "structures past max_scopes were never observed",
     "observation_error": "observing some calls failed, so they are not covered",
     "not_observed": "calls ran inside a compiled region, where blocks are not observed",
+    "control_flow": "blocks ran inside a branch of torch.cond (or another control-flow "
+                    "operator), which torch traces into a graph, where blocks are not observed",
     "transformed": "calls ran under a torch.func transform (vmap, grad), whose tensors "
                    "observation cannot key or copy",
     "never_completed": "no call of a variant had returned by finalize(), so there is "
@@ -528,12 +530,18 @@ _PROBLEM_TEXT: dict[str, Any] = {
                              f"max_scopes={p.limit} were never observed",
     "observation_error": lambda p: f"{_n(p.calls, 'observation')} failed ({_names(p)}); "
                                    "those calls are not covered" + _broken_rules(p),
-    "not_observed": lambda p: (f"{_n(p.calls, 'call')} ran inside compiled region(s) "
-                               f"({_names(p)})" if p.exact else
-                               f"{_names(p)} ran inside a region compiled after capture_with "
-                               "(how often is not countable)")
-                              + ": the blocks inside were not observed; pass the uncompiled "
-                                "module to capture_with and compile afterwards",
+    "not_observed": lambda p: (f"{_names(p)} ran inside a region compiled after capture_with "
+                               "(how often is not countable): the blocks inside were not "
+                               "observed. Compile before capture_with and pass the compiled "
+                               "module itself -- capture_with(torch.compile(model)), or "
+                               "model.compile() first -- which runs uncompiled while observed; "
+                               "or compile after finalize()"),
+    "control_flow": lambda p: (f"{', '.join(p.names[1:])} ran inside a {p.names[0]} branch "
+                               "(how often is not countable): torch traces a branch into a "
+                               "graph, so the blocks inside were not observed nor captured. "
+                               "Profile a forward that calls them outside it (a Python if on "
+                               "the condition's value); installed, a block inside a branch "
+                               "runs its own forward"),
     "transformed": lambda p: f"{_n(p.calls, 'call')} of {_names(p)} ran under a torch.func "
                              "transform (vmap, grad, jvp), whose tensors observation cannot "
                              "key or copy: not observed, not captured. Profile the "
@@ -576,6 +584,10 @@ NOTICES = {
                    "of every variant and of the calls counted",
     "probe_varies_every_call": "this probe had a different state in every variant (a step "
                                "counter or a timestep in its key?)",
+    "compiled_ran_uncompiled": "these torch.compile'd entry points ran uncompiled while the "
+                               "session observed them, so the blocks inside were observed and "
+                               "captured; they run compiled again once it closes (a profile "
+                               "taken inside the session times the uncompiled code)",
 }
 
 

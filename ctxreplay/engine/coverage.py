@@ -42,13 +42,18 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
     if transformed:
         problems.append(Problem("transformed", None, 0, sum(transformed.values()),
                                 tuple(transformed)))
-    counted, exact, marked = obs.compiled_calls()
-    compiled = sum(counted.values()) + len(marked)
-    if counted:
-        problems.append(Problem("not_observed", None, 0, sum(counted.values()),
-                                tuple(counted), exact=exact))
-    if marked:  # compiled after capture_with: that they ran is known, not how often
-        problems.append(Problem("not_observed", None, 0, 0, tuple(marked), exact=False))
+    eager, traced = obs.compiled_calls()
+    compiled = sum(len(names) for names in traced.values())
+    if eager:
+        notices.append(Notice("compiled_ran_uncompiled", None, None, sum(eager.values()),
+                              tuple(eager)))
+    # traced by Dynamo: that they ran is known, not how often
+    for operator, names in traced.items():
+        if operator is None:
+            problems.append(Problem("not_observed", None, 0, 0, tuple(names), exact=False))
+        else:
+            problems.append(Problem("control_flow", None, 0, 0, (operator, *names),
+                                    exact=False))
     for scope_name, reqs in _by_scope(r for r in requests
                                       if not any(m.completed for m in r.members)).items():
         problems.append(Problem("never_completed", scope_name, len(reqs),

@@ -121,9 +121,9 @@ def _rank_results(job: Finalizing, everything: Sequence[VariantRequest],
     obs = job.observation
     problems, notices = coverage(obs, everything, captures, job.options, whole=False)
     # what ``nothing_observed`` needs to know of each rank: any variant,
-    # observation error, call in a compiled region or under a torch.func
+    # observation error, call in a compiled region, a control-flow branch or under a torch.func
     # transform, or structure past the limit
-    seen = bool(everything) or any(p.reason in ("observation_error", "not_observed",
+    seen = bool(everything) or any(p.reason in ("observation_error", "not_observed", "control_flow",
                                                 "transformed", "scope_limit")
                                    for p in problems)
     return RankResults(

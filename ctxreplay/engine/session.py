@@ -306,9 +306,13 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         ValueError: an unknown option value, probe or target name.
         TypeError: ``module`` is not an ``nn.Module``.
 
-    Calls that run inside a ``torch.compile``d region are not observed: they
-    are counted, and the report is not ok (problem ``not_observed``).  Pass
-    the uncompiled module and compile afterwards.
+    A ``torch.compile``d model or block that exists when the session
+    attaches (``capture_with(torch.compile(model))``, ``block.compile()``)
+    runs uncompiled while observed, so its blocks are observed and captured
+    (notice ``compiled_ran_uncompiled``), and compiled again once the session
+    closes.  Blocks that run inside a region compiled while the session is
+    open are not observed, and the report is not ok (problem
+    ``not_observed``).
 
     Example:
         ```python

@@ -19,7 +19,7 @@ from ..capture.options import CaptureOptions, MemberCall, Unrestorable, VariantR
 from ..core.observer import Observer
 from ..fidelity.levels import level
 from .copies import Entries, path_modules
-from .modules import ABSENT, CompiledCounter, before_ctxreplay
+from .modules import ABSENT, CompiledEntry, before_ctxreplay
 from .targets import (
     changed_attributes,
     describe_identity_change,
@@ -31,7 +31,7 @@ from .targets import (
 )
 from .variants import MemberVariant, Scope
 from .watch import AssignmentWatch
-from .wrapper import TRACED, _Member, _Shared
+from .wrapper import _Member, _Shared
 from .wrapping import ForwardWatch, Root, Wrapper, let_go, reaches, unwrap, wrap
 
 __all__ = ["Observation"]
@@ -77,14 +77,13 @@ class Observation:
         self.left: list[Wrapper] = []  # wrappers detach left in another tool's chain
         by_key: dict[tuple[Any, ...], Scope] = {}
         dropped: set[tuple[Any, ...]] = set()
-        # compiled entry points that exist now are counted, with the block
-        # calls inside their runs; blocks compiled later are only marked
-        # (``wrapper._Tally``)
-        self.compiled: list[CompiledCounter] = []
+        # compiled entry points that exist now run uncompiled while observed;
+        # blocks compiled later are only marked (``wrapper._Tally``)
+        self.compiled: list[CompiledEntry] = []
         for name, owner, attr in _compiled_entry_points(root):
-            counter = CompiledCounter(owner, attr, name, TRACED)
-            owner.__dict__[attr] = counter
-            self.compiled.append(counter)
+            entry = CompiledEntry(owner, attr, name)
+            owner.__dict__[attr] = entry
+            self.compiled.append(entry)
         for name, mod in targets:
             key = structure_key(mod)
             scope = by_key.get(key)
@@ -288,18 +287,17 @@ class Observation:
         observation could not key (not observed)."""
         return dict(self.shared.transformed)
 
-    def compiled_calls(self) -> tuple[dict[str, int], bool, list[str]]:
-        """Block calls inside each compiled entry point's runs (where Dynamo
-        traced none of the observed blocks during the session, the entry
-        point's own calls), whether those counts are exact (each entry
-        point traced once, or not at all), and the members that ran compiled
-        outside any of them (not countable)."""
-        counted = {c.name or type(c.owner).__name__: c.blocks or c.calls
-                   for c in self.compiled if c.calls}
-        exact = all(c.traces == 1 for c in self.compiled if c.calls)
-        marked = [m.name or m.scope.name for m in self.members if m.compiled.seen
-                  and not any(_inside(m.name, c.name) for c in self.compiled if c.calls)]
-        return counted, exact, marked
+    def compiled_calls(self) -> tuple[dict[str, int], dict[str | None, list[str]]]:
+        """The runs of each compiled entry point, observed uncompiled (by
+        name), and the members Dynamo traced, which ran unobserved (how often
+        is not countable), by the control-flow operator whose branch they
+        ran in (``None``: code compiled after the session attached)."""
+        eager = {c.name or type(c.owner).__name__: c.calls for c in self.compiled if c.calls}
+        traced: dict[str | None, list[str]] = {}
+        for m in self.members:
+            if m.compiled.seen:
+                traced.setdefault(m.compiled.branch, []).append(m.name or m.scope.name)
+        return eager, traced
 
     def identity_value(self, request: VariantRequest) -> Any:
         """The identity of the members that ran ``request``'s variant."""
@@ -333,8 +331,8 @@ class Observation:
             e.remove()
         self.setattr_watch.remove()
         self.left = unwrap(self._wrappers())
-        # the counters went on before the wrappers (one may be what the
-        # root wrapped: an ``OptimizedModule``'s forward), so they come off after
+        # the entries went on before the wrappers (one may be what the root
+        # wrapped: an ``OptimizedModule``'s forward), so they come off after
         for c in reversed(self.compiled):  # (their counts stay, for the report)
             if c.owner.__dict__.get(c.attr) is c:
                 c.owner.__dict__[c.attr] = c.orig
@@ -344,7 +342,7 @@ class Observation:
         self.entries = []
         for c in self.compiled:
             c.owner = None  # type: ignore[assignment]
-            c.orig = None
+            c.orig = c.eager = None  # type: ignore[assignment]
         let_go(self._wrappers(), self.left)
         let_go(self.replaced, self.replaced)  # they may still be in another tool's chain
         self.left, self.replaced = [], []

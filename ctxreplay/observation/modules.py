@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from .copies import is_ours
 from .targets import _Uninitialized
 
-__all__ = ["ABSENT", "CompiledCounter", "Detached", "Holder", "before_ctxreplay",
+__all__ = ["ABSENT", "CompiledEntry", "Detached", "Holder", "before_ctxreplay",
            "held_changes", "held_state", "in_jit_check", "uninitialized"]
 
 
@@ -139,43 +140,45 @@ class Holder:
         return (Detached, (self.module, None if self.prev is ABSENT else self.prev))
 
 
-class CompiledCounter:
-    """Counts calls of a compiled entry point that exists when the session
-    attaches (an ``OptimizedModule``'s forward, a module's
-    ``_compiled_call_impl``): the blocks inside run compiled, unobserved."""
+class CompiledEntry:
+    """A compiled entry point that exists when the session attaches (an
+    ``OptimizedModule``'s ``forward``, a module's ``_compiled_call_impl``
+    from ``Module.compile()``), run uncompiled while the session observes:
+    Dynamo would trace the blocks inside into compiled code, where nothing
+    is observed.  It runs what the compiled code was made of -- the
+    ``OptimizedModule``'s wrapped module, called with its hooks, or the
+    module's own ``_call_impl`` -- so the blocks' calls are observed and
+    captured; ``calls`` counts its runs.  Detaching puts the compiled entry
+    point back."""
 
-    __slots__ = ("_traced", "attr", "blocks", "calls", "name", "orig", "owner", "per_call",
-                 "traces")
+    __slots__ = ("attr", "calls", "eager", "name", "orig", "owner")
 
-    def __init__(self, owner: nn.Module, attr: str, name: str,
-                 traced: list[int] | None = None) -> None:
+    def __init__(self, owner: nn.Module, attr: str, name: str) -> None:
         self.owner, self.attr, self.name = owner, attr, name
         self.orig = owner.__dict__[attr]
         self.calls = 0
-        #: block calls inside its runs: each run counts the observed blocks
-        #: Dynamo traced into its code the last time it traced (``traced``,
-        #: a running count of those traces); exact while it traced once
-        self.blocks = 0
-        self.per_call = 0
-        self.traces = 0
-        self._traced = [0] if traced is None else traced
+        self.eager = _uncompiled(owner, attr, self.orig)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        before = self._traced[0]
-        try:
-            return self.orig(*args, **kwargs)
-        finally:
-            traced = self._traced[0] - before
-            if traced:
-                self.per_call, self.traces = traced, self.traces + 1
-            self.blocks += self.per_call
+        return self.eager(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.orig, memo)
 
     def __reduce__(self) -> Any:
         return (_identity, (self.orig,))
+
+
+def _uncompiled(owner: nn.Module, attr: str, compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """What a compiled entry point was compiled from: an ``OptimizedModule``'s
+    wrapped module (``_orig_mod``, called as a module: its hooks run),
+    ``nn.Module._call_impl`` for ``Module.compile()`` (what ``__call__``
+    runs when nothing is compiled); the compiled one itself otherwise."""
+    if attr == "_compiled_call_impl":
+        return owner._call_impl
+    inner = owner._modules.get("_orig_mod")
+    return inner.__call__ if inner is not None else compiled
 
 
 def _identity(x: Any) -> Any:

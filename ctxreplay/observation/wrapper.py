@@ -27,7 +27,9 @@ calls the copy's own forward and observes nothing (``Detached``).
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import sys
 import threading
 import types
 from collections import Counter
@@ -68,9 +70,39 @@ _LABEL = 160
 #: variant's reservoir
 _RETAINED, _POOLED = 1, 2
 
-#: block calls Dynamo traced into compiled code (``_Tally.mark``), all sessions
-TRACED = [0]
 _MARKS = itertools.count()
+
+
+#: torch's control-flow operators, by the module torch implements each in
+#: (``torch/_higher_order_ops/<name>.py``) or the prefix of the Dynamo
+#: variable that traces it (``CondHigherOrderVariable``)
+_OPERATORS = {"cond": "torch.cond", "while_loop": "while_loop", "scan": "scan", "map": "map",
+              "associative_scan": "associative_scan"}
+_HOP_FILE = "_higher_order_ops" + os.sep
+_DYNAMO_HOP_FILE = os.path.join("_dynamo", "variables", "higher_order_ops.py")
+
+
+def control_flow(frame: types.FrameType | None) -> str | None:
+    """The control-flow operator (``torch.cond``, ``while_loop``, ...) whose
+    branch the code at ``frame`` runs in, read from the stack: torch runs a
+    branch through its operator's own module, and Dynamo traces one inside
+    compiled code through a ``*HigherOrderVariable``; ``None`` outside any
+    (other higher-order operators, a checkpoint's say, are not control
+    flow).  Read only where Dynamo traces, never per call."""
+    traced = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if _HOP_FILE in path:
+            stem = os.path.splitext(os.path.basename(path))[0]
+            if stem in _OPERATORS:
+                return _OPERATORS[stem]
+        elif traced is None and path.endswith(_DYNAMO_HOP_FILE):
+            owner = type(frame.f_locals.get("self")).__name__
+            if owner.endswith("HigherOrderVariable"):
+                name = re.sub(r"(?<!^)(?=[A-Z])", "_", owner.removesuffix("HigherOrderVariable"))
+                traced = _OPERATORS.get(name.lower())
+        frame = frame.f_back
+    return traced
 
 
 class _Tally:
@@ -83,18 +115,18 @@ class _Tally:
     constant.  So observation stores nothing in the traced code -- a store
     there is a side effect Dynamo refuses inside a higher-order op's body
     (``torch.cond``, ``while_loop``: "Non-nullified side effect", the user's
-    forward raised) and replays on every run elsewhere.  Each mark also
-    counts in ``TRACED``, which the compiled entry points read to count the
-    block calls of each of their runs."""
+    forward raised) and replays on every run elsewhere."""
 
-    __slots__ = ("mark", "seen")
+    __slots__ = ("branch", "mark", "seen")
 
     def __init__(self) -> None:
         self.seen = False
+        #: the control-flow operator whose branch Dynamo traced it in, if any
+        self.branch: str | None = None
 
         def mark() -> bool:
             self.seen = True
-            TRACED[0] += 1
+            self.branch = self.branch or control_flow(sys._getframe(1))
             return True
 
         # Dynamo guards a function it reads by its code object alone

@@ -94,24 +94,38 @@ def test_eager_control_is_ok() -> None:
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_a_compiled_model_given_to_capture_with_counts_its_unobserved_calls() -> None:
+def test_a_compiled_model_given_to_capture_with_is_observed_captured_and_served() -> None:
+    """Compiled (inductor, ``mode="default"``) and run before the session:
+    inside it the compiled entry point runs uncompiled, so both blocks are
+    observed and captured and the report is ok (strict), with a notice
+    naming it; after it, the compiled code is back.  Installed, the compiled
+    model gives eager's outputs, and its uncompiled module dispatches every
+    block call to the captures."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().eval()
     x = torch.rand(2, 4)
     with torch.no_grad():
         expected = model(x)
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, mode="default")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected)
+    compiled_forward = compiled.__dict__["forward"]
     with ctxreplay.capture_with(compiled, targets="repeated") as s, torch.no_grad():
         for _ in range(3):
-            assert torch.equal(compiled(x), expected)
-    report = finalize_checked(s)
-    assert report.captures == () and not report.ok
-    p = _problem(report, "not_observed")
-    # compiled before capture_with: its entry point counts every run, and
-    # each run the two block calls Dynamo traced into it (before, the
-    # entry point's 3 calls stood for 6 block calls)
-    assert p.exact and p.calls == 3 * 2 and p.names == ("OptimizedModule",)
-    assert "uncompiled" in p.message  # the fix is in the message
+            assert torch.equal(compiled(x), expected)  # run uncompiled: bit-equal
+    assert compiled.__dict__["forward"] is compiled_forward
+    report = finalize_checked(s, strict=True)
+    assert report.ok and report.problems == ()
+    assert [c.member_calls for c in report.captures] == [
+        (("_orig_mod.blocks.0", 3), ("_orig_mod.blocks.1", 3))]
+    (notice,) = report.notices
+    assert (notice.reason, notice.count, notice.names) == \
+        ("compiled_ran_uncompiled", 3, ("OptimizedModule",))
+    installed = ctxreplay.install(compiled, report)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected)
+        assert torch.equal(compiled._orig_mod(x), expected)
+    assert sum(installed.stats().hits.values()) == 2
 
 
 class SkipLayers(nn.Module):
@@ -128,7 +142,7 @@ class SkipLayers(nn.Module):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_blocks_inside_torch_cond_leave_the_forward_working_and_are_not_observed() -> None:
+def test_blocks_inside_torch_cond_leave_the_forward_working_and_are_refused_naming_it() -> None:
     # Dynamo traces cond's branches, and refuses a store into an outer object
     # there ("Non-nullified side effect"): observation stored a flag, and the
     # user's forward raised under capture_with
@@ -142,8 +156,31 @@ def test_blocks_inside_torch_cond_leave_the_forward_working_and_are_not_observed
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     report = finalize_checked(s)
     assert not report.ok and report.captures == ()
-    p = _problem(report, "not_observed")
-    assert p.names == ("blocks.0", "blocks.1")
+    p = _problem(report, "control_flow")  # named as such, not as a compiled region
+    assert p.names == ("torch.cond", "blocks.0", "blocks.1")
+    assert "blocks.0, blocks.1 ran inside a torch.cond branch" in p.message
+    assert [q.reason for q in report.problems] == ["control_flow"]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_blocks_inside_torch_cond_in_code_compiled_during_the_session_name_torch_cond() -> None:
+    """Compiled while observed, with each block in a cond branch: Dynamo traces
+    the branch through its own cond variable, and the problem still names
+    ``torch.cond`` (the control: the same compiled model without cond is a
+    plain ``not_observed``)."""
+    torch.manual_seed(0)
+    for model, reason, names in ((SkipLayers().eval(), "control_flow",
+                                  ("torch.cond", "blocks.0", "blocks.1")),
+                                 (Net().eval(), "not_observed", ("blocks.0", "blocks.1"))):
+        torch._dynamo.reset()
+        x = torch.rand(2, 4)
+        args = (x, torch.tensor(False)) if isinstance(model, SkipLayers) else (x,)
+        with torch.no_grad():
+            expected = model(*args)
+        with ctxreplay.capture_with(model, targets="repeated") as s, torch.no_grad():
+            assert torch.equal(torch.compile(model, backend="eager")(*args), expected)
+        report = finalize_checked(s)
+        assert [(p.reason, p.names) for p in report.problems] == [(reason, names)]
 
 
 def _skipping(model: nn.Module, x: torch.Tensor, skip: bool) -> torch.Tensor:
@@ -165,7 +202,7 @@ def test_a_model_observed_whole_inside_torch_cond_keeps_its_forward() -> None:
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     report = finalize_checked(s)
     assert not report.ok and report.captures == ()
-    assert _problem(report, "not_observed").names == ("blocks.0", "blocks.1")
+    assert _problem(report, "control_flow").names == ("torch.cond", "blocks.0", "blocks.1")
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -194,27 +231,23 @@ def test_installed_blocks_inside_torch_cond_run_their_own_forward() -> None:
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_a_compiled_model_given_to_capture_with_fails_strict() -> None:
-    compiled = torch.compile(Net(), backend="eager")
-    with ctxreplay.capture_with(compiled, targets="repeated") as s, torch.no_grad():
-        compiled(torch.rand(2, 4))
-    _strict_raises(s, "not_observed")
-
-
-@pytest.mark.usefixtures("fresh_dynamo")
-def test_per_block_compile_counts_each_compiled_block_call() -> None:
-    """Only block 0 compiled: block 1 is still captured, but the report is not
-    ok -- three calls of blocks.0 ran compiled, unobserved."""
+def test_a_block_compiled_before_the_session_is_observed_with_the_others() -> None:
+    """Only block 0 compiled (``Module.compile()``): it runs uncompiled while
+    observed, so both blocks are one capture and the report is ok; a notice
+    names the compiled block, and it is compiled again afterwards."""
     model = Net()
     model.blocks[0].compile(backend="eager")
+    compiled_call = model.blocks[0].__dict__["_compiled_call_impl"]
     with ctxreplay.capture_with(model, targets="repeated") as s, torch.no_grad():
         for _ in range(3):
             model(torch.rand(2, 4))
-    report = finalize_checked(s)
-    assert [c.member_calls for c in report.captures] == [(("blocks.1", 3),)]
-    assert not report.ok
-    p = _problem(report, "not_observed")
-    assert (p.calls, p.names) == (3, ("blocks.0",))
+    report = finalize_checked(s, strict=True)
+    assert [c.member_calls for c in report.captures] == [(("blocks.0", 3), ("blocks.1", 3))]
+    assert report.ok
+    (notice,) = report.notices
+    assert (notice.reason, notice.count, notice.names) == \
+        ("compiled_ran_uncompiled", 3, ("blocks.0",))
+    assert model.blocks[0].__dict__["_compiled_call_impl"] is compiled_call
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -247,6 +280,7 @@ def test_a_model_compiled_inside_the_session_counts_its_compiled_calls(
     p = _problem(report, "not_observed")
     assert not p.exact and p.names == ("blocks.0", "blocks.1")
     assert "not countable" in p.message
+    assert "capture_with(torch.compile(model))" in p.message  # the call to use instead
 
 
 def test_the_compile_recipe_describes_what_the_engine_does() -> None:
