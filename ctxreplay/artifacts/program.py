@@ -18,20 +18,25 @@ from typing import Any
 import attrs
 
 from .._base.jsonread import read_list, read_mapping, read_pairs, read_str
+from ..specs.baked import Baked
 from ..specs.materialize import BINDINGS
 from ..specs.signature import Spec
 from ..specs.specjson import resolve_opaque, spec_from_json, spec_to_json
 from .roles import OutputRole, roles_from_json, roles_to_json
 
-__all__ = ["BRIEF_KEYS", "PROGRAM_KEYS", "BriefFields", "ProgramFields", "ProgramMeta",
-           "program_json"]
+__all__ = ["BRIEF_KEYS", "PROGRAM_KEYS", "SIDECAR_PROGRAM_KEYS", "BriefFields",
+           "ProgramFields", "ProgramMeta", "program_json"]
 
 #: the fields every document of a capture holds (a sidecar holds these only)
 BRIEF_KEYS = ("backend", "binding", "fingerprint", "embedded", "ambient_only")
 
+#: the fields a saved artifact's sidecar holds: those and the state its
+#: program baked in, which whoever installs it guards
+SIDECAR_PROGRAM_KEYS = (*BRIEF_KEYS, "baked")
+
 #: every field of ``ProgramMeta.to_json``, in its order
 PROGRAM_KEYS = (*BRIEF_KEYS, "graph_outputs", "constants", "ops", "op_args", "graph_digest",
-                "output_roles")
+                "output_roles", "baked")
 
 # a graph of a whole model can hold far more nodes than a signature holds leaves
 _MAX_OPS = 1_000_000
@@ -89,6 +94,11 @@ class ProgramMeta:
     call's own output (and where in what the call returns) or a write of
     state -- a tensor the forward assigns to an argument object, a buffer
     or input written in place (``None``: not known)."""
+    baked: Baked | None = None
+    """The places outside its arguments and weights its trace read state
+    from -- a plain tensor attribute, a dict entry, a module global, a class
+    attribute -- each with a digest of what it held (``None``: not known).
+    ``install`` looks each up again before running the program."""
 
     def to_json(self) -> dict[str, Any]:
         """Every field, in ``PROGRAM_KEYS`` order (metadata only)."""
@@ -105,6 +115,7 @@ class ProgramMeta:
             "op_args": list(self.op_args),
             "graph_digest": self.graph_digest,
             "output_roles": roles_to_json(self.output_roles),
+            "baked": None if self.baked is None else self.baked.to_json(),
         }
 
     @classmethod
@@ -137,6 +148,8 @@ class ProgramMeta:
             op_args=_read_names(doc.get("op_args", []), f"{path}.op_args", _MAX_OPS),
             graph_digest=read_str(doc.get("graph_digest", ""), f"{path}.graph_digest"),
             output_roles=roles_from_json(doc.get("output_roles"), f"{path}.output_roles"),
+            baked=None if doc.get("baked") is None
+            else Baked.from_json(doc["baked"], f"{path}.baked"),
         )
 
 

@@ -33,7 +33,7 @@ from ..specs.specjson import (
     spec_to_json,
 )
 from .formats import ArtifactFormat, format_for
-from .program import BRIEF_KEYS, ProgramMeta, program_json
+from .program import SIDECAR_PROGRAM_KEYS, ProgramMeta, program_json
 from .roles import OutputRole, program_roles, roles_to_json
 from .sidecar import SIDECAR_SCHEMA, ArtifactError, sidecar_path
 
@@ -309,7 +309,7 @@ def sidecar_json(capture: SavableCapture, artifact: Path, *, lowered: bool,
         "variant": capture.variant,
         "calls": getattr(capture, "calls", None),
         "checked": getattr(capture, "checked", None),
-        **program_json(capture.meta, BRIEF_KEYS),
+        **program_json(capture.meta, SIDECAR_PROGRAM_KEYS),
         "lowered": lowered,
         "snapshot": capture.snapshot.to_json(),
         "context": capture.snapshot.describe(),

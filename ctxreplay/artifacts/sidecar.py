@@ -192,11 +192,11 @@ _SIDECAR_KEYS = {"schema", "artifact", "torch", "scope", "variant", *BRIEF_KEYS,
                  "inputs", "outputs", "output_leaves", "fidelity", "saved_fidelity",
                  "environment", "members", "weights_from", "identities", "ignore_attributes",
                  "format", "calls", "checked", "dynamic", "assigned", "artifact_digest",
-                 "output_roles"}
+                 "output_roles", "baked"}
 _REQUIRED = _SIDECAR_KEYS - {"context", "fidelity", "saved_fidelity", "torch", "lowered",
                              "environment", "members", "weights_from", "identities",
                              "ignore_attributes", "format", "calls", "checked", "dynamic",
-                             "assigned", "artifact_digest", "output_roles"}
+                             "assigned", "artifact_digest", "output_roles", "baked"}
 
 
 def load_sidecar(path: str | os.PathLike[str],

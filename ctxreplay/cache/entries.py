@@ -87,7 +87,8 @@ def run_entry(store: CacheDir, read: EntryRead, ask: Ask, tracing: Tracing) -> C
     except CaptureFailed as failed:
         store.discard(read.entry.key, f"not usable ({failed.failure.reason})")
         return None
-    return capture.evolve(graph_digest=stored.graph_digest, fingerprint=stored.fingerprint)
+    return capture.evolve(graph_digest=stored.graph_digest, fingerprint=stored.fingerprint,
+                          baked=stored.meta.baked)
 
 
 #: why the cache did not keep a capture that passed its check, as

@@ -11,7 +11,10 @@ run of the view's forward that happens in Python (a non-strict
 a one-off subclass whose ``__getattribute__`` notes the name.  Hooks of the
 submodules run inside that run, so their reads are noted too.  A read of a
 module's ``__dict__`` from outside ``nn.Module``'s own code (``vars(self)``,
-a copy) counts as a read of every attribute of that module.  A run under
+a copy) counts as a read of every attribute of that module.  Modules the
+view reaches outside its submodule tree (an adapter in a plain list, the
+model it refers to) are recorded the same way, by where they are found
+(``Reads.reached``): their state is a constant of the graph.  A run under
 Dynamo (which interprets the bytecode rather than running it, and fails on
 a Python ``__getattribute__``) is not recorded, and nothing it made is
 served to other members; nor is a run on a view whose modules hold weak
@@ -51,6 +54,12 @@ class Reads:
     names: dict[int, set[str]] = attrs.Factory(dict)
     #: ``id`` of modules whose whole ``__dict__`` was read
     everything: set[int] = attrs.Factory(set)
+    #: ``id`` of a module the view reaches but does not hold as a submodule
+    #: (one in a list, a parent referred to) -> where it is found from the
+    #: view: a submodule path and the ``("attr" | "item", key)`` steps from it
+    reached: dict[int, tuple[str, tuple[tuple[str, Any], ...]]] = attrs.Factory(dict)
+    #: ``id`` -> each module of the view and each module it reaches
+    modules: dict[int, nn.Module] = attrs.Factory(dict)
     #: the recorded run ended normally: every read of the run is here
     complete: bool = False
     #: the next run of the forward in Python is recorded
@@ -116,6 +125,10 @@ def _swap(view: nn.Module, reads: Reads) -> tuple[list[tuple[nn.Module, type, ty
         paths.setdefault(id(m), []).append(path)
         modules[id(m)] = m
     reads.paths = {k: tuple(v) for k, v in paths.items()}
+    reached = reached_modules(view, modules)
+    reads.reached = {k: (base, steps) for k, (_, base, steps) in reached.items()}
+    modules.update((k, m) for k, (m, _, _) in reached.items())
+    reads.modules = dict(modules)
     classes: dict[type, type] = {}
     out = []
     whole = True
@@ -130,6 +143,55 @@ def _swap(view: nn.Module, reads: Reads) -> tuple[list[tuple[nn.Module, type, ty
             continue
         out.append((m, cls, classes[cls]))
     return out, whole
+
+
+#: how deep the walk for modules a view reaches goes into the lists, dicts
+#: and plain objects it holds, and how many items of each it looks at
+_DEPTH = 3
+_ITEMS = 16
+_NOT_STATE = frozenset({"_parameters", "_buffers", "_modules"}) | frozenset(
+    k for k in nn.Module().__dict__)
+
+
+_Steps = tuple[tuple[str, Any], ...]
+_Reached = dict[int, tuple[nn.Module, str, _Steps]]
+
+
+def reached_modules(view: nn.Module, inside: dict[int, nn.Module]) -> _Reached:
+    """The modules ``view``'s modules hold outside their submodule tree (an
+    adapter in a plain list, a parent referred to), with their own subtrees:
+    ``id`` -> the module, and the submodule path and steps where it is
+    first found."""
+    out: _Reached = {}
+    seen: set[int] = set(inside)
+    for path, m in view.named_modules():
+        for k, v in m.__dict__.items():
+            if k not in _NOT_STATE:
+                _reach(v, path, (("attr", k),), out, seen, _DEPTH)
+    return out
+
+
+def _reach(v: Any, base: str, steps: _Steps, out: _Reached, seen: set[int],
+           depth: int) -> None:
+    if isinstance(v, nn.Module):
+        if id(v) in seen:
+            return
+        for sub, m in v.named_modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                out[id(m)] = (m, base, steps + tuple(("attr", p) for p in sub.split(".") if p))
+        return
+    if depth <= 0 or id(v) in seen:
+        return
+    if type(v) in (list, tuple):
+        seen.add(id(v))
+        for i, item in enumerate(v[:_ITEMS]):
+            _reach(item, base, (*steps, ("item", i)), out, seen, depth - 1)
+    elif type(v) is dict:
+        seen.add(id(v))
+        for key in list(v)[:_ITEMS]:
+            if type(key) in (str, int):
+                _reach(v[key], base, (*steps, ("item", key)), out, seen, depth - 1)
 
 
 _WEAK = (weakref.ReferenceType, weakref.ProxyType, weakref.CallableProxyType)

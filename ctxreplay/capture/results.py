@@ -320,6 +320,7 @@ class Capture(ProgramFields):
             "outputs": None if self.outputs is None else spec_to_json(self.outputs),
             "graph_outputs": program["graph_outputs"],
             "output_roles": program["output_roles"],
+            "baked": program["baked"],
             "snapshot": self.snapshot.to_json(),
             "context": self.snapshot.describe(),
             "fidelity": self.fidelity.to_json(),

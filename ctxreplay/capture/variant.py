@@ -27,11 +27,13 @@ from ..backends.dtensor import holds_dtensors
 from ..backends.passes import graph_code, graph_op_args, graph_ops, has_collectives
 from ..fidelity.levels import level
 from ..fidelity.verify import Fidelity, Mismatch, is_neutral, neutral_replay
+from ..specs.baked import Baked
 from ..specs.frozen import may_change_in_python
 from ..specs.signature import CallSpec, ConstSpec, Spec, TensorSpec, children
 from ..specs.specjson import call_to_json
 from .asking import Ask, Kin, Source, Tick, Tracing
 from .assigned import Assigned
+from .baked import baked_of
 from .checker import Checker, Program
 from .failed import CaptureFailed, failure, with_context
 from .isolate import HookedWeights, isolated
@@ -96,6 +98,7 @@ class _VariantCapture:
         served: list[tuple[VariantRequest, Fidelity, float]] = []
         with _view(module, request, fail) as view:
             traced = self._artifact(plan, view)
+            baked = _baked(plan, view)
             embedded, carried, ambient_only = _context_split(request, plan, self.options,
                                                              traced.real)
             gm = traced.real.graph_module(traced.artifact)
@@ -108,7 +111,7 @@ class _VariantCapture:
             if kin is not None and alone and fidelity.ok and _python_export(traced.real,
                                                                              first=False):
                 served = self._serve(kin, program, view)
-        capture = self._record(traced, fidelity, (embedded, ambient_only), collective)
+        capture = self._record(traced, fidelity, (embedded, ambient_only), collective, baked)
         if kin is not None:
             kin.served.update((o.variant, _served(capture, o, f, s)) for o, f, s in served)
         return capture
@@ -127,9 +130,9 @@ class _VariantCapture:
                                   embeds=not holds_dtensors(module.parameters()))
         except Exception as exc:
             raise self.fail("replay_failed", exc) from None
-        reads = None if trial is None else trial.reads
-        if reads is None and ask.kin is not None and ask.kin.others and trial is None:
-            reads = Reads()
+        # (recorded for every trace: what it read beside its arguments and
+        # weights is what its program baked in, which install guards)
+        reads = Reads() if trial is None or trial.reads is None else trial.reads
         if reads is not None and ask.source is None and _python_export(options.backend,
                                                                        first=True):
             plan = attrs.evolve(plan, reads=reads)
@@ -229,7 +232,8 @@ class _VariantCapture:
         return out
 
     def _record(self, traced: _Traced, fidelity: Fidelity,
-                contexts: tuple[tuple[str, ...], tuple[str, ...]], collective: bool) -> Capture:
+                contexts: tuple[tuple[str, ...], tuple[str, ...]], collective: bool,
+                baked: Baked | None) -> Capture:
         """The ``Capture`` of a checked artifact, with its graph's summary."""
         request, options, plan = self.request, self.options, self.plan
         assert plan is not None
@@ -247,7 +251,7 @@ class _VariantCapture:
             constants=tuple(p for p, _ in _const_paths(request.inputs)),
             attempts=options.backend.last_attempts, seconds=time.perf_counter() - self.t0,
             ops=ops, collective=collective, graph_digest=digest, op_args=op_args,
-            from_cache=self.ask.source is not None, assigned=plan.covered(),
+            from_cache=self.ask.source is not None, assigned=plan.covered(), baked=baked,
             output_roles=output_roles(traced.artifact, request.inputs, request.outputs,
                                       plan.covered(), plan.binding, plan.flatten_out))
 
@@ -272,6 +276,18 @@ class _Ticking(Mapping[str, nn.Module]):
 
     def __len__(self) -> int:
         return len(self.modules)
+
+
+def _baked(plan: TracePlan, view: nn.Module) -> Baked | None:
+    """What the trace baked in (``None``: its reads were not noted -- a
+    Dynamo trace, a program the capture cache gave)."""
+    reads = plan.reads
+    if reads is None or not reads.paths:
+        return None
+    try:
+        return baked_of(view, reads)
+    except Exception:  # a value that refuses to be looked at: nothing guarded is known
+        return Baked((), complete=False)
 
 
 def _python_export(backend: Backend, *, first: bool) -> bool:

@@ -50,7 +50,7 @@ from ..report.capture_report import CaptureReport
 from ..specs.rematch import Rematcher, rematcher
 from ..specs.signature import NotRealError, TransformedError, call_key, call_spec
 from .hooks import Blocking, HookWatch
-from .programs import REFUSED, UNFIT, Call, Compiler, Entry, Programs, Target, entry, sources
+from .programs import REFUSED, STALE, UNFIT, Call, Compiler, Entry, Programs, Target, entry, sources
 
 _log = logging.getLogger("ctxreplay")
 
@@ -66,7 +66,7 @@ MISS_REASONS = ("signature", "context", "training", "identity", "object_argument
                 "mutates_argument", "environment", "fidelity", "unknown_probe", "live_state",
                 "structure", "not_rebuildable", "backend_not_dispatchable", "compile_failed",
                 "observe_error", "size_guard", "weights", "hooked_weights", "hooks",
-                "not_on_this_rank", "transformed")
+                "not_on_this_rank", "transformed", "baked_state")
 
 _is_tracing = torch._C._is_tracing
 _MEMO_LIMIT = 4096
@@ -115,7 +115,11 @@ class DispatchStats:
     ``compiled_load_failed``, ``compiled_mismatch``, ``compiled_overridden``,
     and ``compiled_autograd`` where calls autograd records ran uncompiled);
     ``unflattened``: labels whose program runs as torch's ``program.module()``
-    (correct, but a dispatched call then costs ~10x more), and why."""
+    (correct, but a dispatched call then costs ~10x more), and why;
+    ``baked_state``: a place the capture's program read state from when
+    traced -- a plain tensor attribute, a dict entry, a module global, a
+    class attribute, a module the member only refers to -- holds something
+    else now (``stale`` names it)."""
 
     hits: dict[str, int]
     """``scope#variant`` -> calls that ran that capture's program."""
@@ -133,6 +137,10 @@ class DispatchStats:
     uncompiled: dict[str, str] = attrs.field(factory=dict)
     """``scope#variant`` -> why its ahead-of-time compiled program is not used (a code
     of ``loading.compiled.COMPILED_REASONS``): its uncompiled program runs instead."""
+    stale: dict[str, str] = attrs.field(factory=dict)
+    """``scope#variant@member`` -> the place (``cfg['mode']``, ``global knobs.MODE``)
+    whose state differs from what that capture's program baked in, at the last
+    call refused for it (``baked_state``)."""
 
     @property
     def total_hits(self) -> int:
@@ -281,6 +289,12 @@ class _Slot(Wrapper):
             if out is UNFIT:
                 route = _EAGER["weights"]
                 break
+            if out is STALE:  # what its program baked in changed: see ``stale``
+                route = _EAGER["baked_state"]
+                assert target.guard is not None and target.guard.failed is not None
+                self.handle.stale[f"{target.entry.label}@{self.name}"] = \
+                    target.guard.failed.where()
+                break
             if out is REFUSED:  # its graph's own guard: another capture may take it
                 skip = {id(target.entry)} if skip is None else skip | {id(target.entry)}
                 route = self._refused(args, kwargs, skip)
@@ -423,7 +437,8 @@ class _Slot(Wrapper):
             reason = self.programs.fits(e, self.name, self.module)
             if reason is not None:
                 return _eager(reason)
-            route = self.routes[id(e)] = _Route(Target(e, self.programs, self.name))
+            route = self.routes[id(e)] = _Route(Target(e, self.programs, self.name,
+                                                       self.module))
         return route
 
 
@@ -450,6 +465,8 @@ class InstallHandle:
         """Calls of the model in progress."""
         self.removed = False
         """Whether ``remove()`` has run."""
+        #: ``label@member`` -> the last place whose baked-in state differed
+        self.stale: dict[str, str] = {}
 
     def _attach(self, modules: dict[str, nn.Module]) -> None:
         """A slot per member, wrapped around its forward, with what watches
@@ -558,7 +575,7 @@ class InstallHandle:
                              unusable, tuple(self._programs.compiled),
                              dict(self._programs.unflattened),
                              {e.label: e.uncompiled[0] for e in self._entries
-                              if e.uncompiled is not None})
+                              if e.uncompiled is not None}, dict(self.stale))
 
     def remove(self) -> None:
         """Put back every member's ``forward`` as it was; a wrapper another

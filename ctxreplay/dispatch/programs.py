@@ -40,6 +40,7 @@ from ..loading.needs import Needs, needs_of, static_differences
 from ..loading.weights import WeightsError, bind_weights
 from ..observation.targets import identity_digest, identity_of
 from ..report.capture_report import CaptureReport
+from ..specs.baked import Baked
 from ..specs.dims import Folding
 from ..specs.frozen import is_object
 from ..specs.materialize import build
@@ -57,12 +58,13 @@ from ..specs.signature import (
 from ..specs.specjson import call_to_json, holds_objects
 from ..specs.storage import member_tensors, unwrapped_name
 from .aot import compiled_flat
+from .baked import BakedGuard
 from .bound import Bound
 from .flat import Flat, flatten
 
 _log = logging.getLogger("ctxreplay")
 
-__all__ = ["REFUSED", "UNFIT", "Call", "Entry", "Programs", "Target", "entry", "sources"]
+__all__ = ["REFUSED", "STALE", "UNFIT", "Call", "Entry", "Programs", "Target", "entry", "sources"]
 
 #: what ``Target.run`` returns when a folded graph's own guard refuses the
 #: call's sizes (the call then runs eagerly)
@@ -71,6 +73,10 @@ REFUSED: Any = object()
 #: program: a shape, dtype or device changed in place since it was bound
 #: (``module.to(torch.float64)`` keeps the parameter objects); the call runs eagerly
 UNFIT: Any = object()
+
+#: what ``Target.run`` returns where a place its program read state from
+#: holds something else now (``BakedGuard``): the call runs eagerly
+STALE: Any = object()
 
 Compiler = Callable[[nn.Module], Callable[..., Any]]
 
@@ -107,6 +113,8 @@ class Entry:
     compiled: CompiledProgram | None = None
     directory: Path | None = None
     uncompiled: tuple[str, str] | None = None
+    #: the state its trace read beside its arguments and weights (``None``: not known)
+    baked: Baked | None = None
 
     @property
     def comparable(self) -> bool:
@@ -185,7 +193,8 @@ def entry(source: Capture | LoadedCapture, ignore: tuple[str, ...],
     made = Entry(needs.label, tuple(source.members), binding, program, signature, outputs,
                  flatten_out, snap, unusable, dict(source.identities),
                  tuple(source.ignore_attributes), document=document, folding=source.folding,
-                 assigned=None if isinstance(source, LoadedCapture) else source.assigned)
+                 assigned=None if isinstance(source, LoadedCapture) else source.assigned,
+                 baked=source.meta.baked)
     if isinstance(source, LoadedCapture) and source.compiled is not None:
         made.compiled, made.directory = source.compiled, source.path.parent
         made.uncompiled = source.compiled.unusable(made.directory, source.fingerprint)
@@ -569,11 +578,15 @@ class Target:
     shapes, dtypes or devices the program takes), or ``None`` with
     ``failed`` set (compiling failed)."""
 
-    __slots__ = ("bound", "direct", "entry", "failed", "flat", "fn", "held", "name",
+    __slots__ = ("bound", "direct", "entry", "failed", "flat", "fn", "guard", "held", "name",
                  "programs")
 
-    def __init__(self, entry: Entry, programs: Programs, name: str) -> None:
+    def __init__(self, entry: Entry, programs: Programs, name: str, module: nn.Module) -> None:
         self.entry, self.programs, self.name = entry, programs, name
+        baked = entry.baked
+        #: what holds the member to the state its program baked in
+        self.guard = BakedGuard(baked, module) if baked is not None and baked.sources \
+            else None
         self.fn: Callable[..., Any] | None = None
         self.failed = False
         self.flat, self.bound = programs.bound(entry, name)
@@ -589,6 +602,9 @@ class Target:
         A member whose weights hooks put in place (offloading) has them put in
         place for the call and taken away after, by those hooks, as its eager
         forward does."""
+        guard = self.guard
+        if guard is not None and not guard.holds():
+            return STALE
         held = self.held
         if held is None:
             return self._run(args, kwargs, tensors)
