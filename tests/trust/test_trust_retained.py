@@ -22,6 +22,7 @@ from torch import nn
 
 import ctxreplay
 from ctxreplay.observation.retained import SAMPLED
+from ctxreplay.report.explain import Explanation
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -151,8 +152,8 @@ def test_at_values_a_budget_that_drops_calls_between_is_not_ok() -> None:
     assert not report.ok
 
 
-def test_the_counts_are_in_the_report_manifest_and_sidecar(tmp_path: Path) -> None:
-    _, _, report = _session(BLOCKS * CALL + CALL // 2, switch_after=None)
+def test_the_counts_are_in_the_report_manifest_sidecar_and_explain(tmp_path: Path) -> None:
+    model, _, report = _session(BLOCKS * CALL + CALL // 2, switch_after=None)
     (c,) = report.captures
     doc = report.to_json()["captures"][0]["fidelity"]
     assert (doc["calls"], doc["by_value"], doc["not_retained"]) == \
@@ -164,3 +165,8 @@ def test_the_counts_are_in_the_report_manifest_and_sidecar(tmp_path: Path) -> No
     assert mc["capture"]["fidelity"]["not_retained"] == c.fidelity.not_retained
     side = json.loads(entry.sidecar.read_text())
     assert side["fidelity"]["calls"] == BLOCKS * ROUNDS
+    table = report.explain(model).table()
+    assert f"{BLOCKS} of {BLOCKS * ROUNDS} calls compared by value" in table
+    assert f"{c.fidelity.not_retained} not kept (retain_bytes reached): not ok" in table
+    # what ``ctxreplay explain`` reads back from the saved report says the same
+    assert Explanation.from_report_json(report.to_json()).table() == table
