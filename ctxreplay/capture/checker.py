@@ -46,8 +46,12 @@ from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 from .rngguard import BookkeepingError, rng_guard
 
-__all__ = ["GUARD_FAILED", "UNOBSERVED_HINT", "Checker", "Program", "Step", "register_step",
-           "unregister_step"]
+__all__ = ["GUARD_FAILED", "RETAINED_FIELD", "UNOBSERVED_HINT", "Checker", "Program", "Step",
+           "register_step", "unregister_step"]
+
+#: the field of the mismatch of a member some of whose calls to compare by
+#: value were not kept (``retain_bytes``)
+RETAINED_FIELD = "retained"
 
 #: what an execution mismatch says when a graph's own input guard refused
 #: the sizes it was given (``Mismatch.captured``)
@@ -136,7 +140,7 @@ class Checker:
             finally:
                 self.needs = ()
         return Fidelity(name, not merged, merged, checked_by(name), len(members), with_needs,
-                        by_value)
+                        by_value, *_counts(members, name))
 
     def run_steps(self, modules: Mapping[str, nn.Module], steps: tuple[str, ...]) -> Fidelity:
         """Only ``steps`` (e.g. ``("execute",)``), for every member that ran
@@ -153,7 +157,7 @@ class Checker:
             self.needs = ()
         merged = merge_mismatches(found)
         return Fidelity(steps[-1], not merged, merged, steps, len(members), None,
-                        self.by_value)
+                        self.by_value, *_counts(members, steps[-1]))
 
     def _steps(self, modules: Mapping[str, nn.Module], members: list[MemberCall],
                steps: tuple[str, ...]) -> list[Mismatch]:
@@ -352,17 +356,15 @@ class Checker:
         """Every retained call of the member (its first and a sample of the
         others), each run through the artifact with the member's weights
         from a fresh isolated view, compared with what the live call returned.
-        A member none of whose calls was retained is a mismatch: its capture
-        was not compared with it by value, and says so."""
+        A member some of whose calls to compare were not retained is a
+        ``retained`` mismatch: its capture was not compared with them by
+        value, and says so (what was retained is still compared)."""
         assert module is not None  # _check stops at a released member
-        at = self._value_level()
+        found = self._unkept(m, name)
         if not m.retained:
-            # (a budget reached, or inputs that could not be copied)
-            return [_mismatch("values", "retained", "compared_by_value=0, "
-                              f"retain_bytes={self.options.retain_bytes}", at,
-                              None, name)]
+            return found
         specs = [s for _, s in self.request.inputs.leaves()]
-        found: list[Mismatch] = []
+        at = self._value_level()
         for call in m.retained:
             leaves = tuple(_placed(t, s) for t, s in zip(call.inputs, specs))
             with self._isolated(module) as view:
@@ -393,6 +395,20 @@ class Checker:
                     differ = [attrs.evolve(d, hint=hint) for d in differ]
             found += differ
         return found
+
+    def _unkept(self, m: MemberCall, name: str | None) -> list[Mismatch]:
+        """A ``retained`` mismatch where calls of ``m`` the level compares by
+        value were not kept (the budget reached, or inputs that could not be
+        copied): an unkept call may be the very one the capture does not
+        reproduce.  Counts stay on the ``Fidelity``, so members merge."""
+        if m.retained and not m.not_retained:
+            return []
+        budget = f"retain_bytes={self.options.retain_bytes}"
+        if m.retained:
+            return [_mismatch(RETAINED_FIELD, "not all kept", budget, self._value_level(),
+                              None, name)]
+        return [_mismatch(RETAINED_FIELD, "none kept", f"compared_by_value=0, {budget}",
+                          self._value_level(), None, name)]
 
     def _value_level(self) -> str:
         """The level a value mismatch is reported at: the session's, when it
@@ -527,9 +543,16 @@ def _against_live(m: Mismatch) -> bool:
     """Whether ``m`` compares the capture with a live call (its output
     metadata, or its retained values), not with a run of the member made
     here without its hooks."""
-    if m.field in ("execution", ARGUMENT_FIELD) or m.level not in level_names():
+    if m.field in ("execution", ARGUMENT_FIELD, RETAINED_FIELD) or m.level not in level_names():
         return False
     return m.level == "signature" or level(m.level).retains or m.field != "values"
+
+
+def _counts(members: list[MemberCall], name: str) -> tuple[int, int]:
+    """``(calls, not_retained)`` of ``members`` for a ``Fidelity`` at level
+    ``name`` (calls not retained count only where the level retains)."""
+    lost = sum(m.not_retained for m in members) if level(name).retains else 0
+    return sum(m.calls for m in members), lost
 
 
 def _weight_writes(by_forward: Mapping[int, str], by_program: Mapping[int, str],

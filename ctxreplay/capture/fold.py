@@ -367,7 +367,9 @@ def _folded(capture: Capture, taken: Sequence[VariantRequest], trial: Trial) -> 
     order = checked_by("values")
     done = tuple(sorted(done, key=lambda s: order.index(s) if s in order else len(order)))
     fid = attrs.evolve(capture.fidelity, checked=done, members=len(calls),
-                       by_value=sum(f.by_value for f in checks))
+                       by_value=sum(f.by_value for f in checks),
+                       calls=sum(calls.values()),
+                       not_retained=sum(f.not_retained for f in checks))
     identities = tuple(dict.fromkeys(i for r in taken for i in _identities(r)))
     return capture.evolve(members=tuple(calls), member_calls=tuple(calls.items()),
                         calls=sum(r.calls for r in taken), fidelity=fid,

@@ -60,7 +60,9 @@ def _merged(group: list[Capture]) -> Capture:
     fid = Fidelity(first.fidelity.level, True,
                    merge_mismatches(m for c in group for m in c.fidelity.mismatches),
                    first.fidelity.checked, sum(c.fidelity.members for c in group),
-                   by_value=sum(c.fidelity.by_value for c in group))
+                   by_value=sum(c.fidelity.by_value for c in group),
+                   calls=sum(c.fidelity.calls for c in group),
+                   not_retained=sum(c.fidelity.not_retained for c in group))
     return first.evolve(members=members,
                         member_calls=tuple(mc for c in group for mc in c.member_calls),
                         calls=sum(c.calls for c in group), fidelity=fid,

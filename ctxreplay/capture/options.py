@@ -106,6 +106,9 @@ class MemberCall:
     #: what the member's repeat live calls wrote in the Python state its
     #: forward keeps (``where: what``, as ``pystate.Reach.changes`` says it)
     writes: tuple[str, ...] = ()
+    #: calls due to be retained that the ``retain_bytes`` budget did not
+    #: keep (not copied, or given up to make room): never compared by value
+    not_retained: int = 0
 
 
 @attrs.frozen

@@ -70,7 +70,9 @@ def run_collective_checks(coll: LockstepGroup, captures: list[Capture],
         out[(c.scope, c.variant)] = Fidelity(level, not (merged or base),
                                              merge_mismatches((*base, *merged)), checked,
                                              c.fidelity.members,
-                                             by_value=c.fidelity.by_value)
+                                             by_value=c.fidelity.by_value,
+                                             calls=c.fidelity.calls,
+                                             not_retained=c.fidelity.not_retained)
     return out
 
 

@@ -10,8 +10,11 @@ Three checks, each per member that ran the variant:
   ``finalize()`` has active.  Its outputs are compared with the live
   output's metadata (strides included) and, by value, with the member
   itself run on the same inputs under the live context;
-* ``values`` -- the artifact run on retained copies of the member's first
-  live call, its outputs compared with the retained live outputs by value.
+* ``values`` -- the artifact run on retained copies of the member's live
+  calls (its first and a sample of the others), its outputs compared with
+  the retained live outputs by value.  A call the level meant to compare
+  that the budget did not keep is a mismatch, never a silent skip: an
+  unkept call may be exactly the one that differs.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ class Mismatch:
     """What disagrees: ``dtype``, ``shape``, ``stride``, ``device``, ``requires_grad``,
     ``structure``, ``values``, ``graph`` (no output metadata), ``execution`` (the artifact did not
     run), ``argument`` (the forward changed an argument object in Python, which no graph op does;
-    ``path`` names the argument, ``live`` its type and the change) or ``hooks`` (user hooks inside
+    ``path`` names the argument, ``live`` its type and the change), ``hooks`` (user hooks inside
     the member ran in its live calls, never in the capture, and no live output was compared by
-    value to show they changed nothing; ``live`` names them)."""
+    value to show they changed nothing; ``live`` names them) or ``retained`` (calls of the member
+    that its level compares by value were not kept within ``retain_bytes``, so they were never
+    compared; ``Fidelity.not_retained`` counts them)."""
     live: str
     """What the live call had, in words."""
     captured: str
@@ -121,6 +126,14 @@ class Fidelity:
     by_value: int = 0
     """Live calls the artifact was run on and compared with by value (``verify="values"``: every
     retained call, over all members); the other checks compare metadata or fresh inputs."""
+    calls: int = 0
+    """Live calls the checked members ran, of which ``by_value`` were compared by value (0 where
+    not counted: a record built by hand or read from an older file)."""
+    not_retained: int = 0
+    """Calls the level retains to compare by value (``"sampled"``: those sampled; ``"values"``:
+    the first, the last and a sample between) that the ``retain_bytes`` budget did not keep -- not
+    copied, or given up to make room for another.  More than 0 at a level that retains is a
+    ``retained`` mismatch: those calls were never compared, so the capture is not ok."""
 
     def verdict(self, calls: int) -> str:
         """What was checked and what came of it, in words, for a capture
@@ -129,8 +142,9 @@ class Fidelity:
                  "unchecked": "not checked"}[self.status]
         if not self.checked:
             return words
+        lost = f", {self.not_retained} not kept (retain_bytes)" if self.not_retained else ""
         return (f"{words} ({'+'.join(self.checked)}; {self.by_value} of {calls} "
-                f"call{'' if calls == 1 else 's'} checked by value)")
+                f"call{'' if calls == 1 else 's'} checked by value{lost})")
 
     @property
     def status(self) -> str:
@@ -143,7 +157,8 @@ class Fidelity:
         """Metadata only (``status`` included)."""
         return {"level": self.level, "ok": self.ok, "checked": list(self.checked),
                 "members": self.members, "ok_with_needs": self.ok_with_needs,
-                "by_value": self.by_value,
+                "by_value": self.by_value, "calls": self.calls,
+                "not_retained": self.not_retained,
                 "status": self.status,
                 "mismatches": [m.to_json() for m in self.mismatches]}
 

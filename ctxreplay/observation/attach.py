@@ -204,7 +204,8 @@ class Observation:
                     scope.name, index, first.snapshot, recorded.inputs,
                     tuple(MemberCall(m.name, mv.calls, mv.outputs, mv.completed,
                                      mv.retained.calls() if mv.retained else (),
-                                     tuple(sorted(m.writes)))
+                                     tuple(sorted(m.writes)),
+                                     mv.retained.missed if mv.retained else 0)
                           for m, mv in pairs),
                     training_of(identity), identity_digest(identity) if identity else "",
                     self._state_back(scope, identity, [m for m, _ in pairs],

@@ -27,6 +27,13 @@ not fit the budget is not retained, after sampled calls were given up to
 make room for it -- for a variant's first call, those of any variant: every
 member's first call is what a value check needs first.  ``summary()``
 counts them.
+
+Each member variant counts the calls its policy would have held at
+finalize that the budget did not keep (``Kept.missed``): a call due to be
+retained that did not fit, and one given up later to make room.  A slot
+the sample itself replaces (a reservoir's pick) is no such call.  The value
+check reads the count: a capture some of whose calls to compare were not
+kept is not proven.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ def _copies(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 class Kept:
     """One member's retained calls of one variant (under the session lock)."""
 
-    __slots__ = ("between", "first", "last", "seen")
+    __slots__ = ("between", "first", "last", "missed", "seen")
 
     def __init__(self) -> None:
         self.first: RetainedCall | None = None
@@ -73,6 +80,9 @@ class Kept:
         #: ``verify="values"``: calls that went past ``first`` into the
         #: sample, ``last`` included
         self.seen = 0
+        #: calls due to be kept that the budget did not keep (not copied,
+        #: or given up to make room for another)
+        self.missed = 0
 
     def calls(self) -> tuple[RetainedCall, ...]:
         """In call order as far as known: the first, the sample, the last."""
@@ -222,6 +232,12 @@ class Retention:
                 return None
         return _copies(tensors)
 
+    def missed(self, kept: Kept) -> None:
+        """A call of ``kept``'s member variant that was due to be retained
+        returned without copies of its inputs (``inputs`` gave none)."""
+        with self.lock:
+            kept.missed += 1
+
     def release(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Give back the budget of copies no longer kept."""
         with self.lock:
@@ -238,6 +254,7 @@ class Retention:
             ok = self._reserve(need, kept)
             if not ok:
                 self.skipped += 1
+                kept.missed += 1
                 self.held -= _nbytes(inputs)
                 return
         call = RetainedCall(inputs, _copies(outs), need + _nbytes(inputs))
@@ -257,12 +274,15 @@ class Retention:
             for other in self.kepts:
                 while self.held + need > limit and other.between:
                     self.held -= other.between.pop().nbytes
+                    other.missed += 1
         elif not self.sample:
             while self.held + need > limit and kept is not None and kept.between:
                 self.held -= kept.between.pop().nbytes
+                kept.missed += 1
             if self.held + need > limit and kept is not None and kept.last is not None:
                 self.held -= kept.last.nbytes
                 kept.last = None
+                kept.missed += 1
         if self.held + need > limit:
             return False
         self.held += need

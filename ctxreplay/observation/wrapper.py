@@ -50,7 +50,7 @@ from ..specs.dims import size_free_key
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, TransformedError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
-from .retained import SAMPLED, Pool, Retention
+from .retained import SAMPLED, Kept, Pool, Retention
 from .targets import identity_of, state_of
 from .variants import MemberVariant, Scope
 from .wrapping import Wrapper
@@ -497,7 +497,7 @@ class _Member(Wrapper):
             changed = []
         if changed:
             self.stateful.update(changed)
-        if mv.completed and mv.retained_inputs is not None:  # another thread completed it
+        if mv.completed:  # another thread completed it: this call kept, or counted missed
             self._keep(mv, out)
         elif not mv.completed:
             try:
@@ -588,6 +588,8 @@ class _Member(Wrapper):
         try:
             if inputs is not None:
                 self._keep(mv, out, inputs, pool)
+            else:  # not copied (the budget, or a copy that failed): counted
+                self.shared.retention.missed(self._kept(mv))
         except Exception as exc:
             failed = exc
         if failed is not None:
@@ -601,12 +603,20 @@ class _Member(Wrapper):
         as well, for a pooled sample)."""
         if inputs is None:
             inputs, mv.retained_inputs = mv.retained_inputs, None
-        if inputs is None:
+        retention = self.shared.retention
+        if retention.limit is None:
             return
+        if inputs is None:  # a first call not copied: counted
+            retention.missed(self._kept(mv))
+            return
+        retention.keep(self._kept(mv), inputs, out, pool)
+
+    def _kept(self, mv: MemberVariant) -> Kept:
+        """``mv``'s retained calls, made on first use."""
         with self.shared.lock:
             if mv.retained is None:
                 mv.retained = self.shared.retention.new()
-        self.shared.retention.keep(mv.retained, inputs, out, pool)
+            return mv.retained
 
     def changed(self) -> None:
         """An attribute of the member or a submodule was assigned

@@ -5,7 +5,9 @@ state is not neutral, with that probe's replay left out
 (``capture.snapshot.without(name)``), and compares the graphs node by node:
 ops and their dtypes.  A capture whose context can no longer be replayed
 (its live states were released by ``finalize()``) is reported
-``unavailable`` -- never blamed on a probe.
+``unavailable`` -- never blamed on a probe.  Beside the probes, a capture
+checked by value shows how many of its calls were compared, and how many
+its level meant to compare the ``retain_bytes`` budget did not keep.
 """
 
 from __future__ import annotations
@@ -138,6 +140,26 @@ class CaptureExplanation:
     """The capture's variant number."""
     effects: tuple[ProbeEffect, ...]
     """One effect per probe of the capture's snapshot."""
+    compared: int = 0
+    """Live calls its check compared by value (``Fidelity.by_value``)."""
+    calls: int = 0
+    """Live calls the checked members ran (``Fidelity.calls``)."""
+    not_retained: int = 0
+    """Calls its level meant to compare by value that ``retain_bytes`` did not keep
+    (``Fidelity.not_retained``): more than 0, the capture is not ok."""
+
+    @property
+    def by_value(self) -> str | None:
+        """The value check's counts in words (``None``: nothing compared by
+        value, nor meant to be)."""
+        if not self.compared and not self.not_retained:
+            return None
+        text = (f"{self.compared} of {self.calls} call{'' if self.calls == 1 else 's'} "
+                "compared by value")
+        if self.not_retained:
+            text += (f"; {self.not_retained} not kept (retain_bytes reached): not ok, "
+                     "those calls were never compared")
+        return text
 
     @property
     def changing(self) -> tuple[str, ...]:
@@ -213,8 +235,20 @@ class Explanation:
             out.append(CaptureExplanation(read_str(cap.get("scope"), f"{where}.scope",
                                                    max_len=4096),
                                           read_int(cap.get("variant"), f"{where}.variant", lo=0),
-                                          effects))
+                                          effects, *_read_counts(cap.get("fidelity"),
+                                                                 f"{where}.fidelity")))
         return cls(tuple(out))
+
+
+def _read_counts(value: object, path: str) -> tuple[int, int, int]:
+    """``(by_value, calls, not_retained)`` of a capture's fidelity document
+    (0 for a count an older document lacks)."""
+    if value is None:
+        return 0, 0, 0
+    doc = read_mapping(value, path)
+    by_value, calls, lost = (read_int(doc.get(k, 0), f"{path}.{k}", lo=0)
+                             for k in ("by_value", "calls", "not_retained"))
+    return by_value, calls, lost
 
 
 #: the statuses of probes that changed nothing in the graph
@@ -230,6 +264,8 @@ def _capture_rows(c: CaptureExplanation, state_width: int) -> list[tuple[str, st
     rows = [(label, e.probe, _clip(e.state, state_width), e.describe()) for e in shown]
     if len(quiet) > 1:
         rows.append((label, f"{len(quiet)} others", "-", _quiet_effect(quiet, state_width)))
+    if c.by_value is not None:
+        rows.append((label, "by value", "-", c.by_value))
     return rows
 
 
@@ -373,7 +409,9 @@ def explain_capture(capture: Capture, module: nn.Module, options: CaptureOptions
         effects.append(ProbeEffect(name, described[name], status, changed, retyped, added,
                                    removed, outs if outs != live else (),
                                    live if outs != live else (), constants=constants))
-    return CaptureExplanation(capture.scope, capture.variant, tuple(effects))
+    fid = capture.fidelity
+    return CaptureExplanation(capture.scope, capture.variant, tuple(effects), fid.by_value,
+                              fid.calls, fid.not_retained)
 
 
 def explain_captures(captures: Iterable[Capture],
@@ -387,7 +425,9 @@ def explain_captures(captures: Iterable[Capture],
         if module is None:
             effects = tuple(ProbeEffect(n, d, "failed", reason="module_not_found")
                             for n, d in c.snapshot.describe().items())
-            out.append(CaptureExplanation(c.scope, c.variant, effects))
+            fid = c.fidelity
+            out.append(CaptureExplanation(c.scope, c.variant, effects, fid.by_value,
+                                          fid.calls, fid.not_retained))
             continue
         out.append(explain_capture(c, module, options,
                                    backend=_backend_for(c, options, reuse_backend),

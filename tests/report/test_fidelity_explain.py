@@ -217,3 +217,32 @@ def test_cli_explain_without_results_or_on_bad_input(
     assert "$.captures[0].explain[0].status" in capsys.readouterr().err
     (tmp_path / "junk.json").write_text("{")
     assert main(["explain", str(tmp_path / "junk.json")]) == 2
+
+
+def test_a_capture_checked_by_value_shows_its_counts_in_one_row() -> None:
+    quiet = (ProbeEffect("grad_mode", "no_grad", "neutral"),
+             ProbeEffect("default_dtype", "float32", "neutral"))
+    proven = Explanation((CaptureExplanation("blocks.0", 0, quiet, 9, 90),))
+    *_, row = proven.table().splitlines()
+    assert row.split("  -  ")[0].split() == ["blocks.0#0", "by", "value"]
+    assert row.endswith("9 of 90 calls compared by value")
+    lost = Explanation((CaptureExplanation("blocks.0", 0, quiet, 3, 90, 18),))
+    assert lost.table().splitlines()[-1].endswith(
+        "3 of 90 calls compared by value; 18 not kept (retain_bytes reached): not ok, "
+        "those calls were never compared")
+    # nothing compared by value, nor meant to be (verify="execute"): no row
+    assert "by value" not in _explanation(*quiet).table()
+
+
+def test_ctxreplay_explain_reads_the_counts_from_the_saved_fidelity() -> None:
+    doc = {"captures": [{"scope": "blocks.0", "variant": 0, "explain": [],
+                         "fidelity": {"ok": False, "by_value": 3, "calls": 90,
+                                      "not_retained": 18}},
+                        {"scope": "blocks.0", "variant": 1, "explain": [],
+                         "fidelity": {"ok": True}}]}
+    first, older = Explanation.from_report_json(doc).captures
+    assert (first.compared, first.calls, first.not_retained) == (3, 90, 18)
+    assert (older.compared, older.calls, older.not_retained) == (0, 0, 0)
+    with pytest.raises(ValueError, match=r"fidelity\.not_retained"):
+        Explanation.from_report_json({"captures": [
+            {"scope": "b", "variant": 0, "explain": [], "fidelity": {"not_retained": -1}}]})

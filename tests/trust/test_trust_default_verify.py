@@ -259,13 +259,14 @@ def test_a_call_that_could_not_be_copied_says_so() -> None:
     report = session.finalize()
     assert not report.ok
     (m, *_) = [m for c in report.captures for m in c.fidelity.mismatches]
-    assert (m.field, m.live) == ("values", "retained")
+    assert (m.field, m.live) == ("retained", "none kept")
     assert m.captured == "compared_by_value=0, retain_bytes=16"
 
 
 def test_first_calls_displace_later_samples_within_the_budget() -> None:
     # room for the first call of every member and little else: each member is
-    # still compared by value, on its first call at least
+    # still compared by value, on its first call at least -- and the later
+    # samples the budget did not keep leave the capture not ok, counted
     torch.manual_seed(0)
     model = Stack(Counting, n=4).eval()
     call = 2 * DIM * 4 * 2  # inputs and outputs of one call, float32
@@ -274,5 +275,9 @@ def test_first_calls_displace_later_samples_within_the_budget() -> None:
         for _ in range(6):
             model(torch.randn(2, DIM))
     report = session.finalize()
-    assert report.ok
     assert all(c.checked >= c.fidelity.members for c in report.captures)
+    assert not report.ok
+    for c in report.captures:
+        assert c.fidelity.not_retained > 0
+        assert {(m.field, m.live) for m in c.fidelity.mismatches} == \
+            {("retained", "not all kept")}
