@@ -205,3 +205,92 @@ def _global(chain: tuple[str, ...], globs: dict[str, Any],
     if isinstance(obj, (types.ModuleType, type)) or hasattr(type(obj), "__get__"):
         return
     yield from _sources(obj, module, steps, set(), True, 1, global_=True)
+
+
+# -- the places a forward's code reads, before any trace --------------------------
+
+def static_places(module: nn.Module) -> tuple[Source, ...]:
+    """The places the code of ``module``'s forward and its submodules'
+    reads, from their bytecode (no run): ``self.NAME`` and ``self.NAME.FIELD``
+    that hold a tensor (no parameter or buffer), ``None``, a list, dict or set,
+    a field of a plain object, or a class attribute; and the module globals
+    it loads.  A submodule's immutable plain attributes are left out, as in
+    ``baked_of``.  Their digests are empty: an observer compares what they
+    hold from call to call, not with a trace."""
+    found: dict[tuple[bool, str, _Steps], Source] = {}
+    functions: list[types.FunctionType] = []
+    for path, m in module.named_modules():
+        for chain in _self_chains(type(m), functions):
+            for s in _place(m, path, chain):
+                found.setdefault((s.global_, s.base, s.steps), s)
+    for s in _globals(functions):
+        found.setdefault((s.global_, s.base, s.steps), s)
+    return tuple(found.values())
+
+
+def _self_chains(cls: type, functions: list[types.FunctionType]) -> set[tuple[str, ...]]:
+    """Each ``self.a.b`` the user code of ``cls.forward`` loads, and of the
+    methods it calls on ``self`` (those functions are noted in ``functions``)."""
+    out: set[tuple[str, ...]] = set()
+    todo = [f for f in (getattr(cls, "forward", None),) if isinstance(f, types.FunctionType)]
+    seen: set[int] = set()
+    while todo and len(seen) < _CODES:
+        f = todo.pop()
+        if id(f) in seen or not _user_code(f.__code__):
+            continue
+        seen.add(id(f))
+        functions.append(f)
+        for chain in _loads_of_self(f.__code__):
+            out.add(chain)
+            method = inspect.getattr_static(cls, chain[0], None)
+            if isinstance(method, types.FunctionType):
+                todo.append(method)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _loads_of_self(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
+    """Each ``self.a.b`` chain ``code`` loads (``self``: its first argument)."""
+    if not code.co_argcount:
+        return ()
+    me = code.co_varnames[0]
+    out: list[tuple[str, ...]] = []
+    chain: list[str] | None = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and chain is not None:
+            chain.append(str(ins.argval))
+            continue
+        if chain:
+            out.append(tuple(chain))
+        chain = [] if ins.opname == "LOAD_FAST" and ins.argval == me else None
+    if chain:
+        out.append(tuple(chain))
+    return tuple(out)
+
+
+def _place(m: nn.Module, path: str, chain: tuple[str, ...]) -> Iterator[Source]:
+    name = chain[0]
+    if name in _MODULE_NAMES or name in m._modules or name in m._parameters \
+            or name in m._buffers:
+        return
+    steps: _Steps = (("attr", name),)
+    if name in m.__dict__:
+        value = m.__dict__[name]
+        if value is None or isinstance(value, torch.Tensor) or type(value) in (list, dict, set):
+            yield from _sources(value, path, steps, set(), True, 1) if value is not None \
+                else iter((Source(path, steps, "value", ""),))
+        elif len(chain) > 1 and _plain_object(value):
+            field = getattr(value, chain[1], _NONE)
+            if field is not _NONE:
+                yield from _sources(field, path, (*steps, ("attr", chain[1])), set(), True, 1)
+        return
+    value = inspect.getattr_static(m, name, _NONE)
+    if value is not _NONE and not hasattr(type(value), "__get__"):
+        yield from _sources(value, path, steps, set(), True, 1)  # a class attribute
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of the user's that keeps fields in a ``__dict__`` (a
+    ``SimpleNamespace``, a dataclass): no module, class, function or tensor."""
+    return type(getattr(value, "__dict__", None)) is dict and not isinstance(
+        value, (nn.Module, type, types.ModuleType, torch.Tensor)) and not callable(value)

@@ -17,6 +17,7 @@ from ..core.probe import ContextProbe
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
 from ..fidelity.levels import level
+from ..specs.baked import Source
 from ..specs.signature import CallSpec, Spec, is_native
 
 __all__ = ["ABSENT", "REPLAY_MODES", "RETAIN_BYTES", "WATCH_MODES", "CaptureOptions",
@@ -109,6 +110,10 @@ class MemberCall:
     #: calls due to be retained that the ``retain_bytes`` budget did not
     #: keep (not copied, or given up to make room): never compared by value
     not_retained: int = 0
+    #: the places the member's code reads beside its arguments and weights
+    #: (``cfg``, ``global knobs.MODE``) seen holding something else from one
+    #: call to the next, and how often (``observation.places``)
+    moved: tuple[tuple[Source, int], ...] = ()
 
 
 @attrs.frozen

@@ -28,6 +28,7 @@ from ..backends.passes import graph_code, graph_op_args, graph_ops, has_collecti
 from ..fidelity.levels import level
 from ..fidelity.verify import Fidelity, Mismatch, is_neutral, neutral_replay
 from ..specs.baked import Baked
+from ..specs.baked import Source as Place
 from ..specs.frozen import may_change_in_python
 from ..specs.signature import CallSpec, ConstSpec, Spec, TensorSpec, children
 from ..specs.specjson import call_to_json
@@ -197,6 +198,7 @@ class _VariantCapture:
             unwatched = _unwatched(checker, plan, modules, runs)
         except Exception as exc:
             raise self.fail("verify_failed", exc) from None
+        unwatched += _moved(checker.request, plan.reads)
         if unwatched:
             fidelity = attrs.evolve(fidelity, ok=False, ok_with_needs=None,
                                     mismatches=(*fidelity.mismatches, *unwatched))
@@ -276,6 +278,35 @@ class _Ticking(Mapping[str, nn.Module]):
 
     def __len__(self) -> int:
         return len(self.modules)
+
+
+#: ``Mismatch.field`` of a place the trace read whose state changed between
+#: the member's live calls: the graph holds one value of it
+READ_FIELD = "read_state"
+
+
+def _moved(request: VariantRequest, reads: Reads | None) -> list[Mismatch]:
+    """A mismatch per place a member's code reads (``MemberCall.moved``) that
+    held something else on some of its live calls, where the trace read it
+    (all of them where the trace's reads are not known)."""
+    read = reads.read() if reads is not None and reads.complete else None
+    out = []
+    for m in request.members:
+        for place, times in m.moved:
+            if read is not None and not _was_read(place, read):
+                continue
+            out.append(Mismatch(place.where(), READ_FIELD, f"changed between calls: {times}x",
+                                "baked: one value", "values", None, (m.name,)))
+    return out
+
+
+def _was_read(place: Place, read: Mapping[str, set[str] | None]) -> bool:
+    """Whether the trace read the attribute ``place`` starts at (a global:
+    always, its code loads it; a submodule the trace did not know: assumed)."""
+    if place.global_ or place.base not in read:
+        return True
+    names = read[place.base]
+    return names is None or str(place.steps[0][1]) in names
 
 
 def _baked(plan: TracePlan, view: nn.Module) -> Baked | None:

@@ -59,7 +59,9 @@ class Mismatch:
     the member ran in its live calls, never in the capture, and no live output was compared by
     value to show they changed nothing; ``live`` names them) or ``retained`` (calls of the member
     that its level compares by value were not kept within ``retain_bytes``, so they were never
-    compared; ``Fidelity.not_retained`` counts them)."""
+    compared; ``Fidelity.not_retained`` counts them) or ``read_state`` (a place the member's
+    code reads beside its arguments and weights -- a dict it holds, a module global, an object's
+    field -- held something else on some of its live calls; ``path`` names it)."""
     live: str
     """What the live call had, in words."""
     captured: str

@@ -50,6 +50,7 @@ from ..specs.dims import size_free_key
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, TransformedError, call_key, call_spec, spec_of
 from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
+from .places import places_of
 from .retained import SAMPLED, Kept, Pool, Retention
 from .targets import identity_of, state_of
 from .variants import MemberVariant, Scope
@@ -168,6 +169,13 @@ def _memo_check(args: tuple[Any, ...], sig: Any) -> Any:
     return check if check is not None else _Python(sig)
 
 
+def _both(state: Any, places: Any) -> Any:
+    """The memo's state check, and then its member's places."""
+    def check() -> bool:
+        return bool(state() and places())
+    return check
+
+
 class _Memo:
     """What a repeat of a member's last variant needs on the hot path
     (``_Member.forward``), read from one object: attribute reads of a
@@ -230,8 +238,8 @@ class _Member(Wrapper):
     """The observation state of one targeted module; ``forward`` is its wrapper."""
 
     __slots__ = (*Wrapper.FIELDS, "compiled", "dirty", "identity", "identity_value", "ignore",
-                 "lazy", "mark", "memo", "name", "scope", "shared", "stateful", "table", "tables",
-                 "training", "writes")
+                 "lazy", "mark", "memo", "name", "places", "scope", "shared", "stateful", "table",
+                 "tables", "training", "writes")
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
@@ -256,6 +264,8 @@ class _Member(Wrapper):
         self.training = module.training
         self.table: dict[Any, MemberVariant] = {}
         self.dirty = False  # an attribute of the member's tree was assigned (``watch``)
+        #: the state its code reads beside its arguments and weights, checked per call
+        self.places = places_of(module, ignore)
         if not self.lazy:
             self.refresh_identity()
 
@@ -313,6 +323,9 @@ class _Member(Wrapper):
         real = True
         mv, sampled = None, 0
         try:
+            places = self.places
+            if places is not None and not places.check():
+                places.look()
             shared = self.shared
             obs = shared.observer
             try:
@@ -438,6 +451,8 @@ class _Member(Wrapper):
                 return
         except Exception:
             return
+        if self.places is not None:  # (only a member whose code reads such state pays)
+            state = _both(state, self.places.check)
         self.memo = _Memo(cache, state, check.check, ticks, self.training, self, mv.counter)
 
     # -- the slow paths ---------------------------------------------------
@@ -489,6 +504,12 @@ class _Member(Wrapper):
         except BaseException:
             self._raised(mv.counter)
             raise
+        places = self.places
+        if places is not None and not places.check():
+            try:  # what a variant's first call fills (a lazy cache) is no change between calls
+                places.look(count=False)
+            except Exception:  # observation must never disturb the forward
+                self.places = None
         try:
             changed = held_changes(held)
             if self.lazy:  # a lazy module materialises in its first call

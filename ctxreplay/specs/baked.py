@@ -29,9 +29,11 @@ import attrs
 import torch
 from torch import nn
 
+from .._base import codegen
 from .._base.jsonread import read_list, read_mapping, read_str
 
-__all__ = ["KINDS", "Baked", "Source", "digest", "frozen", "lookup", "plain"]
+__all__ = ["KINDS", "Baked", "Source", "digest", "frozen", "lookup", "place_check", "plain",
+           "same_state", "state_of", "version"]
 
 #: what a source holds: a tensor (its identity and version are guarded, its
 #: values digested) or a small Python value (compared by value)
@@ -183,3 +185,67 @@ def _canonical(value: Any) -> str:
     if type(value) in (list, tuple, torch.Size):
         return f"{type(value).__name__}(" + ",".join(_canonical(v) for v in value) + ")"
     return f"{type(value).__qualname__}:{value!r}"
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter (-1: an inference tensor, which has none)."""
+    return -1 if t.is_inference() else t._version
+
+
+def state_of(values: list[Any]) -> tuple[Any, ...]:
+    """What ``place_check`` compares of each value, comparable later."""
+    return tuple((id(v), version(v)) if isinstance(v, torch.Tensor) else frozen(v)
+                 for v in values)
+
+
+def same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two ``state_of`` results are equal (one that cannot say: no)."""
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == does not answer: not known to be the same
+        return False
+
+
+def _step(expr: str, obj: Any, step: str, key: Any, name: str) -> tuple[str, Any]:
+    """``expr`` (which evaluates to ``obj``) followed one step, and what it
+    finds: a module's parameters, buffers and submodules are read from
+    their dicts (``nn.Module.__getattr__`` costs ~1.5 us a read; a tensor
+    assigned in their place lands in the same dict)."""
+    if step == "item":
+        return f"{expr}[{name}]", obj[key]
+    if isinstance(obj, nn.Module):
+        for table in ("_parameters", "_buffers", "_modules"):
+            if key in obj.__dict__[table]:
+                return f"{expr}.{table}[{name}]", obj.__dict__[table][key]
+    if str(key).isidentifier():
+        return f"{expr}.{key}", getattr(obj, key)
+    return f"getattr({expr}, {name})", getattr(obj, key)
+
+
+def place_check(sources: tuple[Source, ...], values: list[Any], member: nn.Module) -> Any:
+    """One generated function: whether each place holds what it held when
+    ``values`` were read (identity and version, or an equal value)."""
+    namespace: dict[str, Any] = {}
+    terms = []
+    for i, (s, v) in enumerate(zip(sources, values)):
+        obj = namespace[f"B{i}"] = sys.modules[s.base] if s.global_ else \
+            (member.get_submodule(s.base) if s.base else member)
+        expr = f"B{i}"
+        for j, (step, key) in enumerate(s.steps):
+            namespace[f"K{i}_{j}"] = key
+            expr, obj = _step(expr, obj, step, key, f"K{i}_{j}")
+        namespace[f"V{i}"] = v if isinstance(v, torch.Tensor) else frozen(v)
+        if v is None:
+            terms.append(f"{expr} is None")
+        elif not isinstance(v, torch.Tensor):
+            terms.append(f"{expr} == V{i}")
+        elif version(v) < 0:
+            terms.append(f"{expr} is V{i}")
+        else:
+            namespace[f"N{i}"] = version(v)
+            terms.append(f"({expr} is V{i} and V{i}._version == N{i})")
+    body = " and ".join(terms) or "True"
+    source = ("def check():\n    try:\n"
+              f"        return {body}\n"
+              "    except Exception:\n        return False\n")
+    return codegen.function(source, "check", namespace, what="baked-state guard")

@@ -1,0 +1,162 @@
+"""State a forward reads that changes on a few of many calls.
+
+The default level compares a sample of the live calls by value: a dict
+entry, a module global or a plain object's field that a pipeline flips on
+3 of 200 calls, or a tensor a block stores on one call and reads on the
+next, changes what those calls compute, and a sample may never include
+them.  Observation checks, on every call, the places a member's code reads
+beside its arguments and weights; a capture whose trace read a place that
+changed between its calls is not ok (a ``read_state`` mismatch naming
+the place).  The controls: the same stacks without the change stay ok, and
+a cache a block fills on its first call is no change.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import pytest
+import rare_knobs
+import torch
+from torch import nn
+
+import ctxreplay
+
+CALLS = 200
+FLIPPED = (50, 120, 170)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.cfg = {"mode": "a"}
+        self.opts = types.SimpleNamespace(flag=False)
+        self.clock = types.SimpleNamespace(n=0)
+        self.stored: torch.Tensor | None = None
+
+
+class DictBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 3 if self.cfg["mode"] == "b" else y
+
+
+class GlobalBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y - 2 if rare_knobs.MODE == "b" else y
+
+
+class FieldBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y + 7 if self.opts.flag else y
+
+
+class StoreEvery10(Block):
+    """Stores its output on every 10th call and adds it to the next call's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.stored is not None:
+            y, self.stored = y + self.stored, None
+        elif self.clock.n % 10 == 9:
+            self.stored = y.detach()
+        return y
+
+
+class LazyCache(Block):
+    """Fills a tensor on its first call and reads it on every call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stored is None:
+            self.stored = torch.ones(8)
+        return self.lin(x) + self.stored
+
+
+class Stack(nn.Module):
+    def __init__(self, cls: type[Block]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(cls() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _flip_dict(m: Stack, i: int) -> None:
+    for b in m.blocks:
+        b.cfg["mode"] = "b" if i in FLIPPED else "a"
+
+
+def _flip_global(m: Stack, i: int) -> None:
+    rare_knobs.MODE = "b" if i in FLIPPED else "a"
+
+
+def _flip_field(m: Stack, i: int) -> None:
+    for b in m.blocks:
+        b.opts.flag = i in FLIPPED
+
+
+def _tick(m: Stack, i: int) -> None:
+    for b in m.blocks:
+        b.clock.n = i
+
+
+def _nothing(m: Stack, i: int) -> None:
+    del m, i
+
+
+@pytest.fixture(autouse=True)
+def _global_back() -> object:
+    yield
+    rare_knobs.MODE = "a"
+
+
+def _report(cls: type[Block], before: Callable[[Stack, int], None]
+            ) -> ctxreplay.CaptureReport:
+    torch.manual_seed(0)
+    model = Stack(cls).eval()
+    xs = torch.randn(CALLS, 2, 8)
+    with ctxreplay.capture_with(model, targets="repeated") as session, torch.no_grad():
+        for i in range(CALLS):
+            before(model, i)
+            model(xs[i])
+    return session.finalize()
+
+
+CASES = [(DictBlock, _flip_dict, "cfg"), (GlobalBlock, _flip_global, "global rare_knobs.MODE"),
+         (FieldBlock, _flip_field, "opts.flag")]
+
+
+@pytest.mark.parametrize("cls,flip,place", CASES, ids=["dict entry", "module global",
+                                                      "object field"])
+def test_a_flip_on_three_of_two_hundred_calls_is_not_ok_naming_the_place(
+        cls: type[Block], flip: Callable[[Stack, int], None], place: str) -> None:
+    report = _report(cls, flip)
+    assert not report.ok
+    found = {(m.field, m.path) for c in report.captures for m in c.fidelity.mismatches}
+    assert ("read_state", place) in found, found
+
+
+@pytest.mark.parametrize("cls,flip,place", CASES, ids=["dict entry", "module global",
+                                                      "object field"])
+def test_control_the_same_stack_without_the_flip_is_ok(
+        cls: type[Block], flip: Callable[[Stack, int], None], place: str) -> None:
+    report = _report(cls, _nothing)
+    assert report.ok, report.explain(Stack(cls))
+
+
+def test_a_block_that_stores_on_one_call_and_reads_on_the_next_is_not_ok() -> None:
+    report = _report(StoreEvery10, _tick)
+    assert not report.ok
+    found = {(m.field, m.path) for c in report.captures for m in c.fidelity.mismatches}
+    assert ("read_state", "stored") in found, found
+
+
+def test_a_cache_filled_on_the_first_call_is_no_change() -> None:
+    report = _report(LazyCache, _nothing)
+    assert report.ok, [m for c in report.captures for m in c.fidelity.mismatches]
