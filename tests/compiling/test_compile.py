@@ -290,3 +290,58 @@ def test_autocast_replayed_around_the_trace_is_compiled_into_the_package(
     assert got["got"] == got["want"] == ["torch.bfloat16"] * 6
     assert max(got["errors"]) <= TOLERANCES[torch.bfloat16]
 
+
+_UNCOMPILED_CALLS = '''
+import json, sys
+import ctxreplay
+
+model, twin = build(), build()
+handle = ctxreplay.install(model, ctxreplay.load(sys.argv[1]))
+
+def g(seed):
+    return torch.Generator().manual_seed(seed)
+
+calls = {"48 tokens": torch.rand(4, 48, 32, generator=g(1)),
+         "float64": torch.rand(4, 7, 32, generator=g(2), dtype=torch.float64)}
+
+def run(m, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        try:
+            return m(x)
+        except RuntimeError as exc:  # what eager does too, compared below
+            return f"{type(exc).__name__}: {exc}"
+
+def both(name, x):
+    got, want = run(model, x), run(twin, x)
+    return {"got": got if isinstance(got, str) else str(got.dtype),
+            "same": got == want if isinstance(want, str) else
+            isinstance(got, torch.Tensor) and torch.equal(got, want),
+            "reasons": dict(handle.stats().reasons)}
+
+out = {name: both(name, x) for name, x in calls.items()}
+for m in (model, twin):
+    m.double()
+out["float64 model"] = both("float64 model", calls["float64"])
+stats = handle.stats()
+out["hits"], out["misses"] = stats.total_hits, stats.misses
+print(json.dumps(out))
+'''
+
+
+def test_calls_the_package_was_not_compiled_for_run_eagerly(
+        compiled: tuple[Path, str]) -> None:
+    # a token count beyond the sizes compiled and a float64 input: no capture's
+    # signature, so each call runs eagerly, counted, and does what eager does
+    directory, _ = compiled
+    got = run_fresh(_UNCOMPILED_CALLS, str(directory))
+    tokens, f64, f64_model = got["48 tokens"], got["float64"], got["float64 model"]
+    assert tokens["same"] and tokens["got"] == "torch.float32"
+    assert tokens["reasons"] == {"signature": 2}  # both blocks
+    # CPU autocast leaves float64 uncast: eager's own LayerNorm refuses float32
+    # weights beside a float64 input, and the installed model raises just that
+    assert f64["same"] and f64["got"].startswith("RuntimeError: mixed dtype (CPU)")
+    assert f64["reasons"] == {"signature": 3}
+    # a float64 model takes it: eager's values, exactly
+    assert f64_model["same"] and f64_model["got"] == "torch.float64"
+    assert f64_model["reasons"] == {"signature": 5}
+    assert got["hits"] == 0 and got["misses"] == {"blocks.0": 3, "blocks.1": 2}
