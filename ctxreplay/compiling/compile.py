@@ -151,15 +151,8 @@ def _compile(cap: LoadedCapture, root: Path,
         raise NotLiftable("the call's tensors are not the inputs its graph takes")
     tensors = [t.detach() for t in tensors]
     start = time.monotonic()
-    with torch.no_grad(), cap.replay():
-        exported = lifted_export(module, tuple(state + tensors), len(state), cap.folding)
     package = root / (Path(cap.path.name).stem + PACKAGE_SUFFIX)
-    # packaged under a fresh name in the directory and renamed over the
-    # package's: a symlink planted there is replaced, never written through
-    with torch.no_grad():
-        written_inside(package, lambda tmp: torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(tmp),
-            inductor_configs=dict(configs) if configs is not None else None))
+    _package(cap, module, (state, tensors), package, configs)
     seconds = time.monotonic() - start
     device = tensors[0].device.type if tensors else state[0].device.type if state else "cpu"
     checked, outputs = _check(cap, flat, package, state, (leaves, taken), device)
@@ -174,6 +167,26 @@ def _compile(cap: LoadedCapture, root: Path,
                            tuple((shape, str(dtype).removeprefix("torch."), str(device))
                                  for shape, dtype, device in flat.state_meta),
                            _specs(flat), file_digest(root, package.name))
+
+
+def _package(cap: LoadedCapture, module: Any, inputs: tuple[list[torch.Tensor], list[torch.Tensor]],
+             package: Path, configs: Mapping[str, Any] | None) -> None:
+    """``module`` exported on ``inputs`` (the member's tensors, the call's) and
+    packaged by AOTInductor at ``package``, both inside what the capture needs
+    around it.  AOTInductor lowers the exported program to ATen ops when it
+    compiles it, and a state the capture does not carry in its graph (an
+    autocast replayed around the trace, ``replay="ambient"``) takes effect on
+    the graph only while it is in force: lowered outside it, the casts it
+    makes are never recorded, and the package computes and returns float32
+    where the capture returns bfloat16."""
+    state, tensors = inputs
+    with torch.no_grad(), cap.replay():
+        exported = lifted_export(module, tuple(state + tensors), len(state), cap.folding)
+        # packaged under a fresh name in the directory and renamed over the
+        # package's: a symlink planted there is replaced, never written through
+        written_inside(package, lambda tmp: torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(tmp),
+            inductor_configs=dict(configs) if configs is not None else None))
 
 
 def _named(o: OutputError, flat: Flat) -> str:

@@ -20,6 +20,7 @@ from metadata_check import assert_metadata_only
 
 import ctxreplay
 from ctxreplay.compiling import TOLERANCES, compile_dir
+from ctxreplay.specs.signature import TensorSpec
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +241,107 @@ def test_a_fixed_size_capture_runs_compiled_without_reading_its_program(
     assert got["read"] is False and got["hits"] == 2 and got["uncompiled"] == {}
     assert got["compiled"] == [f"{cap.label}@blocks.0", f"{cap.label}@blocks.1"]
     assert got["error"] <= TOLERANCES[torch.bfloat16]
+
+
+_BLOCKS = '''
+import json, sys
+import ctxreplay
+
+model = build()
+handle = ctxreplay.install(model, ctxreplay.load(sys.argv[1]))
+xs = [torch.rand(4, n, 32, generator=torch.Generator().manual_seed(n))
+      for n in json.loads(sys.argv[2])]
+
+def blocks():
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        return [b(x) for x in xs for b in model.blocks]
+
+got = blocks()
+stats = handle.stats()
+handle.remove()
+want = blocks()
+print(json.dumps({
+    "got": [str(g.dtype) for g in got], "want": [str(w.dtype) for w in want],
+    "errors": [float((g.float() - w.float()).abs().max() / w.float().abs().max())
+               for g, w in zip(got, want)],
+    "hits": stats.total_hits, "misses": stats.total_misses, "compiled": list(stats.compiled),
+    "uncompiled": stats.uncompiled,
+}))
+'''
+
+
+def test_autocast_replayed_around_the_trace_is_compiled_into_the_package(
+        tmp_path: Path) -> None:
+    # replay="ambient": the capture's graph holds no casts, autocast is a need
+    # around it; the package must compute in bfloat16 as the capture does
+    # (one size: such captures are not folded)
+    directory = tmp_path / "captures"
+    make_compiled(directory, sizes="7", replay="ambient")
+    (cap,) = ctxreplay.load(directory).captures
+    assert "autocast" in cap.ambient_only and cap.fidelity == "ok_with_needs"
+    assert cap.compiled is not None and cap.compiled.ok, cap.compiled
+    assert [o.dtype for o in cap.compiled.outputs] == ["bfloat16"]
+    got = run_fresh(_BLOCKS, str(directory), json.dumps([7, 7, 7]))
+    # every block call served compiled, in the dtype eager and the live call returned
+    assert got["hits"] == 6 and got["misses"] == 0 and got["uncompiled"] == {}
+    assert got["compiled"] == [f"{cap.label}@blocks.0", f"{cap.label}@blocks.1"]
+    live = cap.outputs()
+    assert isinstance(live, TensorSpec) and live.dtype == torch.bfloat16
+    assert got["got"] == got["want"] == ["torch.bfloat16"] * 6
+    assert max(got["errors"]) <= TOLERANCES[torch.bfloat16]
+
+
+_UNCOMPILED_CALLS = '''
+import json, sys
+import ctxreplay
+
+model, twin = build(), build()
+handle = ctxreplay.install(model, ctxreplay.load(sys.argv[1]))
+
+def g(seed):
+    return torch.Generator().manual_seed(seed)
+
+calls = {"48 tokens": torch.rand(4, 48, 32, generator=g(1)),
+         "float64": torch.rand(4, 7, 32, generator=g(2), dtype=torch.float64)}
+
+def run(m, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        try:
+            return m(x)
+        except RuntimeError as exc:  # what eager does too, compared below
+            return f"{type(exc).__name__}: {exc}"
+
+def both(name, x):
+    got, want = run(model, x), run(twin, x)
+    return {"got": got if isinstance(got, str) else str(got.dtype),
+            "same": got == want if isinstance(want, str) else
+            isinstance(got, torch.Tensor) and torch.equal(got, want),
+            "reasons": dict(handle.stats().reasons)}
+
+out = {name: both(name, x) for name, x in calls.items()}
+for m in (model, twin):
+    m.double()
+out["float64 model"] = both("float64 model", calls["float64"])
+stats = handle.stats()
+out["hits"], out["misses"] = stats.total_hits, stats.misses
+print(json.dumps(out))
+'''
+
+
+def test_calls_the_package_was_not_compiled_for_run_eagerly(
+        compiled: tuple[Path, str]) -> None:
+    # a token count beyond the sizes compiled and a float64 input: no capture's
+    # signature, so each call runs eagerly, counted, and does what eager does
+    directory, _ = compiled
+    got = run_fresh(_UNCOMPILED_CALLS, str(directory))
+    tokens, f64, f64_model = got["48 tokens"], got["float64"], got["float64 model"]
+    assert tokens["same"] and tokens["got"] == "torch.float32"
+    assert tokens["reasons"] == {"signature": 2}  # both blocks
+    # CPU autocast leaves float64 uncast: eager's own LayerNorm refuses float32
+    # weights beside a float64 input, and the installed model raises just that
+    assert f64["same"] and f64["got"].startswith("RuntimeError: mixed dtype (CPU)")
+    assert f64["reasons"] == {"signature": 3}
+    # a float64 model takes it: eager's values, exactly
+    assert f64_model["same"] and f64_model["got"] == "torch.float64"
+    assert f64_model["reasons"] == {"signature": 5}
+    assert got["hits"] == 0 and got["misses"] == {"blocks.0": 3, "blocks.1": 2}
