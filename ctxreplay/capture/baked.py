@@ -294,3 +294,27 @@ def _plain_object(value: Any) -> bool:
     ``SimpleNamespace``, a dataclass): no module, class, function or tensor."""
     return type(getattr(value, "__dict__", None)) is dict and not isinstance(
         value, (nn.Module, type, types.ModuleType, torch.Tensor)) and not callable(value)
+
+
+def argument_attributes(module: nn.Module) -> tuple[tuple[int, str, str], ...]:
+    """``(position, argument, attribute)`` for each Python attribute the user
+    code of ``module``'s forward reads off an argument (``x._uncond``,
+    ``getattr(x, "_uncond", False)``) that is no attribute of a tensor: a
+    pipeline may tag the tensors it passes, which no signature records."""
+    f = getattr(type(module), "forward", None)
+    if not isinstance(f, types.FunctionType) or not _user_code(f.__code__):
+        return ()
+    code = f.__code__
+    names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+    out: dict[tuple[int, str, str], None] = {}
+    ins = list(dis.get_instructions(code))
+    for k, i in enumerate(ins[:-1]):
+        if i.opname != "LOAD_FAST" or i.argval not in names:
+            continue
+        nxt, prev = ins[k + 1], ins[k - 1] if k else None
+        attr = nxt.argval if nxt.opname == "LOAD_ATTR" else \
+            nxt.argval if nxt.opname == "LOAD_CONST" and prev is not None and \
+            prev.opname == "LOAD_GLOBAL" and prev.argval in ("getattr", "hasattr") else None
+        if isinstance(attr, str) and not hasattr(torch.Tensor, attr):
+            out[(names.index(i.argval), str(i.argval), attr)] = None
+    return tuple(out)

@@ -24,9 +24,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..capture.baked import static_places
+from ..capture.baked import argument_attributes, static_places
 from ..specs.baked import Source, lookup, place_check, same_state, state_of
 
 __all__ = ["PlaceWatch", "places_of"]
@@ -39,11 +40,16 @@ class PlaceWatch:
     the last look; ``look()``: look again, counting what changed (``moved``:
     the place -> times it was seen changed)."""
 
-    __slots__ = ("check", "member", "moved", "sources", "state")
+    __slots__ = ("arguments", "check", "last", "member", "moved", "sources", "state")
 
-    def __init__(self, sources: tuple[Source, ...], member: nn.Module) -> None:
+    def __init__(self, sources: tuple[Source, ...], member: nn.Module,
+                 arguments: tuple[tuple[int, str, str], ...] = ()) -> None:
         self.sources, self.member = sources, member
         self.moved: Counter[Source] = Counter()
+        #: ``(position, argument, attribute)``: Python attributes the forward
+        #: reads off its tensor arguments, and what the last call's held
+        self.arguments = arguments
+        self.last: tuple[Any, ...] | None = None
         values = self._values()
         self.state = state_of(values)
         self.check: Any = place_check(sources, values, member)
@@ -69,6 +75,31 @@ class PlaceWatch:
         self.check = place_check(self.sources, values, self.member)
 
 
+    def tagged(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Note the Python attributes this call's tensor arguments hold where
+        the forward reads them; a change from the last call is counted."""
+        now = tuple(_attribute(args[i] if i < len(args) else kwargs.get(name, _GONE), attr)
+                    for i, name, attr in self.arguments)
+        last, self.last = self.last, now
+        if last is not None:
+            for (_, name, attr), a, b in zip(self.arguments, last, now):
+                if not same_state((a,), (b,)):
+                    self.moved[Source(name, (("attr", attr),), "value", "")] += 1
+
+    def same_tags(self, args: tuple[Any, ...]) -> bool:
+        """Whether positional ``args`` hold the last call's attributes."""
+        now = tuple(_attribute(args[i] if i < len(args) else _GONE, attr)
+                    for i, _, attr in self.arguments)
+        return self.last is not None and same_state(now, self.last)
+
+
+def _attribute(value: Any, attr: str) -> Any:
+    """A tensor's Python attribute ``attr`` (``_GONE``: none; not a tensor)."""
+    if not isinstance(value, torch.Tensor):
+        return _GONE
+    return value.__dict__.get(attr, _GONE)
+
+
 def places_of(member: nn.Module, ignore: tuple[str, ...] = ()) -> PlaceWatch | None:
     """The watch over what ``member``'s code reads (``None``: it reads no
     such place, or its code cannot be read); ``ignore``: attribute names
@@ -76,6 +107,7 @@ def places_of(member: nn.Module, ignore: tuple[str, ...] = ()) -> PlaceWatch | N
     try:
         sources = tuple(s for s in static_places(member)
                         if not any(step == "attr" and key in ignore for step, key in s.steps))
-        return PlaceWatch(sources, member) if sources else None
+        arguments = tuple(a for a in argument_attributes(member) if a[2] not in ignore)
+        return PlaceWatch(sources, member, arguments) if sources or arguments else None
     except Exception:  # code that cannot be looked at: watched by the value check only
         return None

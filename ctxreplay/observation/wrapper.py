@@ -176,6 +176,14 @@ def _both(state: Any, places: Any) -> Any:
     return check
 
 
+def _tags_too(inputs: Any, same_tags: Any) -> Any:
+    """The memo's check of the inputs, and then of the Python attributes its
+    member's forward reads off them."""
+    def check(*args: Any) -> bool:
+        return bool(inputs(*args) and same_tags(args))
+    return check
+
+
 class _Memo:
     """What a repeat of a member's last variant needs on the hot path
     (``_Member.forward``), read from one object: attribute reads of a
@@ -324,8 +332,11 @@ class _Member(Wrapper):
         mv, sampled = None, 0
         try:
             places = self.places
-            if places is not None and not places.check():
-                places.look()
+            if places is not None:
+                if not places.check():
+                    places.look()
+                if places.arguments:
+                    places.tagged(args, kwargs)
             shared = self.shared
             obs = shared.observer
             try:
@@ -451,9 +462,12 @@ class _Member(Wrapper):
                 return
         except Exception:
             return
-        if self.places is not None:  # (only a member whose code reads such state pays)
-            state = _both(state, self.places.check)
-        self.memo = _Memo(cache, state, check.check, ticks, self.training, self, mv.counter)
+        places, inputs = self.places, check.check
+        if places is not None:  # (only a member whose code reads such state pays)
+            state = _both(state, places.check)
+            if places.arguments:
+                inputs = _tags_too(inputs, places.same_tags)
+        self.memo = _Memo(cache, state, inputs, ticks, self.training, self, mv.counter)
 
     # -- the slow paths ---------------------------------------------------
     def _lookup(self, snap: ContextSnapshot, args: tuple[Any, ...],

@@ -160,3 +160,53 @@ def test_a_block_that_stores_on_one_call_and_reads_on_the_next_is_not_ok() -> No
 def test_a_cache_filled_on_the_first_call_is_no_change() -> None:
     report = _report(LazyCache, _nothing)
     assert report.ok, [m for c in report.captures for m in c.fidelity.mismatches]
+
+
+class TagBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return -y if getattr(x, "_uncond", False) else y
+
+
+class StoreFrom6(Block):
+    """From its sixth call on, adds what it stored on the call before."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.clock.n >= 5:
+            if self.stored is not None:
+                y = y + self.stored
+            self.stored = y.detach()
+        return y
+
+
+def test_a_block_that_starts_storing_at_its_sixth_call_is_not_ok() -> None:
+    report = _report(StoreFrom6, _tick)
+    assert not report.ok
+    found = {(m.field, m.path) for c in report.captures for m in c.fidelity.mismatches}
+    assert ("read_state", "stored") in found, found
+
+
+def test_a_tag_on_every_seventh_input_tensor_is_not_ok_naming_it() -> None:
+    torch.manual_seed(0)
+    model = TagBlock().eval()
+    xs = torch.randn(CALLS, 2, 8)
+    with ctxreplay.capture_with(model) as session, torch.no_grad():
+        for i in range(CALLS):
+            x = xs[i].clone()
+            if i % 7 == 3:
+                x._uncond = True  # type: ignore[attr-defined]
+            model(x)
+    report = session.finalize()
+    assert not report.ok
+    found = {(m.field, m.path) for c in report.captures for m in c.fidelity.mismatches}
+    assert ("read_state", "x._uncond") in found, found
+
+
+def test_control_untagged_inputs_are_ok() -> None:
+    torch.manual_seed(0)
+    model = TagBlock().eval()
+    with ctxreplay.capture_with(model) as session, torch.no_grad():
+        for x in torch.randn(CALLS, 2, 8):
+            model(x.clone())
+    assert session.finalize().ok
