@@ -264,3 +264,9 @@ class ProgramFields(BriefFields):
         """What each output of the graph is, in the order of its outputs:
         the call's own output or a write of state (``None``: not known)."""
         return self.meta.output_roles
+
+    @property
+    def baked(self) -> Baked | None:
+        """The places beside its arguments and weights its trace read state
+        from, each with a digest of what it held (``None``: not known)."""
+        return self.meta.baked

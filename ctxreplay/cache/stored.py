@@ -22,7 +22,7 @@ _OWN_KEYS = ("format", "flatten_out", "carried")
 
 #: program fields a record may lack: a record written before them reads them
 #: as not known (none of them is what a hit is checked against)
-_LATER_KEYS = {"output_roles"}
+_LATER_KEYS = {"output_roles", "baked"}
 
 
 @attrs.frozen

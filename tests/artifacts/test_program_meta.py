@@ -131,10 +131,11 @@ def test_the_sidecar_and_the_manifest_hold_the_captures_program_record(
     capture = report.captures[0]
     saved = report.save_all(tmp_path)
     side = ctxreplay.load_sidecar(saved.saved[0].path)
-    # the sidecar holds the brief fields and the output roles; the rest it
-    # never held reads as not known
+    # the sidecar holds the brief fields, the output roles and the state the
+    # trace baked in; the rest it never held reads as not known
     assert side.meta == ProgramMeta.from_json(
-        program_json(capture.meta, (*BRIEF_KEYS, "output_roles")))
+        program_json(capture.meta, (*BRIEF_KEYS, "output_roles", "baked")))
+    assert side.meta.baked == capture.baked is not None
     assert side.output_roles == capture.output_roles is not None
     assert (side.backend, side.binding, side.fingerprint, side.embedded, side.ambient_only) == \
         (capture.backend, capture.binding, capture.fingerprint, capture.embedded,

@@ -34,14 +34,17 @@ def test_the_json_of_a_capture_is_what_it_was_before_the_split(
     before = old_json("capture.json")
     now = json.loads(json.dumps(capture.to_json()))
     # the same keys, in the same order, and the ones added since the split
-    # (each output's role, after the graph's own outputs; in its fidelity,
-    # the calls its check stood for and those its level could not keep)
+    # (each output's role, after the graph's own outputs; the state its trace
+    # read beside its arguments, after those; in its fidelity, the calls its
+    # check stood for and those its level could not keep)
     fidelity = now["fidelity"]
     assert (fidelity.pop("calls"), fidelity.pop("not_retained")) == (capture.calls, 0)
-    added = ("output_roles",)
+    added = ("output_roles", "baked")
     assert [k for k in now if k not in added] == list(before)
     assert list(now).index("output_roles") == list(now).index("graph_outputs") + 1
+    assert list(now).index("baked") == list(now).index("output_roles") + 1
     assert now["output_roles"] == [{"kind": "output", "path": "out", "returned": True}]
+    assert now["baked"] == {"sources": [], "complete": True}  # the block reads nothing else
     varies = {"seconds", *added}
     if old_json("saved/manifest.json")["environment"]["torch"] != str(torch.__version__):
         # another torch release traces other op names, so other digests, and
