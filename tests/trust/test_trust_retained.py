@@ -34,6 +34,10 @@ CALL = 2 * (2 * DIM * 4)
 
 #: what the blocks read; no probe observes it
 SWITCH = {"gain": 1.0}
+#: the gain, read by code that has no source file: observation's watch of the
+#: globals a forward's code loads (read from its bytecode) does not see it,
+#: so only the value check of retained calls can tell the calls apart
+_gain_now = eval("lambda: SWITCH['gain']")
 
 
 class Block(nn.Module):
@@ -42,7 +46,7 @@ class Block(nn.Module):
         self.lin = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x)) * SWITCH["gain"]
+        return torch.tanh(self.lin(x)) * _gain_now()
 
 
 class Stack(nn.Module):
