@@ -18,7 +18,6 @@ from ..capture.options import ABSENT as REMOVED
 from ..capture.options import CaptureOptions, MemberCall, Unrestorable, VariantRequest
 from ..core.observer import Observer
 from ..fidelity.levels import level
-from ..specs.baked import Source
 from .copies import Entries, path_modules
 from .modules import ABSENT, CompiledEntry, before_ctxreplay
 from .targets import (
@@ -207,7 +206,8 @@ class Observation:
                                      mv.retained.calls() if mv.retained else (),
                                      tuple(sorted(m.writes)),
                                      mv.retained.missed if mv.retained else 0,
-                                     _moved(m))
+                                     tuple(sorted(mv.moved.items(),
+                                                  key=lambda p: p[0].where())))
                           for m, mv in pairs),
                     training_of(identity), identity_digest(identity) if identity else "",
                     self._state_back(scope, identity, [m for m, _ in pairs],
@@ -404,10 +404,3 @@ def _inside(member: str, qualified: str) -> bool:
     """Whether ``member`` is at or below the module ``qualified`` names."""
     return qualified == "" or member == qualified or member.startswith(qualified + ".")
 
-
-def _moved(member: _Member) -> tuple[tuple[Source, int], ...]:
-    """The places ``member``'s code reads seen changed between its calls."""
-    places = member.places
-    if places is None:
-        return ()
-    return tuple(sorted(places.moved.items(), key=lambda p: p[0].where()))

@@ -21,14 +21,14 @@ between its member's calls is not ok.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..capture.baked import argument_attributes, static_places
-from ..specs.baked import Source, lookup, place_check, same_state, state_of
+from ..specs.baked import Source, lookup, place_check, plain, same_state, state_of
+from .variants import MemberVariant
 
 __all__ = ["PlaceWatch", "places_of"]
 
@@ -37,60 +37,72 @@ _GONE = object()
 
 class PlaceWatch:
     """``check()``: whether every place the member reads holds what it did at
-    the last look; ``look()``: look again, counting what changed (``moved``:
-    the place -> times it was seen changed)."""
+    the last look (``look()``: look again).  ``against(variant, ...)`` holds
+    each call to its variant's first: what held something else then is
+    counted in the variant's ``moved`` (the place -> calls) once the call
+    returned."""
 
-    __slots__ = ("arguments", "check", "last", "member", "moved", "sources", "state")
+    __slots__ = ("arguments", "check", "last", "member", "sources", "state", "watched")
 
     def __init__(self, sources: tuple[Source, ...], member: nn.Module,
                  arguments: tuple[tuple[int, str, str], ...] = ()) -> None:
         self.sources, self.member = sources, member
-        self.moved: Counter[Source] = Counter()
         #: ``(position, argument, attribute)``: Python attributes the forward
         #: reads off its tensor arguments, and what the last call's held
         self.arguments = arguments
-        self.last: tuple[Any, ...] | None = None
-        values = self._values()
-        self.state = state_of(values)
-        self.check: Any = place_check(sources, values, member)
+        self.last: tuple[Any, ...] = ()
+        self.state: tuple[Any, ...] = ()
+        self.watched: tuple[bool, ...] = ()
+        self.check: Any = None
+        self.look()
 
-    def _values(self) -> list[Any]:
-        out = []
+    def look(self) -> None:
+        """The places looked up again, and the check made anew: of those
+        that hold a tensor or a small Python value now (one holding objects
+        -- a framework's context stack while a call is in it -- is what a
+        probe observes, not a constant of a graph: left out until it holds
+        such a value again)."""
+        values = []
         for s in self.sources:
             try:
-                out.append(lookup(s, self.member))
+                values.append(lookup(s, self.member))
             except Exception:  # a place gone (an attribute deleted): it holds nothing
-                out.append(_GONE)
+                values.append(_GONE)
+        self.state = state_of(values)
+        self.watched = tuple(_watchable(v) for v in values)
+        pairs = [(s, v) for s, v, w in zip(self.sources, values, self.watched) if w]
+        self.check = place_check(tuple(s for s, _ in pairs), [v for _, v in pairs],
+                                 self.member)
+
+    def against(self, variant: MemberVariant, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> list[Source]:
+        """The places and argument attributes of this call that hold
+        something else than at ``variant``'s first call (the first call: they
+        become its own), for the caller to count once the call returned."""
+        tags = self.last = self._tags(args, kwargs)
+        now = (self.state, self.watched, tags)
+        first = variant.places
+        if first is None:
+            variant.places = now
+            return []
+        out = [s for s, a, b, w, v in zip(self.sources, first[0], now[0], first[1], now[1])
+               if w and v and not same_state((a,), (b,))]
+        out += [Source(name, (("attr", attr),), "value", "")
+                for (_, name, attr), a, b in zip(self.arguments, first[2], tags)
+                if not same_state((a,), (b,))]
         return out
 
-    def look(self, count: bool = True) -> None:
-        """Look again; ``count``: count the places that changed (not after a
-        variant's first call, which may fill a lazy cache once)."""
-        values = self._values()
-        state = state_of(values)
-        for s, before, now in zip(self.sources, self.state, state):
-            if count and not same_state((before,), (now,)):
-                self.moved[s] += 1
-        self.state = state
-        self.check = place_check(self.sources, values, self.member)
-
-
-    def tagged(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Note the Python attributes this call's tensor arguments hold where
-        the forward reads them; a change from the last call is counted."""
-        now = tuple(_attribute(args[i] if i < len(args) else kwargs.get(name, _GONE), attr)
-                    for i, name, attr in self.arguments)
-        last, self.last = self.last, now
-        if last is not None:
-            for (_, name, attr), a, b in zip(self.arguments, last, now):
-                if not same_state((a,), (b,)):
-                    self.moved[Source(name, (("attr", attr),), "value", "")] += 1
+    def _tags(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(_attribute(args[i] if i < len(args) else kwargs.get(name, _GONE), attr)
+                     for i, name, attr in self.arguments)
 
     def same_tags(self, args: tuple[Any, ...]) -> bool:
         """Whether positional ``args`` hold the last call's attributes."""
-        now = tuple(_attribute(args[i] if i < len(args) else _GONE, attr)
-                    for i, _, attr in self.arguments)
-        return self.last is not None and same_state(now, self.last)
+        return same_state(self._tags(args, {}), self.last)
+
+
+def _watchable(value: Any) -> bool:
+    return value is _GONE or isinstance(value, torch.Tensor) or plain(value)
 
 
 def _attribute(value: Any, attr: str) -> Any:

@@ -4,6 +4,7 @@ group members of one structure."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from ..core.snapshots import ContextSnapshot
+from ..specs.baked import Source
 from ..specs.signature import CallSpec, Spec
 from .retained import Kept, Pool
 
@@ -56,6 +58,11 @@ class MemberVariant:
     #: calls counted that raised in the user's forward (the caller handled
     #: it): never calls to reproduce, so ``calls`` leaves them out
     raised: int = 0
+    #: what the places its member's code reads held at its first call, and
+    #: the places later calls found holding something else, per calls
+    #: (``places.PlaceWatch.against``)
+    places: tuple[Any, ...] | None = None
+    moved: Counter[Source] = attrs.field(factory=Counter)
 
     @property
     def calls(self) -> int:

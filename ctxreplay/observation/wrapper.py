@@ -330,13 +330,11 @@ class _Member(Wrapper):
         failed: BaseException | None = None
         real = True
         mv, sampled = None, 0
+        moved: list[Any] = []
         try:
             places = self.places
-            if places is not None:
-                if not places.check():
-                    places.look()
-                if places.arguments:
-                    places.tagged(args, kwargs)
+            if places is not None and not places.check():
+                places.look()
             shared = self.shared
             obs = shared.observer
             try:
@@ -348,6 +346,8 @@ class _Member(Wrapper):
             if not shared.active and obs.forward_changed():
                 snap = obs.refresh()  # called outside the model: check those flags here
             mv, sampled = self._lookup(snap, args, kwargs)
+            if places is not None and mv is not None:
+                moved = places.against(mv, args, kwargs)
         except TransformedError:  # a live call under vmap / grad: it ran, unobserved
             real = False
             with self.shared.lock:
@@ -365,9 +365,11 @@ class _Member(Wrapper):
         if not real:
             return self.orig(*args, **kwargs)
         if mv is not None:
-            if next(mv.counter) == 1:
-                return self._second(mv, args, kwargs, sampled)
-            return self._counted(mv, args, kwargs, sampled)
+            out = self._second(mv, args, kwargs, sampled) if next(mv.counter) == 1 \
+                else self._counted(mv, args, kwargs, sampled)
+            if moved:  # (a call that raised is no call to reproduce: it counts nothing)
+                mv.moved.update(moved)
+            return out
         return self._first(snap, args, kwargs)
 
     def _counted(self, mv: MemberVariant, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -519,9 +521,11 @@ class _Member(Wrapper):
             self._raised(mv.counter)
             raise
         places = self.places
-        if places is not None and not places.check():
-            try:  # what a variant's first call fills (a lazy cache) is no change between calls
-                places.look(count=False)
+        if places is not None:
+            try:  # what a variant's first call fills (a lazy cache) is its own state
+                if not places.check():
+                    places.look()
+                mv.moved.update(places.against(mv, args, kwargs))
             except Exception:  # observation must never disturb the forward
                 self.places = None
         try:
