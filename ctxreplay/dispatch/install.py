@@ -465,8 +465,9 @@ class InstallHandle:
         """Calls of the model in progress."""
         self.removed = False
         """Whether ``remove()`` has run."""
-        #: ``label@member`` -> the last place whose baked-in state differed
         self.stale: dict[str, str] = {}
+        """``label@member`` -> the last place whose state differed from what
+        that capture's program baked in (``DispatchStats.stale``)."""
 
     def _attach(self, modules: dict[str, nn.Module]) -> None:
         """A slot per member, wrapped around its forward, with what watches

@@ -32,12 +32,12 @@ from torch import nn
 from .._base import codegen
 from .._base.jsonread import read_list, read_mapping, read_str
 
-__all__ = ["KINDS", "Baked", "Source", "digest", "frozen", "lookup", "place_check", "plain",
+__all__ = ["Baked", "Source", "digest", "frozen", "lookup", "place_check", "plain",
            "same_state", "state_of", "version"]
 
 #: what a source holds: a tensor (its identity and version are guarded, its
 #: values digested) or a small Python value (compared by value)
-KINDS = ("tensor", "value")
+_KINDS = ("tensor", "value")
 
 #: a value larger than this many items is not a small Python value
 _MAX_ITEMS = 64
@@ -60,7 +60,7 @@ class Source:
 
     base: str
     steps: tuple[Step, ...] = attrs.field(converter=_steps)
-    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    kind: str = attrs.field(validator=attrs.validators.in_(_KINDS))
     digest: str
     global_: bool = False
 
@@ -90,7 +90,7 @@ class Source:
         if not isinstance(glob, bool):
             raise ValueError(f"{path}.global: expected true or false, got {glob!r}")
         return cls(read_str(doc["base"], f"{path}.base", max_len=4096), tuple(steps),
-                   read_str(doc["kind"], f"{path}.kind", choices=set(KINDS)),
+                   read_str(doc["kind"], f"{path}.kind", choices=set(_KINDS)),
                    read_str(doc["digest"], f"{path}.digest", max_len=128), glob)
 
 
