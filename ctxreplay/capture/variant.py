@@ -46,8 +46,8 @@ from .results import Capture, capture_of
 from .roles import output_roles
 from .trace import TracePlan, trace
 
-__all__ = ["Ask", "CaptureFailed", "Kin", "Source", "Tick", "Tracing", "capture_variant",
-           "recapture"]
+__all__ = ["READ_FIELD", "Ask", "CaptureFailed", "Kin", "Source", "Tick", "Tracing",
+           "capture_variant", "recapture"]
 
 
 def capture_variant(ask: Ask, tracing: Tracing) -> Capture:

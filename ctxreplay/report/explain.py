@@ -7,7 +7,9 @@ ops and their dtypes.  A capture whose context can no longer be replayed
 (its live states were released by ``finalize()``) is reported
 ``unavailable`` -- never blamed on a probe.  Beside the probes, a capture
 checked by value shows how many of its calls were compared, and how many
-its level meant to compare the ``retain_bytes`` budget did not keep.
+its level meant to compare the ``retain_bytes`` budget did not keep; the
+places its program baked in (which an installed model checks per call) and
+those whose state changed between its members' calls.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from .._base.jsonread import read_int, read_list, read_mapping, read_str
 from ..backends import Backend, UnknownBackendError, get_backend
 from ..capture.options import CaptureOptions
 from ..capture.results import Capture
-from ..capture.variant import CaptureFailed, recapture
+from ..capture.variant import READ_FIELD, CaptureFailed, recapture
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.verify import is_neutral
+from ..specs.baked import Baked
 from ..specs.signature import Spec, TensorSpec, flatten_spec
 
 __all__ = ["EFFECT_REASONS", "STATUSES", "CaptureExplanation", "Explanation", "ProbeEffect",
@@ -147,6 +150,12 @@ class CaptureExplanation:
     not_retained: int = 0
     """Calls its level meant to compare by value that ``retain_bytes`` did not keep
     (``Fidelity.not_retained``): more than 0, the capture is not ok."""
+    guarded: tuple[str, ...] = ()
+    """The places beside its arguments and weights its program baked in
+    (``Capture.baked``), which an installed model checks on every call."""
+    changed: tuple[str, ...] = ()
+    """The places its members' code reads that held something else on some
+    of their calls (``read_state`` mismatches): the capture is not ok."""
 
     @property
     def by_value(self) -> str | None:
@@ -236,7 +245,8 @@ class Explanation:
                                                    max_len=4096),
                                           read_int(cap.get("variant"), f"{where}.variant", lo=0),
                                           effects, *_read_counts(cap.get("fidelity"),
-                                                                 f"{where}.fidelity")))
+                                                                 f"{where}.fidelity"),
+                                          *_read_places(cap, where)))
         return cls(tuple(out))
 
 
@@ -249,6 +259,31 @@ def _read_counts(value: object, path: str) -> tuple[int, int, int]:
     by_value, calls, lost = (read_int(doc.get(k, 0), f"{path}.{k}", lo=0)
                              for k in ("by_value", "calls", "not_retained"))
     return by_value, calls, lost
+
+
+def _places(capture: Capture) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(guarded, changed)``: the places its program baked in, and those
+    whose state changed between its members' calls."""
+    baked = capture.baked
+    guarded = () if baked is None else tuple(s.where() for s in baked.sources)
+    changed = tuple(dict.fromkeys(m.path for m in capture.fidelity.mismatches
+                                  if m.field == READ_FIELD))
+    return guarded, changed
+
+
+def _read_places(cap: Mapping[str, Any], where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``_places`` of a capture's document (empty where an older one lacks them)."""
+    baked = cap.get("baked")
+    guarded = () if baked is None else tuple(
+        s.where() for s in Baked.from_json(baked, f"{where}.baked").sources)
+    fid = cap.get("fidelity")
+    mismatches = [] if not isinstance(fid, Mapping) else \
+        read_list(fid.get("mismatches", []), f"{where}.fidelity.mismatches")
+    changed = tuple(dict.fromkeys(
+        read_str(m.get("path"), f"{where}.fidelity.mismatches[{i}].path", max_len=4096)
+        for i, m in enumerate(mismatches)
+        if isinstance(m, Mapping) and m.get("field") == READ_FIELD))
+    return guarded, changed
 
 
 #: the statuses of probes that changed nothing in the graph
@@ -266,6 +301,12 @@ def _capture_rows(c: CaptureExplanation, state_width: int) -> list[tuple[str, st
         rows.append((label, f"{len(quiet)} others", "-", _quiet_effect(quiet, state_width)))
     if c.by_value is not None:
         rows.append((label, "by value", "-", c.by_value))
+    if c.changed:
+        rows.append((label, "read state", "-", f"changed between calls: {', '.join(c.changed)}"
+                     " (the graph holds one value): not ok"))
+    if c.guarded:
+        rows.append((label, "baked in", "-", f"{', '.join(c.guarded)}: checked on every "
+                     "installed call; one that differs runs eagerly (baked_state)"))
     return rows
 
 
@@ -411,7 +452,7 @@ def explain_capture(capture: Capture, module: nn.Module, options: CaptureOptions
                                    live if outs != live else (), constants=constants))
     fid = capture.fidelity
     return CaptureExplanation(capture.scope, capture.variant, tuple(effects), fid.by_value,
-                              fid.calls, fid.not_retained)
+                              fid.calls, fid.not_retained, *_places(capture))
 
 
 def explain_captures(captures: Iterable[Capture],
@@ -427,7 +468,7 @@ def explain_captures(captures: Iterable[Capture],
                             for n, d in c.snapshot.describe().items())
             fid = c.fidelity
             out.append(CaptureExplanation(c.scope, c.variant, effects, fid.by_value,
-                                          fid.calls, fid.not_retained))
+                                          fid.calls, fid.not_retained, *_places(c)))
             continue
         out.append(explain_capture(c, module, options,
                                    backend=_backend_for(c, options, reuse_backend),

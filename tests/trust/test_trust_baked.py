@@ -198,3 +198,12 @@ def test_a_saved_capture_is_guarded_where_it_is_loaded(tmp_path: Path) -> None:
     assert served == 3
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert stats.stale == {f"{report.captures[0].scope}#0@blocks.2": "temb"}, stats.stale
+
+
+def test_explain_names_the_places_an_installed_model_checks() -> None:
+    model, report, _ = _captured()
+    text = str(report.explain(model))
+    row = next(line for line in text.splitlines() if "baked in" in line)
+    for place in ("cfg", "cmode", "temb", "root[0].t_scale", "shared[0].weight",
+                  "global baked_knobs.MODE"):
+        assert place in row, text

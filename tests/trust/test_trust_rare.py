@@ -214,3 +214,11 @@ def test_control_untagged_inputs_are_ok() -> None:
         for x in torch.randn(CALLS, 2, 8):
             model(x.clone())
     assert session.finalize().ok
+
+
+def test_explain_names_the_place_that_changed() -> None:
+    report = _report(DictBlock, _flip_dict)
+    text = str(report.explain(Stack(DictBlock)))
+    assert any("read state" in line and "cfg" in line for line in text.splitlines()), text
+    control = str(_report(DictBlock, _nothing).explain(Stack(DictBlock)))
+    assert "read state" not in control
