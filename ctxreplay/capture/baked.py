@@ -12,9 +12,12 @@ the places a program's constants came from (``specs.baked.Source``):
 * a small Python value or tensor a module global holds (``MODE``,
   ``knobs.MODE``), loaded by the ``forward`` of a module the trace read
   from, by a method it read, or by a function those load from their
-  globals -- code outside torch, ctxreplay and the standard library, read
+  globals -- the user's own code (not torch, ctxreplay, the standard
+  library or an installed package), read
   from its bytecode (a global on a path the trace did not take is guarded
-  too: a change there runs calls eagerly, never wrongly).
+  too: a change there runs calls eagerly, never wrongly).  Code of installed
+  packages (transformers, diffusers) is not scanned: its globals are its
+  own settings.
 
 A submodule's own plain attributes that cannot change in place (numbers,
 strings, tuples) are left out: they are part of its identity, which
@@ -131,16 +134,23 @@ def _digestible(t: torch.Tensor) -> bool:
 def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-            paths["stdlib"], paths["platstdlib"]}
+            paths["stdlib"]}
     return tuple(os.path.join(d, "") for d in dirs)
 
 
 _LIBRARY = _library_dirs()
+#: installed packages (a venv's ``platstdlib`` holds its site-packages; a
+#: system Python's does not): what is scanned must not depend on which
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
 def _user_code(code: types.CodeType) -> bool:
+    """Code of the user's own files: not generated (``<string>``), not
+    torch's, ctxreplay's, the standard library's or an installed package's
+    (their module globals are settings of theirs, not a pipeline's state)."""
     f = code.co_filename
-    return not f.startswith("<") and not f.startswith(_LIBRARY)
+    return not f.startswith("<") and not f.startswith(_LIBRARY) and \
+        not any(part in f for part in _INSTALLED)
 
 
 def _globals(functions: list[types.FunctionType]) -> Iterator[Source]:
