@@ -18,6 +18,7 @@ from torch import nn
 
 from ..capture.options import Unrestorable
 from ..capture.sharded import is_fsdp_key
+from ..specs.baked import SCALARS
 from .copies import callees, is_ours
 
 # torch's lazy modules hold these until their first forward
@@ -58,8 +59,7 @@ def structure_key(module: nn.Module) -> tuple[Any, ...]:
 _INTERNALS = frozenset(nn.Module().__dict__) | {
     "forward", "training", "_compiled_call_impl", "_is_torch_compile",
     "__prepare_scriptable__", "__deepcopy__", "__reduce_ex__"}  # (``copies.ENTRIES``)
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
-          torch.layout, torch.memory_format)
+_PLAIN = SCALARS
 _SKIP = object()
 _MAX_ITEMS = 256
 

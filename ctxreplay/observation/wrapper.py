@@ -330,7 +330,7 @@ class _Member(Wrapper):
         failed: BaseException | None = None
         real = True
         mv, sampled = None, 0
-        moved: list[Any] = []
+        moved: list[Any] | tuple[()] = ()
         try:
             places = self.places
             if places is not None and not places.check():

@@ -32,7 +32,7 @@ from torch import nn
 from .._base import codegen
 from .._base.jsonread import read_list, read_mapping, read_str
 
-__all__ = ["Baked", "Source", "digest", "frozen", "lookup", "place_check", "plain",
+__all__ = ["SCALARS", "Baked", "Source", "digest", "frozen", "lookup", "place_check", "plain",
            "same_state", "state_of", "version"]
 
 #: what a source holds: a tensor (its identity and version are guarded, its
@@ -118,8 +118,8 @@ class Baked:
 
 
 def lookup(source: Source, member: nn.Module) -> Any:
-    """The value at ``source`` now, from ``member`` (raises ``LookupError`` or
-    ``AttributeError`` where the place no longer exists)."""
+    """The value at ``source`` now, from ``member`` (raises ``LookupError``,
+    ``KeyError`` or ``AttributeError`` where the place no longer exists)."""
     if source.global_:
         obj: Any = sys.modules.get(source.base, _MISSING)
         if obj is _MISSING:
@@ -127,12 +127,13 @@ def lookup(source: Source, member: nn.Module) -> Any:
     else:
         obj = member.get_submodule(source.base) if source.base else member
     for step, key in source.steps:
-        obj = getattr(obj, key) if step == "attr" else obj[key]  # type: ignore[arg-type]
+        obj = _step("", obj, step, key, "")[1]
     return obj
 
 
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
-            torch.memory_format, torch.layout, enum.Enum)
+#: the scalar types a plain value is made of (enums beside them)
+SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+           torch.layout, torch.memory_format)
 
 
 def plain(value: Any, budget: list[int] | None = None) -> bool:
@@ -143,7 +144,7 @@ def plain(value: Any, budget: list[int] | None = None) -> bool:
     budget[0] -= 1
     if budget[0] < 0:
         return False
-    if isinstance(value, _SCALARS):
+    if isinstance(value, (*SCALARS, enum.Enum)):
         return True
     if type(value) in (tuple, list, set, frozenset, torch.Size):
         return all(plain(v, budget) for v in value)
