@@ -58,6 +58,7 @@ from .isolating import entered, isolating
 from .offload import weight_hooks
 from .pystate import reach
 from .sharded import fsdp_owners, fsdp_states, gathered, is_fsdp, is_fsdp_key, original_class
+from .stephooks import inner_seat
 
 __all__ = ["HookedWeights", "NotIsolable", "forward_alone", "isolated"]
 
@@ -77,6 +78,10 @@ def isolated(module: nn.Module, training: Iterable[tuple[str, bool]] = ()
     # them, so the view's runs write the user's, and each slot goes back
     kept = reach(module)
     view = _copy(module)  # raises NotIsolable: never run on the user's module
+    if inner_seat(module) is not None:
+        # observed beneath its step cache's hooks: the view runs its own
+        # forward, never a copy of the hooks (their decisions are Python)
+        view.__dict__.pop("forward", None)
     _set_training(view, training)
     silence_view(view)  # no user hook runs in a capture or check (``hookfree``)
     try:

@@ -216,7 +216,7 @@ class _Slot(Wrapper):
 
     def __init__(self, handle: InstallHandle, name: str, module: nn.Module,
                  programs: Programs) -> None:
-        super().__init__(module)
+        super().__init__(module, beneath=True)  # a step cache decides whether it runs
         self.handle, self.name = handle, name
         #: the programs of the handle's captures, bound per member
         self.programs = programs

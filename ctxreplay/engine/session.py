@@ -23,7 +23,7 @@ from ..distributed.exchange import Alone, Exchange, RankGroup, active_group
 from ..errors import Error
 from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
 from ..observation.attach import Observation
-from ..observation.targets import resolve_targets
+from ..observation.targets import beneath_step_caches, resolve_targets
 from ..observation.variants import Scope, VariantView
 from ..report.capture_report import CaptureReport, FidelityError
 from .pipeline import Finalizing, ProgressCallback, run_finalize
@@ -54,8 +54,9 @@ class CaptureSession:
         self.options = options
         """Every setting of the session, validated (``capture_with``'s arguments)."""
         self._observer = Observer(options.probes, per_call=options.watch == "call")
-        self._observation = Observation(
-            module, resolve_targets(module, targets), observer=self._observer, options=options)
+        members, inside = beneath_step_caches(resolve_targets(module, targets))
+        self._observation = Observation(module, members, observer=self._observer,
+                                        options=options, step_cache_inside=inside)
         self._state = "open"
         self._job = Finalizing(self._observation, self._observer, options)
         self._report: CaptureReport | None = None

@@ -16,6 +16,7 @@ from ..capture.fold import folds
 from ..capture.isolating import unwatch, watch
 from ..capture.options import ABSENT as REMOVED
 from ..capture.options import CaptureOptions, MemberCall, Unrestorable, VariantRequest
+from ..capture.stephooks import step_hooks
 from ..core.observer import Observer
 from ..fidelity.levels import level
 from .copies import Entries, path_modules
@@ -62,8 +63,12 @@ class Observation:
     """Every member of one session, attached; ``detach()`` restores exactly."""
 
     def __init__(self, root: nn.Module, targets: list[tuple[str, nn.Module]], *,
-                 observer: Observer, options: CaptureOptions) -> None:
+                 observer: Observer, options: CaptureOptions,
+                 step_cache_inside: tuple[str, ...] = ()) -> None:
         checks = level(options.verify)
+        #: targets replaced by the step-cache-hooked submodules below them
+        #: (``targets.beneath_step_caches``)
+        self.step_cache_inside = step_cache_inside
         # calls are kept only at a level that checks values (sampled: chosen before each call)
         self.shared = _Shared(observer, max_variants=options.max_variants,
                               profile=options.profile_ranges,
@@ -101,6 +106,10 @@ class Observation:
             scope.member_states.append(member)
             wrap(member)
             self.members.append(member)
+        #: members observed beneath a diffusers step cache's hooks, as
+        #: ``"name (hook class, ...)"``
+        self.beneath = [f"{m.name or m.scope.name} ({', '.join(step_hooks(m.module))})"
+                        for m in self.members if m.beneath]
         # assignments to attributes of the members' trees drop their memos
         self.setattr_watch = AssignmentWatch()
         for member in self.members:
@@ -145,9 +154,9 @@ class Observation:
             # unchecked, so a member's calls may have gone unobserved
             during = True
         for i, m in enumerate(list(self.members)):
-            current = m.module.__dict__.get("forward", ABSENT)
-            if reaches(current, m):
+            if m.reached():
                 continue
+            current = m.current()
             calls = sum(mv.calls for _, mv in m.all_variants())
             if _same_forward(m.module, m.user_forward(), current):
                 calls = 0  # what they ran is what capture traces
@@ -367,7 +376,7 @@ def _successor(old: _Member) -> _Member:
     new = _Member(old.module, old.name, old.scope, old.shared, old.ignore)
     # its own: the wrapper's, and the identity (the forward is part of it),
     # so the calls from now on are variants of their own
-    keep = {"module", "orig", "prev", "off", "key", "memo", "__weakref__", "identity",
+    keep = {"module", "orig", "prev", "off", "key", "memo", "seat", "__weakref__", "identity",
             "identity_value", "table", "training", "lazy"}
     for cls in type(old).__mro__:
         for slot in getattr(cls, "__slots__", ()):

@@ -18,14 +18,16 @@ from torch import nn
 
 from ..capture.options import Unrestorable
 from ..capture.sharded import is_fsdp_key
+from ..capture.stephooks import below, inner_seat
 from ..specs.baked import SCALARS
 from .copies import callees, is_ours
 
 # torch's lazy modules hold these until their first forward
 _Uninitialized: type = getattr(nn.parameter, "UninitializedTensorMixin", type(None))
 
-__all__ = ["changed_attributes", "describe_identity_change", "held_objects", "identity_digest",
-           "identity_of", "resolve_targets", "state_of", "structure_key", "training_of"]
+__all__ = ["beneath_step_caches", "changed_attributes", "describe_identity_change",
+           "held_objects", "identity_digest", "identity_of", "resolve_targets", "state_of",
+           "structure_key", "training_of"]
 
 #: an object's address in a repr: never part of what is compared across processes
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -139,6 +141,8 @@ def _own_forward(module: nn.Module) -> tuple[str, ...] | None:
     skipped), by name; ``None`` for the class's own ``forward``.  Members
     whose forwards differ (one a user or a tool set anew) trace to
     different graphs."""
+    if inner_seat(module) is not None:
+        return None  # observed beneath a step cache's hooks: its class's forward runs there
     fn: Any = module.__dict__.get("forward")
     ours = next((f for f in callees(fn) if is_ours(f)), None)
     if ours is not None:  # ours, or another tool's wrapper on top of ours: the
@@ -288,6 +292,27 @@ def resolve_targets(root: nn.Module, targets: object) -> list[tuple[str, nn.Modu
     module reachable under several names is selected once, under the first
     name the targets chose."""
     return _unique(_resolve(root, targets))
+
+
+def beneath_step_caches(pairs: list[tuple[str, nn.Module]]
+                        ) -> tuple[list[tuple[str, nn.Module]], tuple[str, ...]]:
+    """``pairs`` with each module that holds diffusers step-cache hooks
+    below its own level replaced by the hooked submodules (``stephooks.below``):
+    captured whole, the hooks' per-step decisions would be frozen into its
+    graph; beneath them they stay Python.  Also returns what was replaced,
+    as ``"name: hooked path, ..."`` (the rest of such a module runs eagerly)."""
+    out: list[tuple[str, nn.Module]] = []
+    replaced: list[str] = []
+    for name, mod in pairs:
+        inner = below(mod)
+        if not inner:
+            out.append((name, mod))
+            continue
+        paths = [f"{name}.{p}" if name else p for p, _ in inner]
+        out += zip(paths, (m for _, m in inner))
+        replaced.append(f"{name or type(mod).__name__}: {', '.join(paths[:4])}"
+                        + (f" and {len(paths) - 4} more" if len(paths) > 4 else ""))
+    return _unique(out), tuple(replaced)
 
 
 def _unique(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

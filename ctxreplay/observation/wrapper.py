@@ -251,7 +251,7 @@ class _Member(Wrapper):
 
     def __init__(self, module: nn.Module, name: str, scope: Scope, shared: _Shared,
                  ignore: tuple[str, ...]) -> None:
-        super().__init__(module)
+        super().__init__(module, beneath=True)  # a step cache decides whether it runs
         self.name = name
         self.scope = scope
         self.shared = shared

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
+from ..capture.stephooks import inner_seat
 from .copies import callees, signed
 from .modules import ABSENT, Holder
 
@@ -40,6 +41,8 @@ _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tenso
 #: until it stops
 _ORIGS: dict[int, Callable[..., Any]] = {}
 _KEYS = itertools.count()
+#: the seat of a wrapper let go of: it holds no module or reference of one
+_NOWHERE = types.SimpleNamespace()
 
 
 class Wrapper(Holder):
@@ -54,22 +57,47 @@ class Wrapper(Holder):
     (``self.off``) inside a ``torch.cond`` branch fails the user's forward
     ("attempted to jump with GetAttrVariable(..., off)")."""
 
-    FIELDS = ("key", "module", "off", "orig", "prev")
+    FIELDS = ("key", "module", "off", "orig", "prev", "seat")
     key: int
     module: nn.Module
     off: bool
     orig: Callable[..., Any]
+    #: ``(owner, attribute)`` holding the wrapper: the module's ``forward``,
+    #: or, beneath a diffusers step cache's hooks, the function reference
+    #: they call the module's own forward through (``stephooks``)
+    seat: tuple[Any, str]
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, beneath: bool = False) -> None:
         self.module = module
-        self.prev = module.__dict__.get("forward", ABSENT)
-        self.orig = module.forward
+        inner = inner_seat(module) if beneath else None
+        self.seat = (module, "forward") if inner is None else inner
+        self.prev = self.current()
+        self.orig = module.forward if inner is None else getattr(*inner)
         self.off = False
         self.key = next(_KEYS)
         _ORIGS[self.key] = self.orig
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
+
+    def current(self) -> Any:
+        """What the seat holds now (``ABSENT``: nothing)."""
+        owner, name = self.seat
+        return owner.__dict__.get(name, ABSENT)
+
+    @property
+    def beneath(self) -> bool:
+        """Whether the wrapper sits beneath a step cache's hooks."""
+        return self.seat[0] is not self.module
+
+    def reached(self) -> bool:
+        """Whether calling the module still goes through this wrapper: its
+        seat still holds it (or a chain another tool set on top of it), or,
+        beneath step-cache hooks diffusers has since removed, the module's
+        ``forward`` does (removing a hook puts what it called there)."""
+        if reaches(self.current(), self):
+            return True
+        return self.beneath and reaches(self.module.__dict__.get("forward", ABSENT), self)
 
     def traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``orig`` called where Dynamo traces the wrapper.  Torch 2.7's
@@ -92,7 +120,8 @@ def wrap(wrapper: Wrapper) -> None:
     """Set ``wrapper``'s ``forward`` on its module.  It keeps the signature
     of what it wraps (``torch.jit.trace`` names inputs by it; frameworks
     read it for keyword arguments)."""
-    wrapper.module.forward = signed(wrapper, type(wrapper).forward, wrapper.orig)
+    owner, name = wrapper.seat
+    setattr(owner, name, signed(wrapper, type(wrapper).forward, wrapper.orig))
 
 
 def unwrap(wrappers: Sequence[Wrapper]) -> list[Wrapper]:
@@ -103,17 +132,26 @@ def unwrap(wrappers: Sequence[Wrapper]) -> list[Wrapper]:
     left = []
     for w in reversed(wrappers):
         w.stop()
-        module = w.module
-        current = module.__dict__.get("forward")
-        if isinstance(current, types.MethodType) and current.__self__ is w:
-            prev = _unwound(w.prev)
-            if prev is ABSENT:
-                del module.forward
-            else:
-                module.forward = prev
-        else:
+        put = _put_back(w, *w.seat)
+        if w.beneath:  # diffusers, removing a hook, put what it called on the module
+            put = _put_back(w, w.module, "forward") or put
+        if not put:
             left.append(w)
     return left
+
+
+def _put_back(w: Wrapper, owner: Any, name: str) -> bool:
+    """What ``w``'s seat held before, back on ``owner.name`` where that
+    still holds ``w``; whether it did."""
+    current = owner.__dict__.get(name)
+    if not (isinstance(current, types.MethodType) and current.__self__ is w):
+        return False
+    prev = _unwound(w.prev)
+    if prev is ABSENT:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, prev)
+    return True
 
 
 def _unwound(fn: Any) -> Any:
@@ -137,6 +175,7 @@ def let_go(wrappers: Iterable[Wrapper], left: Iterable[Wrapper]) -> None:
     for w in wrappers:
         orig, module = w.orig, w.module
         w.module = None  # type: ignore[assignment]
+        w.seat = (_NOWHERE, "forward")
         if id(w) not in still:
             w.orig = None  # type: ignore[assignment]
         elif isinstance(orig, types.MethodType) and orig.__self__ is module:

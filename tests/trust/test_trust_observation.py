@@ -38,6 +38,7 @@ from trust_oracle import record, unreproduced
 import ctxreplay
 import ctxreplay.observation.attach as attach_module
 import ctxreplay.observation.wrapper as wrapper_module
+import ctxreplay.observation.wrapping as wrapping_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -201,6 +202,7 @@ def test_a_tool_wrapping_on_top_of_ours_is_neither_lost_nor_counted_twice(
     # the oracle sees it: taking every chain for a forward set anew says the
     # calls were lost, though each one was observed
     monkeypatch.setattr(attach_module, "reaches", lambda fn, wrapper: False)
+    monkeypatch.setattr(wrapping_module, "reaches", lambda fn, wrapper: False)
     naive, _ = _chained_session(Net())
     assert not naive.ok and _lost(naive).calls > 0
 
