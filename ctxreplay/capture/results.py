@@ -589,6 +589,14 @@ NOTICES = {
                                "session observed them, so the blocks inside were observed and "
                                "captured; they run compiled again once it closes (a profile "
                                "taken inside the session times the uncompiled code)",
+    "step_cache_beneath": "these members carry a diffusers step cache's hooks (named after "
+                          "each): they were observed and captured beneath them, so the hooks "
+                          "stay Python and decide each step; the steps they compute run the "
+                          "captured program, the steps they reuse run no block at all",
+    "step_cache_inside": "these targets hold a diffusers step cache's hooks below their own "
+                         "level: captured whole, the hooks' per-step decisions would be frozen "
+                         "into the graph, so the hooked submodules named were captured beneath "
+                         "their hooks instead, and the rest of each target runs eagerly",
 }
 
 

@@ -78,6 +78,12 @@ def coverage(obs: Observation, requests: Sequence[VariantRequest],
                                 sum(r.calls for r in requests)))
     for scope, member_name, raised in obs.raised_members():
         notices.append(Notice("call_raised", scope.name, None, raised, (member_name,)))
+    beneath = obs.beneath
+    if beneath:
+        notices.append(Notice("step_cache_beneath", None, None, len(beneath), tuple(beneath)))
+    if obs.step_cache_inside:
+        notices.append(Notice("step_cache_inside", None, None, len(obs.step_cache_inside),
+                              obs.step_cache_inside))
     notices += _too_fine(captures, requests, obs)
     return tuple(problems), tuple(notices)
 

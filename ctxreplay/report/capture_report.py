@@ -76,7 +76,9 @@ class CaptureReport:
         their calls (the first mismatch named), the failures and the
         problems, counted."""
         if self.ok:
-            return f"ok: {len(self.captures)} captures"
+            said = f" (notices: {', '.join(n.reason for n in self.notices)})" \
+                if self.notices else ""
+            return f"ok: {len(self.captures)} captures{said}"
         parts = []
         bad = [c for c in self.captures if not c.fidelity.ok]
         if bad:
@@ -169,7 +171,7 @@ class CaptureReport:
             before = self._explanations.get((ce.scope, ce.variant))
             unavailable = any(e.status == "unavailable" for e in ce.effects)
             kept.append(before if before is not None and unavailable else ce)
-        result = Explanation(tuple(kept))
+        result = Explanation(tuple(kept), self.notices)
         self._keep(result)
         return result
 

@@ -25,7 +25,7 @@ from torch import nn
 from .._base.jsonread import read_int, read_list, read_mapping, read_str
 from ..backends import Backend, UnknownBackendError, get_backend
 from ..capture.options import CaptureOptions
-from ..capture.results import Capture
+from ..capture.results import Capture, Notice
 from ..capture.variant import READ_FIELD, CaptureFailed, recapture
 from ..core.snapshots import ContextSnapshot
 from ..fidelity.verify import is_neutral
@@ -189,6 +189,8 @@ class Explanation:
 
     captures: tuple[CaptureExplanation, ...]
     """One explanation per capture, in report order."""
+    notices: tuple[Notice, ...] = ()
+    """The report's notices (what was served and how), listed under the table."""
 
     def __getitem__(self, key: tuple[str, int]) -> CaptureExplanation:
         for c in self.captures:
@@ -217,6 +219,9 @@ class Explanation:
             lines += textwrap.wrap(r[3], width=max(indent + 30, width), initial_indent=prefix,
                                    subsequent_indent=" " * indent, break_on_hyphens=False,
                                    break_long_words=False)
+        for n in self.notices:
+            names = f": {'; '.join(n.names)}" if n.names else ""
+            lines.append(f"notice {n.reason}: {n.message}{names}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

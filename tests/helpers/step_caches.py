@@ -58,9 +58,12 @@ def config(name: str, clock: Clock) -> Any:
         "MagCacheConfig": lambda: h.MagCacheConfig(
             threshold=0.5, num_inference_steps=STEPS, mag_ratios=[1.0] * STEPS),
         "SeaCacheConfig": lambda: h.SeaCacheConfig(threshold=0.9),
+        # its default patterns ("^blocks.*attn") match no attention named
+        # attn1/attn2 under re.fullmatch: these hook the models' own
         "TaylorSeerCacheConfig": lambda: h.TaylorSeerCacheConfig(
             cache_interval=2, disable_cache_before_step=1,
-            taylor_factors_dtype=torch.float32),
+            taylor_factors_dtype=torch.float32,
+            cache_identifiers=[r"(transformer_)?blocks\.\d+\.attn\d"]),
         # applies to NucleusMoE image blocks only: on these models it installs
         # nothing, and the model must still run and capture as without it
         "TextKVCacheConfig": lambda: h.TextKVCacheConfig(),
@@ -154,3 +157,84 @@ def state_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
                 type(now_value) is not torch.Tensor or not torch.equal(value, now_value)):
             bad.append(f"{path}: values")
     return bad
+
+
+def generation_inputs(kind: str, i: int, prompt: int) -> dict[str, Any]:
+    """Step ``i`` of a generation with classifier-free guidance, as a
+    pipeline batches it: the latents twice (unconditional, conditional),
+    the prompt's embedding (seeded by ``prompt``) beside an empty one."""
+    g = torch.Generator().manual_seed(1000 * prompt + i)
+    shape = (1, 4, 2, 8, 8) if kind == "wan" else (1, 2, 4, 8, 8)
+    latents = torch.rand(*shape, generator=g)
+    text = torch.rand(1, 4, 16, generator=torch.Generator().manual_seed(prompt))
+    return {"hidden_states": torch.cat([latents, latents]),
+            "encoder_hidden_states": torch.cat([torch.zeros_like(text), text]),
+            "timestep": torch.tensor([TIMESTEPS[i]] * 2)}
+
+
+def generate(model: nn.Module, kind: str, clock: Clock, prompt: int,
+             end: Any = None) -> list[torch.Tensor]:
+    """One generation: ``STEPS`` calls of the transformer (CFG batch 2), each
+    in its ``cache_context``; ``end()`` (if given) runs after the last step,
+    before the cache is reset as a pipeline resets it when it finishes."""
+    outs = []
+    with torch.no_grad():
+        for i, t in enumerate(TIMESTEPS):
+            clock.t = t
+            with model.cache_context(  # type: ignore[operator]
+                    "cond", step_index=i, num_inference_steps=STEPS,
+                    timestep=float(t), sigma=t / 1000):
+                outs.append(model(**generation_inputs(kind, i, prompt), return_dict=False)[0])
+    if end is not None:
+        end()
+    model._reset_stateful_cache()  # type: ignore[operator]
+    return outs
+
+
+@contextlib.contextmanager
+def counted(model: nn.Module, names: list[str]) -> Iterator[dict[str, int]]:
+    """How often each named module's own forward computed: a forward hook on
+    its first leaf submodule (a step the cache reuses runs none of it)."""
+    counts = dict.fromkeys(names, 0)
+    handles = []
+    for name in names:
+        leaf = next(m for m in model.get_submodule(name).modules()
+                    if not list(m.children()))
+
+        def hook(*_: Any, name: str = name) -> None:
+            counts[name] += 1
+        handles.append(leaf.register_forward_hook(hook))
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def hook_values(model: nn.Module) -> dict[str, Any]:
+    """Every cache hook's state by value, per path: a tensor's copy, a plain
+    value itself, any other object by its type (to compare two models)."""
+    out: dict[str, Any] = {}
+    for path, (obj, value) in hook_state(model).items():
+        if isinstance(value, torch.Tensor):
+            out[path] = value
+        elif isinstance(obj, (int, float, bool, str, type(None))):
+            out[path] = obj
+        else:
+            out[path] = type(obj).__qualname__
+    return out
+
+
+def value_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Paths whose values differ between two ``hook_values`` (empty: none)."""
+    bad = sorted(set(a) ^ set(b))
+    for path in set(a) & set(b):
+        x, y = a[path], b[path]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and \
+                x.shape == y.shape and torch.equal(x, y)
+        else:
+            same = x == y
+        if not same:
+            bad.append(path)
+    return sorted(bad)

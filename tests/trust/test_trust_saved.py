@@ -184,7 +184,7 @@ def _pab_states(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
     return out
 
 
-def test_pyramid_attention_broadcast_blocks_are_verified() -> None:
+def test_pyramid_attention_broadcast_is_captured_beneath_its_hooks_and_verified() -> None:
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     model = diffusers.CogVideoXTransformer3DModel(
@@ -198,7 +198,8 @@ def test_pyramid_attention_broadcast_blocks_are_verified() -> None:
         current_timestep_callback=lambda: step["t"]))
     x, text = torch.randn(1, 3, 4, 8, 8), torch.randn(1, 4, 16)
     blocks = ["transformer_blocks.0", "transformer_blocks.1"]
-    with record(model, blocks) as calls, \
+    hooked = [f"{b}.attn1" for b in blocks]
+    with record(model, hooked) as calls, \
             ctxreplay.capture_with(model, targets="repeated", verify="execute") as session, \
             torch.no_grad():
         for t in (700, 600):
@@ -208,31 +209,39 @@ def test_pyramid_attention_broadcast_blocks_are_verified() -> None:
     assert len(before) == 2
     report = session.finalize()
     assert [(f.scope, f.reason, f.exc_type) for f in report.failures] == []
-    # the hook reuses its stored attention output on every second step: no
-    # program stands for those calls, and each capture names the state
-    assert report.captures and not report.ok
-    for c in report.captures:
-        assert not c.fidelity.ok
-        assert any(m.field == "held_state" and m.live.startswith(
-            "PyramidAttentionBroadcastState.") for m in c.fidelity.mismatches), c.scope
+    # the hook reuses its stored attention output on every second step:
+    # captured whole, a block's graph would freeze that decision.  The hooked
+    # attention modules are captured beneath the hook instead (the hook stays
+    # Python), and the rest of each block runs eagerly
+    assert report.ok, report.summary
+    assert sorted({m for c in report.captures for m in c.members}) == hooked
+    assert [n.names for n in report.notices if n.reason == "step_cache_inside"] == [
+        tuple(f"{b}: {b}.attn1" for b in blocks)]
     assert _pab_states(model) == before  # finalize() left the user's hook state alone
     first: dict[str, Call] = {}
     for call in calls:
         first.setdefault(call.member, call)
-    assert sorted(first) == blocks
+    assert sorted(first) == hooked
     for member, call in first.items():
+        weights = model.get_submodule(member)
         (capture,) = [c for c in report.captures if member in c.members
-                      and c.weights_from == member and _runs(c, call) is None][:1] or [None]
-        assert capture is not None, (member, [_runs(c, call) for c in report.captures])
+                      and _runs(c, call, weights) is None][:1] or [None]
+        assert capture is not None, (member, [_runs(c, call, weights)
+                                              for c in report.captures])
 
 
-def _runs(capture: ctxreplay.Capture, call: Call) -> str | None:
-    """The capture's program (its own member's weights) on the call's inputs."""
+def _runs(capture: ctxreplay.Capture, call: Call, weights: nn.Module | None = None
+          ) -> str | None:
+    """The capture's program on the call's inputs, with ``weights``'
+    parameters and buffers (``None``: the member's it holds)."""
     assert capture.binding == "native"
     args, kwargs = call.fresh_inputs()
+    program = capture.artifact.module()
+    state = {} if weights is None else {**dict(weights.named_parameters()),
+                                        **dict(weights.named_buffers())}
     try:
         with torch.no_grad():
-            out: Any = capture.artifact.module()(*args, **kwargs)
+            out: Any = torch.func.functional_call(program, state, args, kwargs)
     except Exception as exc:
         return f"raised {type(exc).__name__}"
     return differs(call.out, tuple(out))
