@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -60,6 +61,8 @@ from .pystate import reach
 from .sharded import fsdp_owners, fsdp_states, gathered, is_fsdp, is_fsdp_key, original_class
 
 __all__ = ["HookedWeights", "NotIsolable", "forward_alone", "isolated"]
+
+_log = logging.getLogger("ctxreplay")
 
 
 @contextmanager
@@ -152,7 +155,8 @@ def _copy_gathered(module: nn.Module, owners: list[nn.Module]) -> nn.Module:
             view = _copy_unfsdp(module, memo)
         except NotIsolable:
             raise
-        except Exception as exc:
+        except Exception as exc:  # deepcopy of user objects may raise anything: logged
+            _log.debug("copying %s failed", type(module).__name__, exc_info=True)
             raise NotIsolable(
                 f"{type(module).__name__} (FSDP) cannot be copied for capture "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else '-'})"
@@ -205,7 +209,7 @@ def _copy_tree(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     try:
         return _deepcopy(module, dict(memo), [
             v for m in module.modules() for v in m.__dict__.values() if _empty(v)])
-    except Exception:
+    except Exception:  # deepcopy of user objects may raise anything: retried
         pass
     empties: list[Any] = []
     for obj in held_objects(module):
@@ -218,7 +222,7 @@ def _copy_tree(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             empties.append(obj)
     try:
         return _deepcopy(module, dict(memo), empties)
-    except Exception:
+    except Exception:  # deepcopy of user objects may raise anything: retried
         pass
     # Something the tree holds refuses to be copied (a threading.Lock, an
     # open file): the view shares each such leaf object with the module and
@@ -231,7 +235,8 @@ def _copy_tree(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     memo.update((id(x), x) for x in shared)
     try:
         return _deepcopy(module, memo, empties)
-    except Exception as exc:
+    except Exception as exc:  # deepcopy of user objects may raise anything: logged
+        _log.debug("copying %s failed", type(module).__name__, exc_info=True)
         raise NotIsolable(
             f"{type(module).__name__} cannot be copied for capture ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:120] if str(exc) else '-'}); it is not run on the "
@@ -278,7 +283,7 @@ def _uncopyable(module: nn.Module, memo: dict[int, Any]) -> list[Any]:
             continue
         try:
             copy.deepcopy(obj, dict(memo))
-        except Exception:
+        except Exception:  # deepcopy of user objects may raise anything: shared
             out.append(obj)
     return out
 
