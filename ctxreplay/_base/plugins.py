@@ -164,7 +164,7 @@ class Registry(Generic[T]):
                         self._register_entry_point(ep, obj)
                     finally:
                         self._loading = ("runtime", None)
-                except Exception as exc:
+                except Exception as exc:  # a plugin may raise anything: warned
                     error = f"{type(exc).__name__}: {exc}"
                     warnings.warn(
                         f"ctxreplay {self.kind} entry point {ep.name!r} from {dist or '?'} "

@@ -160,7 +160,7 @@ def written_inside(target: Path, write: Callable[[Path], object]) -> None:
         if tmp.is_symlink() or not tmp.is_file():
             raise UnsafeFileError(f"{tmp}: replaced by something else while it was written")
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException:  # the temporary file removed, then re-raised
         tmp.unlink(missing_ok=True)
         raise
 

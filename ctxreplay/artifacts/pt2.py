@@ -147,7 +147,7 @@ class Pt2Format(ArtifactFormat):
                          head, program, done.constants))
         try:  # what cannot be read back is not kept: rebuilt once, on placeholders
             self.program_from_bytes(data, {**shallow._state_dict, **shallow._constants})
-        except Exception:
+        except Exception:  # torch's deserialiser may raise anything: not kept
             return None
         return data
 
@@ -226,7 +226,7 @@ def _placeholder_inputs(program: Any) -> Any:
         return program
     try:
         placeholders = pytree.tree_map_only(torch.Tensor, _meta_like, inputs)
-    except Exception:
+    except Exception:  # a subclass may refuse a meta copy: inputs kept
         return program
     shallow = copy.copy(program)
     shallow._example_inputs = placeholders

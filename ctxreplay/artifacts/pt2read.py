@@ -76,7 +76,7 @@ def tensor_payload(data: bytes, where: str, *, one: bool = False) -> Any:
                               "refused: unpickling it would run code it names (a class you "
                               "trust is read once given to "
                               "torch.serialization.add_safe_globals)") from None
-    except Exception as exc:
+    except Exception as exc:  # torch.load may raise anything: a ValueError
         raise ValueError(f"{where}: unreadable ({type(exc).__name__}: "
                          f"{str(exc)[:160]})") from None
     expected: tuple[type, ...] = (torch.Tensor,) if one else (dict, tuple)
@@ -132,7 +132,7 @@ def _read_pt2_archive(data: bytes, name: str) -> Any:
     try:
         reader = pkg.PT2ArchiveReader(io.BytesIO(data))
         version = reader.read_string(names.ARCHIVE_VERSION_PATH)
-    except Exception as exc:
+    except Exception as exc:  # torch's reader may raise anything: a ValueError
         raise ValueError(f"{name}: not a readable .pt2 archive ({type(exc).__name__})") \
             from None
     if version != names.ARCHIVE_VERSION_VALUE:

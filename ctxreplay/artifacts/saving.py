@@ -225,7 +225,7 @@ def _check_saved(capture: SavableCapture, fmt: ArtifactFormat, target: Path, wri
         if same and capture.fidelity.ok and _checked(capture.fidelity):
             return Fidelity("saved", True, (), ("graph",))
         module = fmt.module(loaded)
-    except Exception as exc:
+    except Exception as exc:  # torch's loader may raise anything: a mismatch
         return Fidelity("saved", False, (Mismatch("out", "execution", "loaded",
                                                   type(exc).__name__, "saved"),), ("saved",))
     found = _run_saved(capture, module, ())
@@ -257,7 +257,7 @@ def _run_saved(capture: SavableCapture, module: Any, needs: tuple[str, ...], *,
         args, kwargs = artifact_inputs(capture)
         with neutral_replay(capture.snapshot, needs=needs, full=full):
             produced = spec_of(module(*args, **kwargs))
-    except Exception as exc:
+    except Exception as exc:  # the program may raise anything: a mismatch
         return [SpecMismatch("out", "execution", "ran", type(exc).__name__)]
     assert capture.outputs is not None
     flat = flat_tensor_spec(produced)

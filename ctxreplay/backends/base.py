@@ -191,7 +191,7 @@ def exception_message(exc: BaseException) -> tuple[str, str]:
         cur = nxt
     try:
         text = str(cur)
-    except Exception:
+    except Exception:  # an exception's __str__ is user code: no message
         text = ""
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     line = _TENSOR_REPR.sub("tensor(...)", line)

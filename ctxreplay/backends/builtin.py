@@ -3,6 +3,7 @@ a downstream package's backend would be."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +19,8 @@ from .registry import register_backend
 
 __all__ = ["AutoBackend", "DynamoBackend", "ExportBackend", "SymbolicBackend",
            "refuse_fake_tensors"]
+
+_log = logging.getLogger("ctxreplay")
 
 
 @register_backend
@@ -240,8 +243,9 @@ class AutoBackend(Backend):
         for b in self.backends:
             try:
                 art = b.capture(module, args, kwargs)
-            except Exception as exc:
+            except Exception as exc:  # a backend may raise anything: the next one is tried
                 attempts.append((b.name, classify_exception(exc), type(exc).__name__))
+                _log.debug("backend %s failed: %s", b.name, attempts[-1][1], exc_info=True)
                 errors.append(exc)
                 continue
             self._attempts = tuple(attempts)
@@ -270,7 +274,7 @@ class AutoBackend(Backend):
         b = next(b for b in self.backends if b.folds)
         try:
             art = b.capture_dynamic(module, args, kwargs, dynamic_shapes)
-        except Exception as exc:
+        except Exception as exc:  # recorded, then re-raised
             self._attempts = ((b.name, classify_exception(exc), type(exc).__name__),)
             raise
         self._attempts = ()

@@ -38,7 +38,7 @@ def _dtensor_types() -> tuple[type, type] | None:
     try:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    except Exception:
+    except ImportError:
         return None
     return DTensor, DTensorSpec
 

@@ -68,7 +68,7 @@ def read_entry(store: CacheDir, entry: StoredEntry, request: VariantRequest
         # nothing it holds runs: a payload that needs more than tensors is
         # refused now, even where its program is rebuilt only later
         fmt.check_program_bytes(entry.program)
-    except Exception as exc:
+    except Exception as exc:  # torch's payload check may raise anything: discarded
         store.discard(entry.key, f"unreadable ({type(exc).__name__})")
         return None
     if stored.binding != request.binding:
@@ -199,7 +199,7 @@ class _OnDisk(Deferred):
         try:
             with collector_paused():  # as for a hit checked by execution
                 return self.fmt.program_from_bytes(self.data, self.weights)
-        except Exception as exc:
+        except Exception as exc:  # torch's deserialiser may raise anything
             raise ArtifactError(f"the cached program of {self.where} cannot be rebuilt "
                                 f"({type(exc).__name__}: {exc})", "not_rebuildable") from exc
 

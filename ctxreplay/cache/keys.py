@@ -52,7 +52,7 @@ def cache_key(request: VariantRequest, module: nn.Module,
     try:  # a constant JSON writes as its type name alone would key objects alike
         for spec in [*inputs["args"], *(s for _, s in inputs["kwargs"])]:
             resolve_opaque(spec_from_json(spec))
-    except Exception:
+    except ValueError:  # an opaque part: not keyed
         return None
     env = environment()
     doc = {"schema": KEY_SCHEMA, "identity": request.identity,

@@ -115,7 +115,7 @@ class CacheDir:
             if not _real_dir(path) or not _real_dir(path.parent):
                 raise ValueError("a symlink, not a folder the cache wrote")
             entry = _read_entry(key, path)
-        except Exception as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # damaged
             self.discard(key, f"unreadable ({_why(exc)})")
             return None
         return entry
@@ -246,7 +246,7 @@ class CacheDir:
             size = sum(f.lstat().st_size for f in path.iterdir())
             try:
                 record = json.loads(read_inside(path, RECORD))
-            except Exception:
+            except (OSError, ValueError, RecursionError):  # unreadable or not JSON
                 record = None
             out.append((path.name, record if isinstance(record, dict) else None, size))
         out.sort(key=lambda e: (e[1] or {}).get("created", 0.0))

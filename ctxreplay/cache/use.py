@@ -110,7 +110,7 @@ class CaptureCache:
         try:
             keyed = cache_key(ask.request, module, tracing.options)
             return None if keyed is None else kind.key(keyed[0])
-        except Exception:
+        except Exception:  # keying reads user objects: not keyed
             return None
 
     def _use(self, entry: StoredEntry, ask: Ask, tracing: Tracing,
@@ -122,7 +122,7 @@ class CaptureCache:
             return None
         try:
             kind.read(entry)
-        except Exception as exc:
+        except Exception as exc:  # a kind's reader may raise anything: discarded
             self.store.discard(entry.key, f"unreadable ({type(exc).__name__})")
             return None
         verify = tracing.options.verify

@@ -13,6 +13,7 @@ others), one by one.  What it compares is in ``verify``; what it runs is here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +49,8 @@ from .rngguard import BookkeepingError, rng_guard
 
 __all__ = ["GUARD_FAILED", "RETAINED_FIELD", "UNOBSERVED_HINT", "Checker", "Program", "Step",
            "register_step", "unregister_step"]
+
+_log = logging.getLogger("ctxreplay")
 
 #: the field of the mismatch of a member some of whose calls to compare by
 #: value were not kept (``retain_bytes``)
@@ -262,7 +265,8 @@ class Checker:
                 return [_mismatch("execution", "ran", GUARD_FAILED, "execute", None, name)]
             except BookkeepingError:
                 raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
-            except Exception as exc:
+            except Exception as exc:  # the program may raise anything: a mismatch (logged)
+                _log.debug("checking %s: a run raised", self.request.scope, exc_info=True)
                 # e.g. a bfloat16 input meeting float32 weights once autocast
                 # is gone: the probes the artifact did not carry are the
                 # likely cause
@@ -280,7 +284,8 @@ class Checker:
                 reference = self._eager(ref, updated)
             except BookkeepingError:
                 raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
-            except Exception as exc:
+            except Exception as exc:  # the user's module may raise anything: a mismatch (logged)
+                _log.debug("checking %s: a run raised", self.request.scope, exc_info=True)
                 return [_mismatch("execution", "reference run", exception_message(exc)[0],
                                   "execute", None, name)]
         if _fake(reference):
@@ -333,7 +338,8 @@ class Checker:
                 self._eager(view, _clone(leaves))
             except BookkeepingError:
                 raise  # ctxreplay's own watch failed: verify_failed, not the program's fault
-            except Exception as exc:
+            except Exception as exc:  # the user's module may raise anything: a mismatch (logged)
+                _log.debug("checking %s: a run raised", self.request.scope, exc_info=True)
                 return [_mismatch("execution", "the run watching its arguments",
                                   exception_message(exc)[0], ARGUMENT_FIELD, None, None)]
         return []
@@ -383,7 +389,8 @@ class Checker:
                     # ``_execute``): a fold leaves the call to another graph
                     found.append(_mismatch("execution", "ran", GUARD_FAILED, at, None, name))
                     continue
-                except Exception as exc:
+                except Exception as exc:  # the program may raise anything: a mismatch (logged)
+                    _log.debug("checking %s: a run raised", self.request.scope, exc_info=True)
                     found.append(_mismatch("execution", "ran", exception_message(exc)[0],
                                            at, self.hint, name))
                     continue

@@ -42,7 +42,7 @@ def failure(request: VariantRequest, backend: Backend, reason: str,
     exc_type, message = ("-", "") if exc is None else exception_message(exc)
     try:
         context = request.snapshot.describe()
-    except Exception:
+    except Exception:  # a probe's describe may raise anything: no context
         context = {}
     if exc is not None:
         logging.getLogger("ctxreplay").debug(

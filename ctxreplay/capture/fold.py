@@ -161,7 +161,7 @@ class _Rules:
 def _bound(value: Any) -> int | None:
     try:
         return int(value) if bool(value.is_finite) else None
-    except Exception:
+    except Exception:  # a sympy bound that does not convert: unbounded
         return None
 
 
@@ -194,7 +194,7 @@ def rules_of(artifact: Any, inputs: CallSpec) -> _Rules | None:
             try:
                 expr = str(size.node.expr)
                 parse_expr(expr)
-            except Exception:
+            except Exception:  # sympy's printer may raise anything: no fold
                 return None
             dims.append(DynamicDim(i, path, d, expr))
     used = {n for d in dims for n in symbols(d.expr)}

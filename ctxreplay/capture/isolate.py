@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -61,6 +62,8 @@ from .sharded import fsdp_owners, fsdp_states, gathered, is_fsdp, is_fsdp_key, o
 from .stephooks import inner_seat
 
 __all__ = ["HookedWeights", "NotIsolable", "forward_alone", "isolated"]
+
+_log = logging.getLogger("ctxreplay")
 
 
 @contextmanager
@@ -157,7 +160,8 @@ def _copy_gathered(module: nn.Module, owners: list[nn.Module]) -> nn.Module:
             view = _copy_unfsdp(module, memo)
         except NotIsolable:
             raise
-        except Exception as exc:
+        except Exception as exc:  # deepcopy of user objects may raise anything: logged
+            _log.debug("copying %s failed", type(module).__name__, exc_info=True)
             raise NotIsolable(
                 f"{type(module).__name__} (FSDP) cannot be copied for capture "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else '-'})"
@@ -210,7 +214,7 @@ def _copy_tree(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     try:
         return _deepcopy(module, dict(memo), [
             v for m in module.modules() for v in m.__dict__.values() if _empty(v)])
-    except Exception:
+    except Exception:  # deepcopy of user objects may raise anything: retried
         pass
     empties: list[Any] = []
     for obj in held_objects(module):
@@ -223,7 +227,7 @@ def _copy_tree(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             empties.append(obj)
     try:
         return _deepcopy(module, dict(memo), empties)
-    except Exception:
+    except Exception:  # deepcopy of user objects may raise anything: retried
         pass
     # Something the tree holds refuses to be copied (a threading.Lock, an
     # open file): the view shares each such leaf object with the module and
@@ -236,7 +240,8 @@ def _copy_tree(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     memo.update((id(x), x) for x in shared)
     try:
         return _deepcopy(module, memo, empties)
-    except Exception as exc:
+    except Exception as exc:  # deepcopy of user objects may raise anything: logged
+        _log.debug("copying %s failed", type(module).__name__, exc_info=True)
         raise NotIsolable(
             f"{type(module).__name__} cannot be copied for capture ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:120] if str(exc) else '-'}); it is not run on the "
@@ -283,7 +288,7 @@ def _uncopyable(module: nn.Module, memo: dict[int, Any]) -> list[Any]:
             continue
         try:
             copy.deepcopy(obj, dict(memo))
-        except Exception:
+        except Exception:  # deepcopy of user objects may raise anything: shared
             out.append(obj)
     return out
 

@@ -34,7 +34,7 @@ def _program_key(c: Capture) -> Any:
         # a folded graph's code does not show its sizes: its folding must agree
         return (c.scope, c.signature, c.folding, c.snapshot, c.binding, c.embedded,
                 c.ambient_only, graph_code(ep.graph_module), str(ep.graph_signature))
-    except Exception:
+    except Exception:  # a program whose code cannot be read is not merged
         return None
 
 

@@ -57,7 +57,7 @@ class _RunWatch(TorchFunctionMode):
                     ptr = storage_ptr(inner) if inner.numel() else None
                     if ptr is not None:
                         self.watched.setdefault(ptr, []).append((name, inner))
-        except Exception as exc:
+        except Exception as exc:  # a tensor subclass may raise anything: a BookkeepingError
             raise BookkeepingError.of("reading the weights' storage", exc) from None
         self.kept: dict[tuple[str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
 
@@ -78,7 +78,7 @@ class _RunWatch(TorchFunctionMode):
         if self.watched:
             try:
                 self._keep(func, args, kwargs)
-            except Exception as exc:
+            except Exception as exc:  # a tensor subclass may raise anything: a BookkeepingError
                 raise BookkeepingError.of(f"finding what {func!r} writes", exc) from None
         return func(*args, **kwargs)
 

@@ -28,7 +28,7 @@ def output_roles(artifact: Any, inputs: CallSpec, outputs: Spec | None,
     try:
         returned = returned_roles(artifact, outputs, assigned, flatten_out)
         return program_roles(artifact, returned, binding, [p for p, _ in inputs.leaves()])
-    except Exception:
+    except Exception:  # roles are metadata: a program not read has none
         return None
 
 

@@ -102,7 +102,7 @@ def holds_fsdp(modules: Iterable[nn.Module]) -> bool:
         return False
     try:
         return any(fsdp_owners(m) for m in modules)
-    except Exception:
+    except Exception:  # FSDP's internals of another torch: capture says why
         return True
 
 

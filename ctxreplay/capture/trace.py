@@ -108,7 +108,7 @@ def trace(request: VariantRequest, plan: TracePlan, view: nn.Module, options: Ca
     backend that produced it)``, or raise ``fail``'s ``CaptureFailed``."""
     try:
         target, args, kwargs = _bind(request, plan, view)
-    except Exception as exc:
+    except Exception as exc:  # rebuilding inputs runs user classes: fail() logs it
         raise fail("materialize_failed", exc) from None
     job = functools.partial(_trace_once, request, plan, options, neutral_probes, view, target,
                             args, kwargs)
@@ -159,7 +159,7 @@ def _trace_once(request: VariantRequest, plan: TracePlan, options: CaptureOption
             stack.enter_context(neutral_replay(request.snapshot, neutral_probes,
                                                only_neutral=True))
             stack.enter_context(plan.around)
-        except Exception as exc:
+        except Exception as exc:  # a probe's replay may raise anything: a replay fault
             raise _ReplayFault() from exc
         inside = plan.inside if plan.binding == "native" else None
         with rng_guard(watch_generators=False), forward_alone(view), \
@@ -173,7 +173,7 @@ def _trace_once(request: VariantRequest, plan: TracePlan, options: CaptureOption
             traced = _resolve(raw, plan, options, args, kwargs)
         try:  # a replay that fails while restoring is a replay fault too
             stack.close()
-        except Exception as exc:
+        except Exception as exc:  # a probe's restore may raise anything: a replay fault
             raise _ReplayFault() from exc
         return traced
 
@@ -202,7 +202,7 @@ def _resolve(raw: Any, plan: TracePlan, options: CaptureOptions, args: tuple[Any
         spec = _without_assigned(spec, plan.covered())
     except _ArtifactFault:
         raise
-    except Exception as exc:
+    except Exception as exc:  # a backend's artifact may fail anyhow: a reason code
         code = classify_exception(exc)
         raise _ArtifactFault("bad_artifact" if code == "trace_error" else code) \
             from exc
@@ -237,7 +237,7 @@ def _run_reported(job: Callable[[], tuple[Any, Spec | None, Backend]], plan: Tra
         if plan.faults:
             raise fail("replay_failed", plan.faults[0], exc.attempts) from None
         raise fail(exc.reason, exc.__cause__ or exc.__context__ or exc, exc.attempts) from None
-    except Exception as exc:
+    except Exception as exc:  # a backend or tracer may raise anything: fail() logs it
         if plan.faults:
             raise fail("replay_failed", plan.faults[0], backend.last_attempts) from None
         raise fail(classify_exception(exc), exc, backend.last_attempts) from None
@@ -258,24 +258,24 @@ def _guard_inside(inside: Callable[[], AbstractContextManager[Any]],
         try:
             cm = inside()
             cm.__enter__()
-        except Exception as exc:
+        except Exception as exc:  # a probe's replay may raise anything: recorded, re-raised
             faults.append(exc)
             raise
         body_failed = False
         try:
             yield
-        except BaseException:
+        except BaseException:  # the replay is closed, then it is re-raised
             body_failed = True
             try:
                 cm.__exit__(None, None, None)
-            except Exception as exc:
+            except Exception as exc:  # a probe's restore may raise anything: recorded
                 faults.append(exc)
             raise
         finally:
             if not body_failed:
                 try:
                     cm.__exit__(None, None, None)
-                except Exception as exc:
+                except Exception as exc:  # a probe's restore may raise anything: re-raised
                     faults.append(exc)
                     raise
 

@@ -59,7 +59,7 @@ def capture_variant(ask: Ask, tracing: Tracing) -> Capture:
     try:
         neutral = neutral_replay(request.snapshot, tracing.neutral_probes, only_neutral=True)
         neutral.__enter__()
-    except Exception as exc:
+    except Exception as exc:  # a probe's replay may raise anything: failure() logs it
         raise failure(request, tracing.options.backend, "replay_failed", exc) from None
     try:
         return _VariantCapture(ask, tracing).run()
@@ -129,7 +129,7 @@ class _VariantCapture:
             plan = TracePlan.make(self.request, options, options.backend,
                                   None if trial is None else trial.dims,
                                   embeds=not holds_dtensors(module.parameters()))
-        except Exception as exc:
+        except Exception as exc:  # a probe's split_replay may raise anything: fail() logs it
             raise self.fail("replay_failed", exc) from None
         # (recorded for every trace: what it read beside its arguments and
         # weights is what its program baked in, which install guards)
@@ -149,7 +149,7 @@ class _VariantCapture:
                                   self.tracing.neutral_probes))
         try:
             return _Traced(*source(view, plan.binding))
-        except Exception as exc:
+        except Exception as exc:  # a given artifact may fail anyhow: fail() logs it
             raise self.fail("bad_artifact", exc) from None
 
     def _checker(self, request: VariantRequest, program: Program, view: nn.Module,
@@ -180,7 +180,7 @@ class _VariantCapture:
         if trial is not None and alone:
             try:
                 trial(program.artifact, checker_for, self.tracing.modules)
-            except Exception as exc:
+            except Exception as exc:  # the folded program runs user code: fail() logs it
                 raise self.fail("verify_failed", exc) from None
         return fidelity, alone
 
@@ -196,7 +196,7 @@ class _VariantCapture:
             fidelity = checker.run(modules if plan.tick is None else
                                    _Ticking(modules, checker.request, plan.tick))
             unwatched = _unwatched(checker, plan, modules, runs)
-        except Exception as exc:
+        except Exception as exc:  # the checks run the user's module: fail() logs it
             raise self.fail("verify_failed", exc) from None
         unwatched += _moved(checker.request, plan.reads)
         if unwatched:
@@ -242,7 +242,7 @@ class _VariantCapture:
         try:
             ops, op_args, digest, fingerprint = _graph_summary(request, traced.real,
                                                                traced.artifact)
-        except Exception as exc:
+        except Exception as exc:  # a backend's artifact may fail anyhow: fail() logs it
             raise self.fail("bad_artifact", exc) from None
         embedded, ambient_only = contexts
         return capture_of(
@@ -371,7 +371,7 @@ def _view(module: nn.Module, request: VariantRequest,
         view = view_cm.__enter__()
     except HookedWeights as exc:
         raise fail("hooked_weights", exc) from None
-    except Exception as exc:
+    except Exception as exc:  # copying the user's module may raise anything: fail() logs it
         raise fail("isolation_failed", exc) from None
     placeholders = _meta_weights(view, request)
     if placeholders:
@@ -383,7 +383,7 @@ def _view(module: nn.Module, request: VariantRequest,
     try:
         try:
             restore_state(view, request.state)
-        except Exception as exc:
+        except Exception as exc:  # setting user attributes runs their code: fail() logs it
             raise with_context(fail("state_not_restorable", exc),
                                 {"attribute": str(exc)}) from None
         yield view

@@ -97,7 +97,7 @@ def run_in_worker(job: Callable[[], T], timeout: float | None) -> T:
     def target() -> None:
         try:
             box["value"] = run()
-        except BaseException as exc:
+        except BaseException as exc:  # handed to the waiting thread, which re-raises it
             box["error"] = exc
         finally:
             done.set()
@@ -107,7 +107,7 @@ def run_in_worker(job: Callable[[], T], timeout: float | None) -> T:
     if timeout is None:
         try:
             done.wait()
-        except BaseException as exc:
+        except BaseException as exc:  # a Ctrl-C: passed to the worker, then re-raised
             if not done.is_set():
                 _raise_in(worker, type(exc))
                 done.wait()

@@ -50,7 +50,7 @@ _NEVER: _Checks = ((lambda: True, False),)  # a watch that failed: never reuse t
 def _watch(probe: ContextProbe[Any], state: Any, forward: bool) -> _Checks:
     try:
         return tuple(probe.watch_forward(state) if forward else probe.watch(state))
-    except Exception:
+    except Exception:  # a user's probe may raise anything: never reused
         return _NEVER
 
 
@@ -155,7 +155,7 @@ class Observer:
         for p in self.probes:
             try:
                 states.append(p.observe())
-            except Exception as exc:
+            except Exception as exc:  # a user's probe may raise anything: wrapped, re-raised
                 raise ProbeObservationError(p.name, exc) from exc
         state_tuple = tuple(states)
         snap: ContextSnapshot

@@ -230,7 +230,7 @@ def _short(probe: ContextProbe[Any], state: Any) -> str:
     """``probe.describe(state)`` cut to one short line; never raises."""
     try:
         text = str(probe.describe(state))
-    except Exception:
+    except Exception:  # a user's probe may raise anything: a generic text
         text = f"<a {type(state).__name__}>"
     text = "".join(c if c.isprintable() else " " for c in text)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -311,7 +311,7 @@ def applying(observe: Callable[[], T], apply: Callable[[T], object], state: T
         return
     try:
         apply(state)
-    except BaseException:
+    except BaseException:  # put back, then re-raised
         apply(before)
         raise
     try:

@@ -241,7 +241,7 @@ class ContextSnapshot:
                     raise NotPortableError(name)
                 data = probe.encode(state)
                 json.dumps(data, allow_nan=False)  # what is not plain JSON is not carried
-            except Exception:
+            except Exception:  # a user's encoder may raise anything
                 # NotPortableError -- or an encoder that fails or returns
                 # something JSON cannot hold: that state is marked, the
                 # document (and the capture or report building it) still made.

@@ -18,6 +18,7 @@ and a size its ranges take may still be one the trace specialised away.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from ..loading.compiled import CompiledProgram
 from .flat import Flat
 
 __all__ = ["compiled_flat"]
+
+_log = logging.getLogger("ctxreplay")
 
 
 def compiled_flat(flat: Flat, program: Any, record: CompiledProgram, directory: Path,
@@ -49,6 +52,7 @@ def compiled_flat(flat: Flat, program: Any, record: CompiledProgram, directory: 
     try:
         loader = aoti_package_loader(str(directory / record.package), device)
     except Exception as exc:  # a package this torch cannot open
+        _log.debug("loading %s failed: compiled_load_failed", record.package, exc_info=True)
         return "compiled_load_failed", f"{type(exc).__name__}: {str(exc)[:300]}"
     try:
         guard = _user_guard(program) if guarded else None
@@ -112,7 +116,8 @@ def _user_guard(program: Any) -> Callable[..., Any] | None:
     has one this cannot call alone."""
     try:
         gm: Any = program.module()
-    except Exception as exc:
+    except Exception as exc:  # torch's unlifting may raise anything: unguarded (logged)
+        _log.debug("reading the input guard failed", exc_info=True)
         raise _Unguarded(f"its program's input guard cannot be read ({type(exc).__name__})") \
             from None
     calls = list(gm.graph.find_nodes(op="call_module", target="_guards_fn"))

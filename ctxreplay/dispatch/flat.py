@@ -181,7 +181,7 @@ def _holds_modules(program: Any) -> bool:
     try:
         spec = program.call_spec.in_spec
         inputs = program.example_inputs
-    except Exception:
+    except Exception:  # properties of another torch's program: held modules
         return True
     if spec is not None and _spec_has_module(spec):
         return True

@@ -279,6 +279,7 @@ class _Slot(Wrapper):
         except NotRealError:  # a tracer's stand-ins: not a live call
             return self.orig(*args, **kwargs)
         except Exception:  # dispatch must never break the forward
+            _log.debug("dispatch: observing a call failed: observe_error", exc_info=True)
             route = _EAGER["observe_error"]
         skip: set[int] | None = None
         while (target := route.target) is not None:

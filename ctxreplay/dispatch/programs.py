@@ -285,7 +285,8 @@ def _program_here(source: Capture, model: nn.Module | None) -> tuple[Any, str | 
         fmt = get_format(shared[0])
         with collector_paused():  # torch's deserialiser makes many small objects
             return fmt.program_from_bytes(shared[1], _state(member, source.binding)), None
-    except Exception:
+    except Exception:  # torch's deserialiser may raise anything: logged
+        _log.debug("rebuilding %s failed: not_rebuildable", source.weights_from, exc_info=True)
         return None, "not_rebuildable"
 
 
@@ -432,6 +433,7 @@ class Programs:
             try:
                 made = flatten(_resolved(e), keep_guards=e.folding is not None)
             except Exception as exc:  # torch's module of another form: the general path
+                _log.debug("flattening %s failed", e.label, exc_info=True)
                 made = f"{type(exc).__name__}: {exc}"
             self._flat[key] = made if isinstance(made, Flat) else None
             if not isinstance(made, Flat):
@@ -525,7 +527,7 @@ class Programs:
             return gm
         try:
             fn = self.compile(gm)
-        except Exception:
+        except Exception:  # a compiler may raise anything: recorded, logged
             self.compile_failed(e, name)
             return None
         self.compiled.append(f"{e.label}@{name}")
@@ -535,6 +537,7 @@ class Programs:
         """Member ``name`` runs ``e`` eagerly from now on, and the user is told."""
         where = f"{e.label}@{name}"
         self.unfit[where] = "compile_failed"
+        _log.debug("compiling %s failed: compile_failed", where, exc_info=True)
         warnings.warn(f"ctxreplay.install: compiling {where} failed; its calls run eagerly",
                       RuntimeWarning, stacklevel=4)
 
@@ -673,7 +676,7 @@ class Target:
             if e.folding is not None and str(exc).startswith("Guard failed"):
                 return REFUSED
             raise
-        except Exception:
+        except Exception:  # a compiler failing at its first call: recorded, logged
             if not first or self.programs.compile is None:
                 raise
             # torch.compile compiles on the first call: a compiler that fails

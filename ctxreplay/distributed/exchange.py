@@ -326,7 +326,7 @@ def group_timeout(group: Any, fallback: float = 1800.0) -> float:
         try:
             return float(group._get_backend(torch.device(device)).options._timeout
                          .total_seconds())
-        except Exception:
+        except Exception:  # torch's private API may fail: the fallback
             continue
     return fallback
 

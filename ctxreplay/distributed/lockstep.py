@@ -59,7 +59,7 @@ def run_collective_checks(coll: LockstepGroup, captures: list[Capture],
         if coll.rank == c.rank and mine is not None:
             try:
                 payload = artifact_bytes(mine.artifact)
-            except Exception:
+            except Exception:  # torch's serialiser may raise anything: not sent
                 payload = None
         payload = coll.broadcast(payload, c.rank)
         found = _run_here(c, payload, modules, neutral_probes)
@@ -106,7 +106,7 @@ def _run_here(c: Capture, payload: bytes | None, modules: Mapping[str, nn.Module
             runs.append(_call(gm, c, leaves, neutral_probes, full=False))
     except _Unbound as exc:
         return [Mismatch("out", "execution", "member weights", f"not bound: {exc}", "execute")]
-    except Exception as exc:
+    except Exception as exc:  # the program may raise anything: a mismatch
         return [Mismatch("out", "execution", "ran", type(exc).__name__, "execute")]
     if name is None:
         return []

@@ -50,7 +50,7 @@ def shared_program(artifact: Any) -> tuple[str, bytes] | None:
     try:
         with collector_paused():
             data = fmt.program_bytes(artifact)
-    except Exception:
+    except Exception:  # torch's serialiser may raise anything: not sent
         return None
     return None if data is None else (fmt.name, data)
 
@@ -69,7 +69,7 @@ def portable(obj: Any) -> Any:
     try:
         pickle.dumps(obj)
         return obj
-    except Exception:
+    except Exception:  # pickling user objects may raise anything
         pass
     if isinstance(obj, dict) and "signature" in obj:
         out = dict(obj)
@@ -89,7 +89,7 @@ def _strip_spec(spec: Any) -> Any:
         try:
             pickle.dumps(spec)
             return spec
-        except Exception:
+        except Exception:  # pickling user objects may raise anything
             return ConstSpec(None, spec.type_name, (spec.type_name, repr(spec.key)[:64]))
     kids = getattr(spec, "items", None) if hasattr(spec, "kind") else None
     if kids is not None:

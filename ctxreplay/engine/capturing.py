@@ -13,6 +13,7 @@ back any ambient state it left changed, and says so.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ from .progress import FinalizeProgress
 from .safetynet import SafetyNet
 
 __all__ = ["RankCapture", "Result"]
+
+_log = logging.getLogger("ctxreplay")
 
 Result = Capture | CaptureFailure
 #: ``(variant's request, its identity)`` of the variants of one kin
@@ -140,6 +143,8 @@ class RankCapture:
         except CaptureFailed as f:
             result = failure = f.failure
         except Exception as exc:  # an engine bug must not cost the other variants
+            _log.debug("capture of %s#%d failed: internal_error", request.scope,
+                       request.variant, exc_info=True)
             result = failure = CaptureFailure(request.scope, request.variant, backend,
                                               "internal_error", type(exc).__name__)
         finally:
@@ -226,7 +231,7 @@ def _changed(mine: Any, other: Any) -> frozenset[tuple[str, str]] | None:
         return None
     try:
         changed = changed_attributes(mine, other)
-    except Exception:
+    except Exception:  # a user value's == may raise anything: not comparable
         return None
     return None if changed is None else frozenset(changed)
 

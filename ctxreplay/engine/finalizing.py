@@ -6,6 +6,8 @@ captures only the rest; released once the report is built.
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 
 from ..capture.options import CaptureOptions
@@ -14,6 +16,8 @@ from ..core.observer import Observer
 from ..observation.attach import Observation
 
 __all__ = ["Finalizing"]
+
+_log = logging.getLogger("ctxreplay")
 
 
 @attrs.define(eq=False)
@@ -41,9 +45,10 @@ class Finalizing:
         for p in self.options.probes:
             try:
                 p.clear()
-            except Exception as exc:
+            except Exception as exc:  # a user's probe may raise anything: an observation error
+                _log.debug("probe %s: clear() failed", p.name, exc_info=True)
                 self.observation.shared.error("clear", exc)
-            except BaseException as exc:
+            except BaseException as exc:  # a Ctrl-C: the other probes first, then re-raised
                 interrupt = interrupt or exc
         self.observation.release()
         self.observer.invalidate()

@@ -65,7 +65,7 @@ class SafetyNet:
         for p in probes:
             try:
                 self._items.append((p, p.observe()))
-            except Exception:
+            except Exception:  # a user's probe may raise anything: not watched
                 continue
 
     def restore(self) -> dict[str, str]:
@@ -78,13 +78,13 @@ class SafetyNet:
                 now = p.observe()
                 if now == state:
                     continue
-            except Exception:
+            except Exception:  # a user's probe may raise anything: not compared
                 continue
             changed[p.name] = f"{describe_state(p, state)} -> {describe_state(p, now)}"
             try:
                 cm = p.replay(state)
                 cm.__enter__()
-            except Exception:
+            except Exception:  # a user's probe may raise anything: left as it is
                 continue
             with _held_lock:
                 _held.append(cm)

@@ -155,7 +155,7 @@ class CaptureSession:
         net = SafetyNet()
         try:
             report = run_finalize(self._job, exchange, net, explain=explain, progress=progress)
-        except BaseException:
+        except BaseException:  # a Ctrl-C: everything released, then re-raised
             # a Ctrl-C: let go of every module and live state now; what was
             # captured stays, and a second finalize() reports the rest
             self._job.interrupted = True

@@ -205,7 +205,7 @@ def is_neutral(probe: ContextProbe[Any], state: Any) -> bool:
     """``probe.neutral(state)``; a probe that fails to say is not neutral."""
     try:
         return bool(probe.neutral(state))
-    except Exception:
+    except Exception:  # a user's probe may raise anything: not neutral
         return False
 
 

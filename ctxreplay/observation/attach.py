@@ -239,7 +239,7 @@ class Observation:
             if id(m) not in current:
                 try:
                     current[id(m)] = identity_of(m.module, m.ignore)
-                except Exception:
+                except Exception:  # a user attribute may refuse reading: no identity
                     current[id(m)] = None
             now = current[id(m)]
             diff = None if now is None else changed_attributes(identity, now)
@@ -273,7 +273,7 @@ class Observation:
                     continue
                 try:
                     now = identity_of(m.module, m.ignore)
-                except Exception:
+                except Exception:  # a user attribute may refuse reading: not compared
                     continue
                 if m.module.training is m.training and now != m.identity_value:
                     out.append((scope, m, describe_identity_change(m.identity_value, now)))
@@ -405,7 +405,7 @@ def _same_forward(module: nn.Module, before: Any, now: Any) -> bool:
 def _equal(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
-    except Exception:
+    except Exception:  # a user value's == may raise anything: not equal
         return False
 
 

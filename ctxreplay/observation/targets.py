@@ -393,7 +393,7 @@ def _as_now(value: Any) -> Any:
         return value
     try:
         return copy.copy(value)
-    except Exception:
+    except Exception:  # a value that refuses copying is kept as it is
         return value
 
 
@@ -421,6 +421,6 @@ def state_of(module: nn.Module, ignore: Iterable[str] = ()
                 continue
             try:
                 out.append((path, k, copy.deepcopy(v)))
-            except Exception:
+            except Exception:  # a value that refuses deepcopy cannot be put back
                 out.append((path, k, Unrestorable(type(v).__qualname__)))
     return tuple(out)

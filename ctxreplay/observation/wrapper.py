@@ -306,7 +306,7 @@ class _Member(Wrapper):
                     if hit and next(memo.ticks, None) is not None:
                         try:  # (free in CPython >= 3.11 until something raises)
                             return memo.orig(*args)
-                        except BaseException:
+                        except BaseException:  # counted as raised, then re-raised
                             self._raised(memo.counter)
                             raise
         return self._call(args, kwargs)
@@ -379,7 +379,7 @@ class _Member(Wrapper):
             if sampled:
                 return self._retaining(mv, args, kwargs, sampled == _POOLED)
             return self._run(mv, args, kwargs)
-        except BaseException:
+        except BaseException:  # counted as raised, then re-raised
             self._raised(mv.counter)
             raise
 
@@ -408,7 +408,7 @@ class _Member(Wrapper):
             try:
                 # (a label names a path of keys: bounded, as any report string)
                 changed = [c[:_LABEL] for c in before.changes() if not self._ignored(c)]
-            except Exception:
+            except Exception:  # a user object may refuse the walk: no change seen
                 changed = []
             self.writes.update(changed)
             self.stateful.update(changed)
@@ -462,7 +462,7 @@ class _Member(Wrapper):
         try:
             if not (state() and check.check(*args)):
                 return
-        except Exception:
+        except Exception:  # a guard over user values may raise: not memoised
             return
         places, inputs = self.places, check.check
         if places is not None:  # (only a member whose code reads such state pays)
@@ -506,7 +506,7 @@ class _Member(Wrapper):
             mv = self._record(snap, args, kwargs)
         except NotRealError:
             pass
-        except Exception as exc:
+        except Exception as exc:  # an observation error, never raised
             failed = exc
         if failed is not None:
             self.shared.error("record", failed)
@@ -517,7 +517,7 @@ class _Member(Wrapper):
         held = held_state(self.module, self.ignore)
         try:
             out = self._run(mv, args, kwargs)
-        except BaseException:
+        except BaseException:  # counted as raised, then re-raised
             self._raised(mv.counter)
             raise
         places = self.places
@@ -541,7 +541,7 @@ class _Member(Wrapper):
         elif not mv.completed:
             try:
                 self._complete(mv, snap, args, kwargs, out)
-            except Exception as exc:
+            except Exception as exc:  # an observation error, never raised
                 failed = exc
             if failed is not None:
                 self.shared.error("record", failed)
@@ -613,14 +613,14 @@ class _Member(Wrapper):
         pool = mv.pool if pooled else None
         try:
             inputs = self.shared.retention.inputs(args, kwargs, mv.retained, pool)
-        except Exception as exc:
+        except Exception as exc:  # an observation error, never raised
             failed = exc
         if failed is not None:
             self.shared.error("retain", failed)
             del failed
         try:
             out = self._run(mv, args, kwargs)
-        except BaseException:
+        except BaseException:  # the budget given back, then re-raised
             if inputs is not None:  # a call that raised is not kept: its budget back
                 self.shared.retention.release(inputs)
             raise
@@ -629,7 +629,7 @@ class _Member(Wrapper):
                 self._keep(mv, out, inputs, pool)
             else:  # not copied (the budget, or a copy that failed): counted
                 self.shared.retention.missed(self._kept(mv))
-        except Exception as exc:
+        except Exception as exc:  # an observation error, never raised
             failed = exc
         if failed is not None:
             self.shared.error("retain", failed)

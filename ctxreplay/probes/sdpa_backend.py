@@ -125,7 +125,7 @@ def _watched_names() -> tuple[str, ...]:
         try:
             if mod is not None and mod.is_available():
                 names |= {"mem_efficient", "cudnn"}
-        except Exception:
+        except Exception:  # a broken backend install: not watched
             continue
     try:
         if torch._C._get_privateuse1_backend_name() != "privateuseone":

@@ -412,7 +412,7 @@ def _replayable(snapshot: ContextSnapshot) -> str | None:
     try:
         with snapshot.replay():
             pass
-    except Exception:
+    except Exception:  # a user's probe may raise anything: replay_released
         return "replay_released"
     return None
 

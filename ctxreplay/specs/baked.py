@@ -248,5 +248,5 @@ def place_check(sources: tuple[Source, ...], values: list[Any], member: nn.Modul
     body = " and ".join(terms) or "True"
     source = ("def check():\n    try:\n"
               f"        return {body}\n"
-              "    except Exception:\n        return False\n")
+              "    except Exception:\n        return False\n")  # a value's == may raise anything
     return codegen.function(source, "check", namespace, what="baked-state guard")

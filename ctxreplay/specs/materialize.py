@@ -142,7 +142,7 @@ def build(spec: Spec, make: Callable[[TensorSpec], Tensor]) -> Any:
         init = {f.name for f in dataclasses.fields(spec.cls) if f.init}
         try:
             obj = spec.cls(**{k: v for k, v in values.items() if k in init})
-        except Exception:
+        except Exception:  # a user's __init__ may raise anything
             obj = object.__new__(spec.cls)
         for k, v in values.items():
             if k not in init:

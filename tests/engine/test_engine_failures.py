@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -19,6 +20,7 @@ from torch._C._dynamo.guards import GlobalStateGuard
 
 import ctxreplay
 from ctxreplay.backends import ExportBackend
+from ctxreplay.engine import capturing
 from ctxreplay.testing import global_state
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -231,6 +233,29 @@ def test_a_backend_that_returns_no_artifact_fails_that_variant() -> None:
     assert report.captures == ()
     (f,) = report.failures
     assert (f.backend, f.reason) == ("nothing", "no_artifact")
+
+
+def test_an_internal_error_is_a_reason_code_and_its_traceback_a_debug_log(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(ask: Any, tracing: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(capturing, "capture_variant", broken)
+    model = MatmulBlock()
+    with ctxreplay.capture_with(model, backend="export", cache=False) as s:
+        model(torch.rand(4, 16))
+    with caplog.at_level(logging.DEBUG, logger="ctxreplay"):
+        report = finalize_checked(s)
+    (f,) = report.failures
+    assert (f.reason, f.exc_type) == ("internal_error", "RuntimeError")
+    assert "boom" not in json.dumps(report.to_json())  # the report keeps no message
+    logged = [r for r in caplog.records if r.name == "ctxreplay" and r.exc_info]
+    assert len(logged) == 1 and logged[0].levelno == logging.DEBUG
+    assert "internal_error" in logged[0].getMessage()
+    exc_info = logged[0].exc_info
+    assert exc_info is not None and isinstance(exc_info[1], RuntimeError)
+    assert str(exc_info[1]) == "boom"
+    assert "in broken" in caplog.text  # the traceback itself, down to the raise
 
 
 # -- a probe that raises in clear() and one that cannot be described --------------
