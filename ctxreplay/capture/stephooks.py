@@ -21,6 +21,7 @@ frozen (``below``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch import nn
@@ -66,21 +67,25 @@ def inner_seat(module: nn.Module) -> tuple[Any, str] | None:
     ref = refs[0]
     name = "original_forward" if getattr(ref, "original_forward", None) is not None \
         else "forward"
-    fn = getattr(ref, name, None)
-    if getattr(fn, "__self__", None) is not module and not _holds(fn, module):
+    if not _own(getattr(ref, name, None), module):
         return None
     return ref, name
 
 
-def _holds(fn: Any, module: nn.Module) -> bool:
-    """Whether ``fn`` is a ctxreplay wrapper (or a chain of them) of ``module``."""
+def _own(fn: Any, module: nn.Module) -> bool:
+    """Whether ``fn`` calls ``module``'s own forward: it is that bound
+    method, or ctxreplay wrappers over it (one a stopped session left in the
+    chain calls it through a weak reference)."""
     for _ in range(8):
-        holder = getattr(fn, "__self__", None)
-        if not getattr(type(holder), "ctxreplay_holder", False):
-            return False
-        if getattr(holder, "module", None) is module:
+        owner = getattr(fn, "__self__", None)
+        if owner is module:
             return True
-        fn = getattr(holder, "prev", None)
+        weak = getattr(fn, "module", None)  # a wrapper let go of: its forward, held weakly
+        if isinstance(weak, weakref.ref):
+            return weak() is module
+        if not getattr(type(owner), "ctxreplay_holder", False):
+            return False
+        fn = getattr(owner, "orig", None)
     return False
 
 

@@ -27,7 +27,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from step_caches import STEPS, Clock, build, counted, generate, hook_values, value_differences
+from step_caches import (
+    STEPS,
+    Clock,
+    build,
+    config,
+    counted,
+    generate,
+    hook_values,
+    value_differences,
+)
 
 import ctxreplay
 
@@ -140,3 +149,25 @@ def test_a_cache_disabled_while_observed_leaves_the_plain_forward() -> None:
     for block in model.blocks:  # the class's forward, bound, as diffusers leaves it
         fn = block.__dict__["forward"]
         assert fn.__func__ is type(block).forward and fn.__self__ is block
+
+
+def test_a_cache_enabled_while_observed_is_served_beneath_its_hooks() -> None:
+    # the session's wrappers are what the cache's hooks wrap, and stay in
+    # its chain after the session closes: install still goes beneath them
+    clock, twin_clock = Clock(), Clock()
+    model, twin = build("wan", "FirstBlockCacheConfig", clock), \
+        build("wan", "FirstBlockCacheConfig", twin_clock)
+    model.disable_cache()
+    with ctxreplay.capture_with(model, targets="repeated") as session:
+        model.enable_cache(config("FirstBlockCacheConfig", clock))
+        generate(model, "wan", clock, prompt=1)
+    generate(twin, "wan", twin_clock, prompt=1)
+    report = session.finalize()
+    assert report.ok, report.summary
+    with ctxreplay.install(model, report) as handle, \
+            counted(twin, ["blocks.0", "blocks.1"]) as computed:
+        got = generate(model, "wan", clock, prompt=2)
+        want = generate(twin, "wan", twin_clock, prompt=2)
+        hits = handle.stats().total_hits
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert hits == sum(computed.values()) < STEPS * 2
