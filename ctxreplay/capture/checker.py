@@ -47,8 +47,7 @@ from .options import CaptureOptions, MemberCall, VariantRequest
 from .restore import restore_state
 from .rngguard import BookkeepingError, rng_guard
 
-__all__ = ["GUARD_FAILED", "RETAINED_FIELD", "UNOBSERVED_HINT", "Checker", "Program", "Step",
-           "register_step", "unregister_step"]
+__all__ = ["GUARD_FAILED", "RETAINED_FIELD", "UNOBSERVED_HINT", "Checker", "Program", "Step"]
 
 _log = logging.getLogger("ctxreplay")
 
@@ -497,19 +496,6 @@ Step = Callable[[Checker, MemberCall, "nn.Module | None", "str | None"], list[Mi
 
 _STEPS: dict[str, Step] = {"signature": Checker._signature, "execute": Checker._execute,
                            "sampled": Checker._values, "values": Checker._values}
-
-
-def register_step(name: str, step: Step) -> None:
-    """The check a verification level adds (``ctxreplay.fidelity.levels.add_level``)."""
-    level(name)  # an unknown level is an error naming the known ones
-    _STEPS[name] = step
-
-
-def unregister_step(name: str) -> None:
-    """Take an added level's step out again."""
-    if name in ("signature", "execute", "sampled", "values"):
-        raise ValueError(f"the {name!r} check is built in")
-    del _STEPS[name]
 
 
 def _mismatch(field: str, live: str, captured: str, level: str, hint: str | None,

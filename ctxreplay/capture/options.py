@@ -182,6 +182,3 @@ class VariantRequest:
         ``"flattened"`` (the call's tensor leaves, positionally)."""
         return "native" if self.inputs.is_pytree_native() and not self.flatten_out \
             else "flattened"
-
-    def with_snapshot(self, snapshot: ContextSnapshot) -> VariantRequest:
-        return attrs.evolve(self, snapshot=snapshot)

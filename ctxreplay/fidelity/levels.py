@@ -2,10 +2,9 @@
 and more -- ``off < signature < execute < sampled < values``.
 
 A level is one ``Level`` here and one check step in
-``ctxreplay.capture.checker`` (``register_step``): adding a level is adding
-one member and one step, and every place that asks "does this level run the
-artifact?" or "does it need retained calls?" asks the ``Level``, never a
-list of names.
+``ctxreplay.capture.checker`` (its ``_STEPS``): every place that asks "does
+this level run the artifact?" or "does it need retained calls?" asks the
+``Level``, never a list of names.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ import attrs
 
 from ..errors import Error
 
-__all__ = ["DEFAULT", "Level", "UnknownLevelError", "add_level", "at_least", "checked_by", "level",
-           "level_names", "remove_level"]
+__all__ = ["DEFAULT", "Level", "UnknownLevelError", "at_least", "checked_by", "level",
+           "level_names"]
 
 
 @attrs.frozen
@@ -40,7 +39,7 @@ class UnknownLevelError(Error, ValueError):
     """No verification level of that name; the message lists the known ones."""
 
 
-_LEVELS: list[Level] = [
+_LEVELS: tuple[Level, ...] = (
     Level("off", False, False, "nothing"),
     Level("signature", False, False, "the graph's output metadata against each member's "
           "live outputs"),
@@ -53,14 +52,12 @@ _LEVELS: list[Level] = [
     Level("values", True, True, "the same comparison, with copies taken from every live "
           "call (the first, the last and a reservoir between): each observed call pays a "
           "copy"),
-]
+)
 
 #: the level ``capture_with`` verifies at unless told otherwise: values, not
 #: signatures, because probes always miss some state a framework keeps outside
 #: torch, and only a comparison with live values catches that
 DEFAULT = "sampled"
-
-_BUILT_IN = ("off", "signature", "execute", "sampled", "values")
 
 
 def level_names() -> tuple[str, ...]:
@@ -89,18 +86,3 @@ def at_least(name: str, floor: str) -> bool:
 def checked_by(name: str) -> tuple[str, ...]:
     """The checks level ``name`` runs: every level above ``off`` up to it."""
     return level_names()[1:_index(name) + 1]
-
-
-def add_level(new: Level, *, after: str) -> None:
-    """Put ``new`` right above the level ``after``; its check step is
-    registered with ``ctxreplay.capture.checker.register_step``."""
-    if new.name in level_names():
-        raise ValueError(f"verification level {new.name!r} exists already")
-    _LEVELS.insert(_index(after) + 1, new)
-
-
-def remove_level(name: str) -> None:
-    """Take an added level out again (the built-in ones stay)."""
-    if name in _BUILT_IN:
-        raise ValueError(f"verification level {name!r} is built in")
-    _LEVELS.remove(level(name))
