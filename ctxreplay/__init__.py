@@ -21,7 +21,6 @@ from .capture.results import Capture, CaptureFailure, Notice, Problem
 from .core.observer import snapshot
 from .core.snapshots import ContextSnapshot
 from .dispatch.install import DispatchStats, InstallHandle, install
-from .distributed.exchange import DistributedError
 from .engine.session import CaptureSession, SessionError, capture_with
 from .errors import Error, Warning
 from .fidelity.verify import Fidelity, Mismatch
@@ -31,6 +30,7 @@ from .loading.needs import Difference
 from .loading.weights import WeightsError
 from .report.capture_report import CaptureReport, FidelityError
 from .report.explain import Explanation
+from .report.ranks import DistributedError
 
 __all__ = [
     # capture and report

@@ -3,7 +3,8 @@
 A single process is the one-rank case of a distributed job: ``finalize()``
 runs these steps over an exchange -- ``Alone`` for one process, the group's
 ``RankGroup`` otherwise -- so every report, distributed or not, is built by
-``build_report`` here, once.
+``build_report`` here, once.  Only a job with a group imports
+``ctxreplay.distributed``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from ..capture.options import CaptureOptions, VariantRequest
 from ..capture.results import Capture, CaptureFailure, Notice, Problem
 from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
-from ..distributed.exchange import Exchange, Observed, Plan, RankResults
 from ..report.capture_report import CaptureReport
 from ..report.explain import explain_captures
+from ..report.ranks import Exchange, Observed, Plan, RankResults
 from .capturing import RankCapture, Result
 from .coverage import coverage
 from .finalizing import Finalizing

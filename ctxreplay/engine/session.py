@@ -19,13 +19,13 @@ from ..capture.options import RETAIN_BYTES, CaptureOptions
 from ..core.observer import Observer
 from ..core.probe import ContextProbe
 from ..core.registry import resolve_probes
-from ..distributed.exchange import Alone, Exchange, RankGroup, active_group
 from ..errors import Error
 from ..fidelity.levels import DEFAULT as DEFAULT_LEVEL
 from ..observation.attach import Observation
 from ..observation.targets import beneath_step_caches, resolve_targets
 from ..observation.variants import Scope, VariantView
 from ..report.capture_report import CaptureReport, FidelityError
+from ..report.ranks import Alone, Exchange, active_group
 from .pipeline import Finalizing, ProgressCallback, run_finalize
 from .safetynet import SafetyNet
 
@@ -146,7 +146,7 @@ class CaptureSession:
                                "session.report. Open a new session with "
                                "ctxreplay.capture_with(...) to capture more")
         group = active_group(self.options.group)
-        exchange: Exchange = RankGroup(group) if group is not None else Alone()
+        exchange: Exchange = Alone() if group is None else _rank_group(group)
         self.close()
         # The safety net: whatever a probe's replay, a backend or a capture
         # thread abandoned after ``capture_timeout`` did to the ambient state,
@@ -332,3 +332,10 @@ def capture_with(module: nn.Module, *, probes: Sequence[str | ContextProbe[Any]]
         cache=_cache_dir(cache), fold=_flag("fold", fold))
     return CaptureSession(module, options, targets)
 
+
+def _rank_group(group: Any) -> Exchange:
+    """The exchange over a ``torch.distributed`` group (imported only for a
+    job that has one: a single process never loads the distributed machinery)."""
+    from ..distributed.exchange import RankGroup
+
+    return RankGroup(group)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -325,3 +327,17 @@ def test_the_metadata_checker_accepts_the_library_hint_only_under_its_key() -> N
     doc["settings"] = {**doc["settings"], "note": m["hint"]}
     with pytest.raises(MetadataViolation, match="prose"):
         assert_metadata_only(doc)
+
+
+def test_a_single_process_finalize_never_imports_the_distributed_machinery() -> None:
+    # the one-rank exchange and the records the ranks share sit below it
+    code = ("import sys, torch, ctxreplay\n"
+            "m = torch.nn.Linear(4, 4)\n"
+            "with ctxreplay.capture_with(m) as s:\n"
+            "    m(torch.rand(2, 4))\n"
+            "assert s.finalize().ok\n"
+            "print(sorted(n for n in sys.modules if n.startswith('ctxreplay.distributed')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
