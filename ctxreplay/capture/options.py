@@ -20,7 +20,7 @@ from ..fidelity.levels import level
 from ..specs.baked import Source
 from ..specs.signature import CallSpec, Spec, is_native
 
-__all__ = ["ABSENT", "REPLAY_MODES", "RETAIN_BYTES", "WATCH_MODES", "CaptureOptions",
+__all__ = ["NO_ATTRIBUTE", "REPLAY_MODES", "RETAIN_BYTES", "WATCH_MODES", "CaptureOptions",
            "MemberCall", "RetainedCall", "Unrestorable", "VariantRequest"]
 
 REPLAY_MODES = ("embedded", "ambient", "off")
@@ -126,7 +126,7 @@ class Unrestorable:
 
 
 #: in ``VariantRequest.state``: the attribute did not exist when the variant ran
-ABSENT = Unrestorable("<absent>")
+NO_ATTRIBUTE = Unrestorable("<absent>")
 
 
 @attrs.frozen(eq=False)

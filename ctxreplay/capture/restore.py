@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import Error
-from .options import ABSENT, Unrestorable
+from .options import NO_ATTRIBUTE, Unrestorable
 
 __all__ = ["NotRestorable", "restore_state"]
 
@@ -36,16 +36,16 @@ class NotRestorable(Error):
 
 def restore_state(view: nn.Module, state: Iterable[tuple[str, str, Any]]) -> None:
     """Set each ``(submodule path, attribute, value)`` on ``view`` (an
-    isolated view: the user's module is never written); ``ABSENT`` deletes."""
+    isolated view: the user's module is never written); ``NO_ATTRIBUTE`` deletes."""
     for path, name, value in state:
         where = f"{path}.{name}" if path else name
-        if value is not ABSENT and isinstance(value, Unrestorable):
+        if value is not NO_ATTRIBUTE and isinstance(value, Unrestorable):
             raise NotRestorable(f"{where} ({value.type_name})")
         try:
             sub = view.get_submodule(path) if path else view
         except AttributeError:
             raise NotRestorable(f"{where} (no submodule {path!r})") from None
-        if value is ABSENT:
+        if value is NO_ATTRIBUTE:
             if name in sub.__dict__:
                 delattr(sub, name)
             continue

@@ -14,13 +14,12 @@ from torch import nn
 
 from ..capture.fold import folds
 from ..capture.isolating import unwatch, watch
-from ..capture.options import ABSENT as REMOVED
-from ..capture.options import CaptureOptions, MemberCall, Unrestorable, VariantRequest
+from ..capture.options import NO_ATTRIBUTE, CaptureOptions, MemberCall, Unrestorable, VariantRequest
 from ..capture.stephooks import step_hooks
 from ..core.observer import Observer
 from ..fidelity.levels import level
 from .copies import Entries, path_modules
-from .modules import ABSENT, CompiledEntry, before_ctxreplay
+from .modules import NO_FORWARD, CompiledEntry, before_ctxreplay
 from .targets import (
     changed_attributes,
     describe_identity_change,
@@ -149,7 +148,7 @@ class Observation:
             return  # a model call that began before detach: never wrap again
         root = self.root
         if final and root is not None and \
-                not reaches(root.module.__dict__.get("forward", ABSENT), root):
+                not reaches(root.module.__dict__.get("forward", NO_FORWARD), root):
             # the root's own forward was set anew too: model calls since went
             # unchecked, so a member's calls may have gone unobserved
             during = True
@@ -255,7 +254,7 @@ class Observation:
         # an attribute the identity did not hold was added since: taken off
         # the view; one it held but could not record cannot be put back
         return out + tuple((path, name, _unrecorded(name) if (path, name) in held
-                            else REMOVED) for path, name in sorted(missing))
+                            else NO_ATTRIBUTE) for path, name in sorted(missing))
 
     def changed_members(self) -> list[tuple[Scope, _Member, str]]:
         """Members whose identity now differs from the one their calls were

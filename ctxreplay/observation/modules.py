@@ -17,20 +17,20 @@ from torch import nn
 from .copies import is_ours
 from .targets import _Uninitialized
 
-__all__ = ["ABSENT", "CompiledEntry", "Detached", "Holder", "before_ctxreplay",
+__all__ = ["NO_FORWARD", "CompiledEntry", "Detached", "Holder", "before_ctxreplay",
            "held_changes", "held_state", "in_jit_check", "uninitialized"]
 
 
 #: what a module's ``__dict__`` held under ``forward`` when it had nothing
-ABSENT = object()
+NO_FORWARD = object()
 
 
 def before_ctxreplay(fn: Any) -> Any:
     """``fn`` with every ctxreplay wrapper in its chain skipped (``None``: a
     module's class forward)."""
-    while fn is not ABSENT and fn is not None and is_ours(fn):
+    while fn is not NO_FORWARD and fn is not None and is_ours(fn):
         fn = fn.__self__.prev
-    return None if fn is ABSENT else fn
+    return None if fn is NO_FORWARD else fn
 
 
 def uninitialized(module: nn.Module) -> bool:
@@ -64,7 +64,7 @@ def held_changes(held: list[tuple[str, Any, dict[str, Any]]]) -> list[str]:
     for label, obj, before in held:
         now = obj.__dict__
         for k in set(before) | set(now):
-            if before.get(k, ABSENT) is not now.get(k, ABSENT):
+            if before.get(k, NO_FORWARD) is not now.get(k, NO_FORWARD):
                 changed.append(f"{label}.{k}")
     return changed
 
@@ -133,11 +133,11 @@ class Holder:
         # copy.deepcopy of the module maps it to its copy before copying its
         # state (copy._reconstruct), so the twin is in ``memo`` here
         twin = memo.get(id(self.module))
-        prev = None if self.prev is ABSENT else copy.deepcopy(self.prev, memo)
+        prev = None if self.prev is NO_FORWARD else copy.deepcopy(self.prev, memo)
         return Detached(twin if twin is not None else self.module, prev)
 
     def __reduce__(self) -> Any:
-        return (Detached, (self.module, None if self.prev is ABSENT else self.prev))
+        return (Detached, (self.module, None if self.prev is NO_FORWARD else self.prev))
 
 
 class CompiledEntry:

@@ -49,14 +49,14 @@ from ..core.snapshots import ContextSnapshot
 from ..specs.dims import size_free_key
 from ..specs.frozen import freeze_constants
 from ..specs.signature import NotRealError, TransformedError, call_key, call_spec, spec_of
-from .modules import ABSENT, held_changes, held_state, in_jit_check, uninitialized
+from .modules import NO_FORWARD, held_changes, held_state, in_jit_check, uninitialized
 from .places import places_of
 from .retained import SAMPLED, Kept, Pool, Retention
 from .targets import identity_of, state_of
 from .variants import MemberVariant, Scope
 from .wrapping import Wrapper
 
-__all__ = ["ABSENT"]
+__all__ = ["NO_FORWARD"]
 
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace records every Python tensor access

@@ -5,7 +5,7 @@ and root), and the root wrapper both use.
 A wrapper's bound ``forward`` is set as the module's instance attribute
 (``Module.__call__`` finds it like the class's forward; hooks still run).
 ``Wrapper.__init__`` remembers what that attribute held (``prev``, or
-``ABSENT`` when it held nothing) and what calling ``module.forward`` meant
+``NO_FORWARD`` when it held nothing) and what calling ``module.forward`` meant
 then (``orig``); ``wrap`` sets it; ``unwrap`` takes it out exactly:
 
 * a module whose ``forward`` is still ours gets back what it held before,
@@ -31,7 +31,7 @@ from torch import nn
 from .._base.torchcaps import dynamo_compiling as _dynamo_compiling
 from ..capture.stephooks import inner_seat
 from .copies import callees, signed
-from .modules import ABSENT, Holder
+from .modules import NO_FORWARD, Holder
 
 __all__ = ["Root", "ForwardWatch", "Wrapper", "let_go", "reaches", "unwrap", "wrap"]
 
@@ -81,9 +81,9 @@ class Wrapper(Holder):
         raise NotImplementedError
 
     def current(self) -> Any:
-        """What the seat holds now (``ABSENT``: nothing)."""
+        """What the seat holds now (``NO_FORWARD``: nothing)."""
         owner, name = self.seat
-        return owner.__dict__.get(name, ABSENT)
+        return owner.__dict__.get(name, NO_FORWARD)
 
     @property
     def beneath(self) -> bool:
@@ -97,7 +97,7 @@ class Wrapper(Holder):
         ``forward`` does (removing a hook puts what it called there)."""
         if reaches(self.current(), self):
             return True
-        return self.beneath and reaches(self.module.__dict__.get("forward", ABSENT), self)
+        return self.beneath and reaches(self.module.__dict__.get("forward", NO_FORWARD), self)
 
     def traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``orig`` called where Dynamo traces the wrapper.  Torch 2.7's
@@ -147,7 +147,7 @@ def _put_back(w: Wrapper, owner: Any, name: str) -> bool:
     if not (isinstance(current, types.MethodType) and current.__self__ is w):
         return False
     prev = _unwound(w.prev)
-    if prev is ABSENT:
+    if prev is NO_FORWARD:
         delattr(owner, name)
     else:
         setattr(owner, name, prev)
@@ -158,7 +158,7 @@ def _unwound(fn: Any) -> Any:
     """What ``fn`` stands for once stopped ctxreplay wrappers are dropped: a
     session stopped while another wrapped on top of it left its wrapper as a
     pass-through, which the top one's ``unwrap`` unwinds too."""
-    while fn is not ABSENT:
+    while fn is not NO_FORWARD:
         holder = getattr(fn, "__self__", None)
         if not isinstance(holder, Wrapper) or not holder.off:
             break

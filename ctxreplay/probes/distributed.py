@@ -32,7 +32,7 @@ class DistributedState:
 
 
 _SINGLE = DistributedState()
-ABSENT = object()
+_MISSING = object()
 
 
 def _initialized() -> bool:
@@ -47,7 +47,7 @@ def _world_initialized() -> Callable[[], bool] | None:
         return None
     from torch.distributed import distributed_c10d as c10d
 
-    if getattr(getattr(c10d, "_world", None), "_default_pg", ABSENT) is ABSENT:
+    if getattr(getattr(c10d, "_world", None), "_default_pg", _MISSING) is _MISSING:
         return None
 
     def initialized() -> bool:

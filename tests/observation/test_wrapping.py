@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import ctxreplay
-from ctxreplay.observation.modules import ABSENT
+from ctxreplay.observation.modules import NO_FORWARD
 
 KINDS = ("observe", "install")
 
@@ -92,8 +92,8 @@ def _chain(net: nn.Module) -> dict[str, list[str]]:
     out = {}
     for name, m in net.named_modules():
         links = []
-        fn: Any = m.__dict__.get("forward", ABSENT)
-        while fn is not ABSENT:
+        fn: Any = m.__dict__.get("forward", NO_FORWARD)
+        while fn is not NO_FORWARD:
             holder = getattr(fn, "__self__", None)
             if isinstance(fn, Theirs):
                 links.append("theirs")
