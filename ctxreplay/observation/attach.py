@@ -21,6 +21,7 @@ from ..fidelity.levels import level
 from .copies import Entries, path_modules
 from .modules import ABSENT, CompiledEntry, before_ctxreplay
 from .targets import (
+    Memo,
     changed_attributes,
     describe_identity_change,
     held_objects,
@@ -184,8 +185,10 @@ class Observation:
     def requests(self) -> list[VariantRequest]:
         """One request per variant, members in attach order."""
         out = []
-        # each member's identity now, read once: a member runs several variants
+        # each member's identity now, read once: a member runs several variants;
+        # the members read one after the other, what they share walked once
         now: dict[int, tuple[Any, ...] | None] = {}
+        memo: Memo = {}
         for scope in self.scopes:
             per_index: dict[int, list[tuple[_Member, MemberVariant]]] = {}
             for m in self._of(scope):
@@ -211,25 +214,25 @@ class Observation:
                           for m, mv in pairs),
                     training_of(identity), identity_digest(identity) if identity else "",
                     self._state_back(scope, identity, [m for m, _ in pairs],
-                                     first.identity, now), first.identity))
+                                     first.identity, now, memo), first.identity))
         return out
 
     def _state_back(self, scope: Scope, identity: Any, members: list[_Member],
-                    number: int, current: dict[int, tuple[Any, ...] | None]
+                    number: int, current: dict[int, tuple[Any, ...] | None], memo: Memo
                     ) -> tuple[tuple[str, str, Any], ...]:
         """The recorded attribute values a capture of ``identity``'s variant
         must put back on the views of ``members``: those that differ now (an
         attribute toggled after the variant ran).  A member whose structure
         changed gets an ``Unrestorable`` marker (capture then fails).
         ``current``: each member's identity now, by ``id`` of the member,
-        filled as read."""
+        filled as read; ``memo``: the readings' shared walk (``identity_of``)."""
         if number < 0 or not identity:
             return ()
         wanted: set[tuple[str, str]] = set()
         for m in members:
             if id(m) not in current:
                 try:
-                    current[id(m)] = identity_of(m.module, m.ignore)
+                    current[id(m)] = identity_of(m.module, m.ignore, memo)
                 except Exception:
                     current[id(m)] = None
             now = current[id(m)]
@@ -257,13 +260,14 @@ class Observation:
         with no call, so neither is a problem: every call was keyed as it ran."""
         out = []
         lost = {name for name, _ in self.lost}  # their forward changed: said there
+        memo: Memo = {}  # the members read one after the other: what they share walked once
         for scope in self.scopes:
             for m in self._of(scope):
                 if m.identity_value is None or not m.tables or m.dirty or \
                         (m.name or scope.name) in lost:
                     continue
                 try:
-                    now = identity_of(m.module, m.ignore)
+                    now = identity_of(m.module, m.ignore, memo)
                 except Exception:
                     continue
                 if m.module.training is m.training and now != m.identity_value:
