@@ -117,8 +117,10 @@ def user_hooks(member: nn.Module, *, with_inert: bool = False) -> list[str]:
         if m is member:
             continue
         for table_name in OWN_TABLES:
-            found += [f"{path}.{_KINDS[table_name]}[{_name(h)}]"
-                      for h in getattr(m, table_name, {}).values()
+            table = getattr(m, table_name, {})
+            if isinstance(table, dict) and not table:  # most modules hold none
+                continue
+            found += [f"{path}.{_KINDS[table_name]}[{_name(h)}]" for h in table.values()
                       if (with_inert or not inert(h)) and not computing(h)]
     return found
 

@@ -70,8 +70,8 @@ class RankCapture:
         already captured are kept): the variants of a family that differ
         in sizes only folded where they can be, the rest one by one."""
         job = self.job
-        self.identities = {id(r): job.observation.identity_value(r) for r in requests
-                           if r.identity_number >= 0}
+        identity = job.observation.identity_values()
+        self.identities = {id(r): identity(r) for r in requests if r.identity_number >= 0}
         groups = families(requests) if folds(job.options) else [[r] for r in requests]
         kin = _kin(requests, self.identities, _same_call)
         # the variants a fold may serve: other identities' variants of its family

@@ -48,7 +48,8 @@ def run_finalize(job: Finalizing, exchange: Exchange, net: SafetyNet, *, explain
     # capture failure
     requests = [r for r in everything if any(m.completed for m in r.members)]
     exchange.open(options)
-    keys = [exchange.key(r, obs.identity_value(r)) for r in requests]
+    identity = obs.identity_values()
+    keys = [exchange.key(r, identity(r)) for r in requests]
     plan = exchange.plan([Observed(k, r.scope, r.variant, r.calls,
                                    tuple((m.name, m.calls) for m in r.members))
                           for k, r in zip(keys, requests)])

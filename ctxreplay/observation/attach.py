@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -21,6 +22,7 @@ from ..fidelity.levels import level
 from .copies import Entries, path_modules
 from .modules import NO_FORWARD, CompiledEntry, before_ctxreplay
 from .targets import (
+    Memo,
     changed_attributes,
     describe_identity_change,
     held_objects,
@@ -192,8 +194,10 @@ class Observation:
     def requests(self) -> list[VariantRequest]:
         """One request per variant, members in attach order."""
         out = []
-        # each member's identity now, read once: a member runs several variants
+        # each member's identity now, read once: a member runs several variants;
+        # the members read one after the other, what they share walked once
         now: dict[int, tuple[Any, ...] | None] = {}
+        memo: Memo = {}
         for scope in self.scopes:
             per_index: dict[int, list[tuple[_Member, MemberVariant]]] = {}
             for m in self._of(scope):
@@ -219,25 +223,25 @@ class Observation:
                           for m, mv in pairs),
                     training_of(identity), identity_digest(identity) if identity else "",
                     self._state_back(scope, identity, [m for m, _ in pairs],
-                                     first.identity, now), first.identity))
+                                     first.identity, now, memo), first.identity))
         return out
 
     def _state_back(self, scope: Scope, identity: Any, members: list[_Member],
-                    number: int, current: dict[int, tuple[Any, ...] | None]
+                    number: int, current: dict[int, tuple[Any, ...] | None], memo: Memo
                     ) -> tuple[tuple[str, str, Any], ...]:
         """The recorded attribute values a capture of ``identity``'s variant
         must put back on the views of ``members``: those that differ now (an
         attribute toggled after the variant ran).  A member whose structure
         changed gets an ``Unrestorable`` marker (capture then fails).
         ``current``: each member's identity now, by ``id`` of the member,
-        filled as read."""
+        filled as read; ``memo``: the readings' shared walk (``identity_of``)."""
         if number < 0 or not identity:
             return ()
         wanted: set[tuple[str, str]] = set()
         for m in members:
             if id(m) not in current:
                 try:
-                    current[id(m)] = identity_of(m.module, m.ignore)
+                    current[id(m)] = identity_of(m.module, m.ignore, memo)
                 except Exception:  # a user attribute may refuse reading: no identity
                     current[id(m)] = None
             now = current[id(m)]
@@ -265,13 +269,14 @@ class Observation:
         with no call, so neither is a problem: every call was keyed as it ran."""
         out = []
         lost = {name for name, _ in self.lost}  # their forward changed: said there
+        memo: Memo = {}  # the members read one after the other: what they share walked once
         for scope in self.scopes:
             for m in self._of(scope):
                 if m.identity_value is None or not m.tables or m.dirty or \
                         (m.name or scope.name) in lost:
                     continue
                 try:
-                    now = identity_of(m.module, m.ignore)
+                    now = identity_of(m.module, m.ignore, memo)
                 except Exception:  # a user attribute may refuse reading: not compared
                     continue
                 if m.module.training is m.training and now != m.identity_value:
@@ -312,14 +317,22 @@ class Observation:
 
     def identity_value(self, request: VariantRequest) -> Any:
         """The identity of the members that ran ``request``'s variant."""
+        return self.identity_values()(request)
+
+    def identity_values(self) -> Callable[[VariantRequest], Any]:
+        """``identity_value`` for many requests: the members' variants are
+        walked once, here, not once per request."""
+        first: dict[tuple[str, int], tuple[Scope, MemberVariant]] = {}
         for scope in self.scopes:
-            if scope.name != request.scope:
-                continue
             for m in self._of(scope):
                 for _, mv in m.all_variants():
-                    if mv.index == request.variant:
-                        return scope.identities[mv.identity]
-        return None
+                    first.setdefault((scope.name, mv.index), (scope, mv))
+
+        def value(request: VariantRequest) -> Any:
+            found = first.get((request.scope, request.variant))
+            return None if found is None else found[0].identities[found[1].identity]
+
+        return value
 
     def _of(self, scope: Scope) -> list[_Member]:
         return [m for m in self.members if m.scope is scope]

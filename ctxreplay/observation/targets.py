@@ -66,9 +66,39 @@ _SKIP = object()
 _MAX_ITEMS = 256
 
 
-def _plain(value: Any, budget: list[int]) -> Any:
+#: the exact types of ``_PLAIN``: a value of one is its own form, whatever
+#: the walk's budget or memo
+_SCALAR_TYPES = frozenset(_PLAIN)
+
+#: ``id`` of a value walked -> ``(value, its form, the budget its walk
+#: took)``, for one reading of state: an object several submodules (or
+#: members) hold -- a model's config, held by every attention and MLP block
+#: -- is walked once
+Memo = dict[int, tuple[Any, Any, int]]
+
+
+def _plain(value: Any, budget: list[int], memo: Memo | None = None) -> Any:
     """A comparable form of a plain attribute, or ``_SKIP`` for state the
-    identity does not cover (modules, callables, identity-compared objects)."""
+    identity does not cover (modules, callables, identity-compared objects).
+
+    With ``memo``, a value already walked is given the form it had, and its
+    budget taken, where the budget left covers that walk (which then never
+    ran out, so walking it again gives the same form); a walk that ran out
+    is not kept."""
+    if memo is None or type(value) in _SCALAR_TYPES:
+        return _walk(value, budget, memo)
+    hit = memo.get(id(value))
+    if hit is not None and hit[0] is value and budget[0] >= hit[2]:
+        budget[0] -= hit[2]
+        return hit[1]
+    start = budget[0]
+    out = _walk(value, budget, memo)
+    if budget[0] >= 0:
+        memo[id(value)] = (value, out, start - budget[0])
+    return out
+
+
+def _walk(value: Any, budget: list[int], memo: Memo | None) -> Any:
     budget[0] -= 1
     if budget[0] < 0:
         return ("<too large>",)
@@ -79,7 +109,7 @@ def _plain(value: Any, budget: list[int]) -> Any:
     if isinstance(value, torch.Tensor):  # not a buffer: a constant of the graph
         return ("tensor", *_tensor_key(value))
     if isinstance(value, (tuple, list, frozenset, set)):
-        items = [_plain(v, budget) for v in value]
+        items = [_plain(v, budget, memo) for v in value]
         if any(i is _SKIP for i in items):
             return _SKIP
         return (type(value).__name__, tuple(sorted(items, key=repr)) if isinstance(
@@ -87,12 +117,12 @@ def _plain(value: Any, budget: list[int]) -> Any:
     if isinstance(value, dict):
         if len(value) > _MAX_ITEMS:
             return ("<too large>",)
-        items = [(k, _plain(v, budget)) for k, v in value.items() if isinstance(k, _PLAIN)]
+        items = [(k, _plain(v, budget, memo)) for k, v in value.items() if isinstance(k, _PLAIN)]
         return ("dict", tuple((k, v) for k, v in items if v is not _SKIP))
     if isinstance(value, nn.Module):
         return _SKIP  # a submodule: ``identity_of`` walks it as one
     if isinstance(value, type) or callable(value):
-        return _callable(value, budget)
+        return _callable(value, budget, memo)
     if getattr(type(value), "__eq__", object.__eq__) is not object.__eq__:
         # a value-comparable config object: by its attributes as they are now
         # (the object itself would compare equal to itself after a change in
@@ -104,11 +134,11 @@ def _plain(value: Any, budget: list[int]) -> Any:
             return ("<too large>",)
         return ("object", type(value).__module__, type(value).__qualname__,
                 tuple((k, p) for k, v in state.items() if isinstance(k, str)
-                      for p in (_plain(v, budget),) if p is not _SKIP))
+                      for p in (_plain(v, budget, memo),) if p is not _SKIP))
     return _SKIP
 
 
-def _callable(value: Any, budget: list[int]) -> Any:
+def _callable(value: Any, budget: list[int], memo: Memo | None = None) -> Any:
     """A callable held as an attribute (an attention processor swapped by
     ``set_processor``, an activation function): its class or function by
     name, and an object's own plain attributes -- never its address, so
@@ -116,12 +146,12 @@ def _callable(value: Any, budget: list[int]) -> Any:
     if isinstance(value, type):
         return ("class", value.__module__, value.__qualname__)
     if isinstance(value, functools.partial):
-        return ("partial", _callable(value.func, budget), _plain(value.args, budget),
-                _plain(value.keywords, budget))
+        return ("partial", _callable(value.func, budget, memo), _plain(value.args, budget, memo),
+                _plain(value.keywords, budget, memo))
     func = getattr(value, "__func__", None)
     if func is not None:  # a bound method: its function and its owner's class
         owner = type(getattr(value, "__self__", None))
-        return ("method", _callable(func, budget), owner.__qualname__)
+        return ("method", _callable(func, budget, memo), owner.__qualname__)
     code = getattr(value, "__code__", None)
     if code is not None:
         return ("function", getattr(value, "__module__", None),
@@ -132,7 +162,7 @@ def _callable(value: Any, budget: list[int]) -> Any:
     own: tuple[Any, ...] = ()
     if type(state) is dict and len(state) <= _MAX_ITEMS:
         own = tuple((k, p) for k, v in state.items() if isinstance(k, str)
-                    for p in (_plain(v, budget),) if p is not _SKIP)
+                    for p in (_plain(v, budget, memo),) if p is not _SKIP)
     return ("callable", type(value).__module__, type(value).__qualname__, own)
 
 
@@ -159,13 +189,17 @@ def _own_forward(module: nn.Module) -> tuple[str, ...] | None:
     return (str(getattr(fn, "__module__", None) or type(fn).__module__), str(name))
 
 
-def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...]:
+def identity_of(module: nn.Module, ignore: Iterable[str] = (),
+                memo: Memo | None = None) -> tuple[Any, ...]:
     """What decides whether two members trace to the same graph, up to
     parameter values: per submodule, its class, parameter and buffer shapes,
     ``training``, and its plain attributes (numbers, strings, enums, dtypes,
     tuples of them, value-comparable config objects).  ``ignore``: attribute
-    names left out (e.g. a step counter a forward increments)."""
+    names left out (e.g. a step counter a forward increments).  ``memo``:
+    shared by the readings of several members made together, where nothing
+    runs between them (each reading has its own otherwise)."""
     skip = _INTERNALS | set(ignore)
+    memo = {} if memo is None else memo
     out: list[Any] = []
     for path, m in module.named_modules(remove_duplicate=False):
         budget = [4 * _MAX_ITEMS]
@@ -176,7 +210,7 @@ def identity_of(module: nn.Module, ignore: Iterable[str] = ()) -> tuple[Any, ...
             # not state a forward reads
             if k in skip or (fsdp and is_fsdp_key(k)):
                 continue
-            p = _plain(v, budget)
+            p = _plain(v, budget, memo)
             if p is not _SKIP:
                 attrs_.append((k, p))
         own = _own_forward(m)
