@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from aot_fresh import _err, _steady  # interleaved medians; relative error
 
 #: WanTransformer3DModel's config at the 1.3B shape, and a small one
 SHAPES = {
@@ -71,23 +71,6 @@ def run(model: Any, inputs: dict[str, torch.Tensor], device: str) -> torch.Tenso
     if device == "cuda":
         torch.cuda.synchronize()
     return out
-
-
-def _steady(fns: dict[str, Any], rounds: int) -> dict[str, float]:
-    """Interleaved medians, seconds a forward (each warmed once)."""
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for f in fns.values():
-        f()
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            samples[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def _err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
 def child(mode: str, shape: str, device: str, directory: str, rounds: int) -> dict[str, Any]:

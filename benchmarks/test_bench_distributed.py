@@ -91,15 +91,35 @@ def _rank(rank: int, world: int, port: int, variants: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+#: how long a job's ranks may take, and how long a rank that reported may
+#: take to leave
+_JOB_TIMEOUT, _TEARDOWN_GRACE = 300.0, 30.0
+
+
 def _job(world: int, variants: int, out: Path) -> list[dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     # a forkserver that imported torch once starts each rank without its imports
     mp.set_forkserver_preload(["torch", "torch.distributed", "ctxreplay"])
-    mp.start_processes(_rank, args=(world, port, variants, str(out)), nprocs=world,
-                       join=True, start_method="forkserver")
-    return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
+    ranks = mp.start_processes(_rank, args=(world, port, variants, str(out)), nprocs=world,
+                               join=False, start_method="forkserver")
+    files = [out / f"{r}.json" for r in range(world)]
+    deadline, reported = time.monotonic() + _JOB_TIMEOUT, None
+    # a rank's failure raises from join(); gloo's teardown of a rank whose
+    # peers already left can hang in destroy_process_group(), after the rank
+    # wrote what it measured: such a rank is stopped after a grace period
+    while not ranks.join(timeout=1.0):
+        if reported is None and all(f.exists() for f in files):
+            reported = time.monotonic()
+        if time.monotonic() > deadline or (reported is not None and
+                                           time.monotonic() - reported > _TEARDOWN_GRACE):
+            for proc in ranks.processes:
+                if proc.is_alive():
+                    proc.kill()
+            break
+    assert all(f.exists() for f in files), f"ranks did not report within {_JOB_TIMEOUT} s"
+    return [json.loads(f.read_text()) for f in files]
 
 
 @pytest.mark.parametrize("world", [2, 4])

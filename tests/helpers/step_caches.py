@@ -12,7 +12,7 @@ the first step computed, as the caches require).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -89,6 +89,13 @@ def step_inputs(kind: str, i: int) -> dict[str, Any]:
 def denoise(model: nn.Module, kind: str, clock: Clock) -> list[torch.Tensor]:
     """``STEPS`` calls of the transformer, each in a ``cache_context`` that
     says where the loop is (SeaCache reads the step, sigma and count)."""
+    return _loop(model, clock, lambda i: step_inputs(kind, i))
+
+
+def _loop(model: nn.Module, clock: Clock, inputs: Callable[[int], dict[str, Any]]
+          ) -> list[torch.Tensor]:
+    """The transformer on ``inputs(i)`` at each step ``i``, in its
+    ``cache_context``, with the clock at that step's timestep."""
     outs = []
     with torch.no_grad():
         for i, t in enumerate(TIMESTEPS):
@@ -96,7 +103,7 @@ def denoise(model: nn.Module, kind: str, clock: Clock) -> list[torch.Tensor]:
             with model.cache_context(  # type: ignore[operator]
                     "cond", step_index=i, num_inference_steps=STEPS,
                     timestep=float(t), sigma=t / 1000):
-                outs.append(model(**step_inputs(kind, i), return_dict=False)[0])
+                outs.append(model(**inputs(i), return_dict=False)[0])
     return outs
 
 
@@ -177,14 +184,7 @@ def generate(model: nn.Module, kind: str, clock: Clock, prompt: int,
     """One generation: ``STEPS`` calls of the transformer (CFG batch 2), each
     in its ``cache_context``; ``end()`` (if given) runs after the last step,
     before the cache is reset as a pipeline resets it when it finishes."""
-    outs = []
-    with torch.no_grad():
-        for i, t in enumerate(TIMESTEPS):
-            clock.t = t
-            with model.cache_context(  # type: ignore[operator]
-                    "cond", step_index=i, num_inference_steps=STEPS,
-                    timestep=float(t), sigma=t / 1000):
-                outs.append(model(**generation_inputs(kind, i, prompt), return_dict=False)[0])
+    outs = _loop(model, clock, lambda i: generation_inputs(kind, i, prompt))
     if end is not None:
         end()
     model._reset_stateful_cache()  # type: ignore[operator]
