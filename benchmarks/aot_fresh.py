@@ -118,7 +118,7 @@ def run(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return out
 
 
-def _steady(fns: dict[str, Any], rounds: int) -> dict[str, float]:
+def steady(fns: dict[str, Any], rounds: int) -> dict[str, float]:
     """Interleaved medians, seconds a forward."""
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for f in fns.values():
@@ -131,7 +131,8 @@ def _steady(fns: dict[str, Any], rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference, relative to the largest magnitude of ``want``."""
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
@@ -179,19 +180,19 @@ def main(mode: str, size: str, directory: str, rounds: int) -> dict[str, Any]:
                    frames=sum(counters["frames"].values()),
                    inductor=sum(counters["inductor"].values()),
                    cache_files=sum(1 for p in cache.rglob("*") if p.is_file()),
-                   error=_err(first, run(eager, inputs)))
+                   error=relative_error(first, run(eager, inputs)))
         if rounds:
-            out["steady"] = _steady({"eager": lambda: run(eager, inputs),
+            out["steady"] = steady({"eager": lambda: run(eager, inputs),
                                      "aot": lambda: run(model, inputs)}, rounds)
         return out
     compiled = torch.compile(model)
     first = run(compiled, inputs)
     out["first"] = time.perf_counter() - t0
-    out["error"] = _err(first, run(eager, inputs))
+    out["error"] = relative_error(first, run(eager, inputs))
     if mode == "compile_steady" and rounds:
         installed = copy.deepcopy(eager)
         ctxreplay.install(installed, ctxreplay.load(directory))
-        out["steady"] = _steady({"eager": lambda: run(eager, inputs),
+        out["steady"] = steady({"eager": lambda: run(eager, inputs),
                                  "compile": lambda: run(compiled, inputs),
                                  "aot": lambda: run(installed, inputs)}, rounds)
     return out

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from aot_fresh import _err, _steady  # interleaved medians; relative error
+from aot_fresh import relative_error, steady
 
 #: WanTransformer3DModel's config at the 1.3B shape, and a small one
 SHAPES = {
@@ -102,17 +102,18 @@ def child(mode: str, shape: str, device: str, directory: str, rounds: int) -> di
     if mode == "aot":
         handle = ctxreplay.install(model, ctxreplay.load(directory))
         first = run(model, inputs, device)
-        out: dict[str, Any] = {"first_s": time.perf_counter() - t0, "error": _err(first, want)}
+        out: dict[str, Any] = {"first_s": time.perf_counter() - t0,
+                               "error": relative_error(first, want)}
         stats = handle.stats()
         out.update(hits=stats.total_hits, misses=stats.total_misses,
                    served_compiled=len(stats.compiled))
-        out["steady_s"] = _steady({"eager": lambda: run(eager, inputs, device),
+        out["steady_s"] = steady({"eager": lambda: run(eager, inputs, device),
                                    "aot": lambda: run(model, inputs, device)}, rounds)
         return out
     compiled = torch.compile(model)
     first = run(compiled, inputs, device)
-    out = {"first_s": time.perf_counter() - t0, "error": _err(first, want)}
-    out["steady_s"] = _steady({"eager": lambda: run(eager, inputs, device),
+    out = {"first_s": time.perf_counter() - t0, "error": relative_error(first, want)}
+    out["steady_s"] = steady({"eager": lambda: run(eager, inputs, device),
                                "compile": lambda: run(compiled, inputs, device)}, rounds)
     return out
 

@@ -110,10 +110,10 @@ def _job(world: int, variants: int, out: Path) -> list[dict[str, Any]]:
     # peers already left can hang in destroy_process_group(), after the rank
     # wrote what it measured: such a rank is stopped after a grace period
     while not ranks.join(timeout=1.0):
+        now = time.monotonic()
         if reported is None and all(f.exists() for f in files):
-            reported = time.monotonic()
-        if time.monotonic() > deadline or (reported is not None and
-                                           time.monotonic() - reported > _TEARDOWN_GRACE):
+            reported = now
+        if now > deadline or (reported is not None and now - reported > _TEARDOWN_GRACE):
             for proc in ranks.processes:
                 if proc.is_alive():
                     proc.kill()
